@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine: `make demo` (main job) and `make test` (the suite).
+# Both create or reuse .venv and install what they need; nothing else is required.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+# Where a CPU torch wheel may already lie (CI and dev machines keep one there).
+TORCH_WHEEL_DIR ?= /opt/wheels
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	# The CPU torch wheel first, so the project's torch pin is already satisfied (no CUDA build).
+	w=$$(ls $(TORCH_WHEEL_DIR)/torch-$(TORCH_VERSION)+cpu-*.whl 2>/dev/null | head -n 1); \
+	if [ -n "$$w" ]; then $(VPY) -m pip install -q "$$w"; \
+	else $(VPY) -m pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; fi
+	$(VPY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m gspo_megatron.demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,78 @@
+"""The rollout-engine contract shared by every engine (in-process transformers, SGLang over HTTP).
+
+Engines never import Megatron: they see token ids, sampling settings and HF-named weight tensors.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled (SGLang's convention)
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Sample:
+    """One generated response.
+
+    response_logprobs[t] is the engine's log π(response_ids[t] | prompt, response[:t]) under the
+    engine's sampling temperature, len == len(response_ids).
+    """
+
+    prompt_index: int  # index into the prompts list passed to generate()
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str  # one of FINISH_REASONS
+    weight_version: int
+    text: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class RolloutEngine(abc.ABC):
+    """Generates samples and receives policy weights (HF names, full unsharded tensors)."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[Sample]:
+        """n samples per prompt, returned grouped: prompt 0's n samples, then prompt 1's, ..."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Replace the policy weights with the streamed HF-named tensors, tagged `version`.
+
+        `named_tensors` may be a one-shot iterator (streamed from a sharded model): consume once.
+        """
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int: ...
+
+    def close(self) -> None:  # engines holding servers/processes release them here
+        pass
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def iter_named(named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from named_tensors
