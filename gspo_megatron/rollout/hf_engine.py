@@ -1,0 +1,371 @@
+"""The in-process rollout engine on transformers' `generate` (the embedded default).
+
+Semantics (see also `base.py`):
+
+* ``generate(prompts, n, sampling)`` returns ``len(prompts) * n`` samples grouped per prompt
+  (prompt 0's n samples, then prompt 1's, ...). Rows are batched (``max_batch_size`` rows per
+  `generate` call) with left padding; the response never contains padding.
+* ``response_logprobs[t] = log_softmax(logits_t / T)[response_ids[t]]`` computed in fp32 from the raw
+  (unprocessed) logits: the untruncated tempered distribution, with no top-k / top-p
+  renormalisation. That is what the trainer recomputes.
+* Greedy decoding: ``temperature <= 0`` (or ``top_k == 1``). Greedy samples report log-probs at
+  temperature 1 (T = 0 has no finite log-probs).
+* A response ends at the first eos / ``stop_token_ids`` token, which **is included** in
+  ``response_ids`` (and has a log-prob), or at the first token that completes a ``stop`` string
+  (also included): finish_reason "stop". Otherwise it has ``max_new_tokens`` tokens: "length".
+* Reproducible sampling: ``generate(..., seed=s)``, or an engine-level ``seed`` (call i then uses
+  ``seed + i``). Sampling then runs under a forked RNG, leaving the global torch RNG untouched.
+  With neither, the global torch RNG is used. Results depend on the batch composition.
+* The engine owns the model: it resets ``model.generation_config`` so that checkpoint sampling
+  defaults (e.g. Qwen3's top_k=20, top_p=0.95) never silently truncate the sampling distribution.
+
+Weights arrive as Hub-format names (what ``save_pretrained`` writes, e.g.
+``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``). transformers 5.x keeps a Qwen3-MoE layer's
+experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H] = per expert [gate; up] rows,
+``mlp.experts.down_proj`` [E, H, I]); `update_weights` copies each per-expert tensor straight into
+its slice of the fused parameter, so no second full state dict is materialised.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .base import NamedTensors, RolloutEngine, Sample, SamplingParams
+
+
+class WeightUpdateError(ValueError):
+    pass
+
+
+@dataclass
+class _Target:
+    get: Callable[[], torch.Tensor]  # returns the (view of the) parameter to copy into
+    shape: tuple[int, ...]
+    key: str  # identity of the storage region, for coverage accounting (aliases share it)
+
+
+def _experts_targets(prefix: str, module: torch.nn.Module) -> dict[str, _Target]:
+    """Hub per-expert names -> slices of a fused transformers experts module."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if getattr(module, "is_concatenated", True) is False:
+        raise NotImplementedError(f"{prefix}: interleaved gate/up expert layout is not supported")
+    transposed = bool(getattr(module, "is_transposed", False))
+    if gate_up.dim() != 3 or down.dim() != 3:
+        raise NotImplementedError(f"{prefix}: expected 3-D fused expert weights")
+    num_experts = gate_up.shape[0]
+    if transposed:  # gate_up [E, H, 2I], down [E, I, H]
+        hidden, inter = gate_up.shape[1], gate_up.shape[2] // 2
+    else:  # gate_up [E, 2I, H], down [E, H, I]
+        inter, hidden = gate_up.shape[1] // 2, gate_up.shape[2]
+    out: dict[str, _Target] = {}
+    for e in range(num_experts):
+        if transposed:
+            g = (lambda e=e: gate_up.data[e, :, :inter].T)
+            u = (lambda e=e: gate_up.data[e, :, inter:].T)
+            d = (lambda e=e: down.data[e].T)
+        else:
+            g = (lambda e=e: gate_up.data[e, :inter, :])
+            u = (lambda e=e: gate_up.data[e, inter:, :])
+            d = (lambda e=e: down.data[e])
+        base = f"{prefix}.{e}"
+        out[f"{base}.gate_proj.weight"] = _Target(g, (inter, hidden), f"{base}.gate_proj.weight")
+        out[f"{base}.up_proj.weight"] = _Target(u, (inter, hidden), f"{base}.up_proj.weight")
+        out[f"{base}.down_proj.weight"] = _Target(d, (hidden, inter), f"{base}.down_proj.weight")
+    return out
+
+
+def hub_weight_targets(model: torch.nn.Module) -> dict[str, _Target]:
+    """Every Hub-format tensor name of `model` -> where it lives in memory.
+
+    Plain parameters keep their in-memory names; fused expert modules (a module owning 3-D
+    ``gate_up_proj`` and ``down_proj`` parameters) are expanded to per-expert Hub names. Tied
+    parameters get one target per name, sharing a coverage key (either name covers them).
+    """
+    fused: dict[str, torch.nn.Module] = {}
+    for mname, mod in model.named_modules():
+        gu = mod._parameters.get("gate_up_proj") if hasattr(mod, "_parameters") else None
+        dp = mod._parameters.get("down_proj") if hasattr(mod, "_parameters") else None
+        if isinstance(gu, torch.nn.Parameter) and isinstance(dp, torch.nn.Parameter) and gu.dim() == 3:
+            fused[mname] = mod
+    targets: dict[str, _Target] = {}
+    for mname, mod in fused.items():
+        targets.update(_experts_targets(mname, mod))
+    first_name: dict[int, str] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        mname = pname.rpartition(".")[0]
+        if mname in fused and pname.rpartition(".")[2] in ("gate_up_proj", "down_proj"):
+            continue
+        key = first_name.setdefault(id(p), pname)
+        targets[pname] = _Target((lambda p=p: p.data), tuple(p.shape), key)
+    return targets
+
+
+def _resolve_dtype(dtype: Any) -> Any:
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        return getattr(torch, dtype)
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts with transformers' `generate` in this process.
+
+    model: an HF model directory (loaded locally with ``AutoModelForCausalLM``) or a built
+        `PreTrainedModel` (used as is, moved to `device`/`dtype`).
+    tokenizer: a tokenizer, a directory, or None (then loaded from the model directory if it holds
+        tokenizer files). Needed only for ``Sample.text`` and ``stop`` strings.
+    eos_token_ids: ids that end a response in addition to ``stop_token_ids``; default: the model's
+        generation-config / config eos ids plus the tokenizer's eos id.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | torch.nn.Module,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: Any = None,
+        tokenizer: Any = None,
+        eos_token_ids: list[int] | tuple[int, ...] | None = None,
+        pad_token_id: int | None = None,
+        max_batch_size: int = 64,
+        seed: int | None = None,
+        weight_version: int = 0,
+    ):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.device = torch.device(device)
+        dtype = _resolve_dtype(dtype)
+        if isinstance(model, (str, os.PathLike)):
+            model_dir = os.fspath(model)
+            if not os.path.isdir(model_dir):
+                raise FileNotFoundError(f"HF model directory not found: {model_dir}")
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype if dtype is not None else "auto", local_files_only=True
+            )
+            if tokenizer is None and any(
+                os.path.exists(os.path.join(model_dir, f))
+                for f in ("tokenizer.json", "tokenizer_config.json")
+            ):
+                tokenizer = model_dir
+        else:
+            self.model = model
+            if dtype not in (None, "auto"):
+                self.model.to(dtype=dtype)
+        self.model.to(self.device)
+        self.model.eval()
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer), local_files_only=True)
+        self.tokenizer = tokenizer
+
+        if eos_token_ids is None:
+            ids: list[int] = []
+            for src in (getattr(self.model, "generation_config", None), self.model.config):
+                e = getattr(src, "eos_token_id", None) if src is not None else None
+                ids.extend([e] if isinstance(e, int) else list(e or []))
+            if tokenizer is not None and tokenizer.eos_token_id is not None:
+                ids.append(tokenizer.eos_token_id)
+            eos_token_ids = ids
+        self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        if pad_token_id is None:
+            for cand in (
+                getattr(tokenizer, "pad_token_id", None),
+                getattr(self.model.config, "pad_token_id", None),
+                self.eos_token_ids[0] if self.eos_token_ids else None,
+            ):
+                if cand is not None:
+                    pad_token_id = int(cand)
+                    break
+            else:
+                pad_token_id = 0
+        self.pad_token_id = pad_token_id
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=list(self.eos_token_ids) or None, pad_token_id=self.pad_token_id
+        )
+        self.max_batch_size = max_batch_size
+        self.seed = seed
+        self._calls = 0
+        self._weight_version = weight_version
+        self._weights_inconsistent: str | None = None
+
+    # ------------------------------------------------------------------ generation
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        seed: int | None = None,
+    ) -> list[Sample]:
+        if self._weights_inconsistent is not None:
+            raise RuntimeError(
+                f"HFEngine weights are partially updated after a failed update_weights "
+                f"({self._weights_inconsistent}); send a complete update first"
+            )
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if sampling.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (pass tokenizer= to HFEngine)")
+        if seed is None and self.seed is not None:
+            seed = self.seed + self._calls
+        self._calls += 1
+
+        rows = [(pi, list(map(int, p))) for pi, p in enumerate(prompts) for _ in range(n)]
+        out: list[Sample] = []
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            for start in range(0, len(rows), self.max_batch_size):
+                out.extend(self._generate_rows(rows[start : start + self.max_batch_size], sampling))
+        return out
+
+    def _generate_rows(self, rows: list[tuple[int, list[int]]], sp: SamplingParams) -> list[Sample]:
+        from transformers import GenerationConfig
+
+        greedy = sp.temperature <= 0 or sp.top_k == 1
+        lp_temp = 1.0 if greedy else float(sp.temperature)
+        stop_ids = tuple(dict.fromkeys(self.eos_token_ids + tuple(int(i) for i in sp.stop_token_ids)))
+
+        width = max(len(p) for _, p in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, (_, p) in enumerate(rows):
+            input_ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[r, width - len(p) :] = 1
+        gen_cfg = GenerationConfig(
+            max_new_tokens=sp.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not greedy,
+            # greedy: leave the sampling knobs unset (transformers warns about set-but-unused ones);
+            # sampling: top_k=0 disables top-k (transformers' own default would be 50)
+            temperature=None if greedy else float(sp.temperature),
+            top_k=None if greedy else (0 if sp.top_k <= 0 else int(sp.top_k)),
+            top_p=None if greedy else float(sp.top_p),
+            eos_token_id=list(stop_ids) or None,
+            pad_token_id=self.pad_token_id,
+            stop_strings=list(sp.stop) or None,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        kwargs = {"tokenizer": self.tokenizer} if sp.stop else {}
+        with torch.no_grad():
+            res = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=gen_cfg,
+                **kwargs,
+            )
+            gen = res.sequences[:, width:]
+            steps = gen.shape[1]
+            assert len(res.logits) == steps, (len(res.logits), steps)
+            # per step to avoid stacking [B, steps, V] in fp32
+            lps = torch.stack(
+                [
+                    torch.log_softmax(res.logits[t].float() / lp_temp, dim=-1)
+                    .gather(1, gen[:, t : t + 1])
+                    .squeeze(1)
+                    for t in range(steps)
+                ],
+                dim=1,
+            ) if steps else torch.zeros((len(rows), 0))
+        gen_l = gen.cpu().tolist()
+        lps_l = lps.cpu().tolist()
+
+        samples = []
+        stop_set = set(stop_ids)
+        for r, (pi, prompt) in enumerate(rows):
+            toks = gen_l[r]
+            end, reason, why = len(toks), "length", None
+            for t, tok in enumerate(toks):
+                if tok in stop_set:
+                    end, reason, why = t + 1, "stop", tok
+                    break
+            if sp.stop:
+                end_s = self._stop_string_end(toks[:end], sp.stop)
+                if end_s is not None and (reason != "stop" or end_s < end):
+                    end, reason, why = end_s, "stop", "stop_string"
+            if reason == "length":
+                end = min(end, sp.max_new_tokens)
+            resp = toks[:end]
+            samples.append(
+                Sample(
+                    prompt_index=pi,
+                    prompt_ids=prompt,
+                    response_ids=resp,
+                    response_logprobs=lps_l[r][:end],
+                    finish_reason=reason,
+                    weight_version=self._weight_version,
+                    text=(
+                        self.tokenizer.decode(resp, skip_special_tokens=True)
+                        if self.tokenizer is not None
+                        else None
+                    ),
+                    meta={"matched_stop": why, "prompt_tokens": len(prompt), "completion_tokens": end},
+                )
+            )
+        return samples
+
+    def _stop_string_end(self, toks: list[int], stops: tuple[str, ...]) -> int | None:
+        """Length of the shortest prefix of `toks` whose decoded text contains a stop string."""
+        text = self.tokenizer.decode(toks, skip_special_tokens=False)
+        if not any(s in text for s in stops):
+            return None
+        for t in range(1, len(toks) + 1):
+            text = self.tokenizer.decode(toks[:t], skip_special_tokens=False)
+            if any(s in text for s in stops):
+                return t
+        return None
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Copy Hub-named full tensors into the model in place, then set `weight_version`.
+
+        Raises `WeightUpdateError` naming the tensor for an unknown name or a wrong shape, and
+        listing the missing names if the stream did not cover every parameter. After a failed
+        update the model is partially overwritten: `generate` refuses to run until a complete
+        update succeeds (`weight_version` keeps its old value).
+        """
+        targets = hub_weight_targets(self.model)
+        required = {t.key for t in targets.values()}
+        seen: set[str] = set()
+        self._weights_inconsistent = "update in progress"
+        try:
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    tgt = targets.get(name)
+                    if tgt is None:
+                        raise WeightUpdateError(
+                            f"update_weights: unknown tensor {name!r}: not a Hub-format parameter name "
+                            f"of this {type(self.model).__name__}"
+                        )
+                    if tuple(tensor.shape) != tgt.shape:
+                        raise WeightUpdateError(
+                            f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                            f"expected {tgt.shape}"
+                        )
+                    tgt.get().copy_(tensor)
+                    seen.add(tgt.key)
+            missing = sorted(required - seen)
+            if missing:
+                shown = ", ".join(missing[:20]) + (f", ... ({len(missing)} in all)" if len(missing) > 20 else "")
+                raise WeightUpdateError(
+                    f"update_weights: the stream did not cover {len(missing)} parameter(s): {shown}"
+                )
+        except BaseException as e:
+            self._weights_inconsistent = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise
+        self._weights_inconsistent = None
+        self._weight_version = version
