@@ -1,0 +1,30 @@
+"""Build this rank's Qwen3-MoE chunks and fill them with weights (HF or Megatron checkpoint)."""
+from __future__ import annotations
+
+import torch
+
+from gspo_megatron.model.hf_io import HFCheckpointReader, load_hf_into_model
+from gspo_megatron.model.qwen3_moe import Qwen3MoeArch, build_model_chunks
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def build_policy(ctx, arch: Qwen3MoeArch, *, hf_dir: str | None = None, dtype=torch.float32, recompute=False,
+                 reader: HFCheckpointReader | None = None):
+    """Model chunks for this rank; loaded from `hf_dir` when given (else Megatron's random init)."""
+    chunks, config = build_model_chunks(arch, ctx, dtype=dtype, recompute=recompute)
+    if hf_dir is not None or reader is not None:
+        reader = reader or HFCheckpointReader(hf_dir)
+        load_hf_into_model(
+            chunks, reader, arch,
+            tp_rank=ctx.tp_rank, tp=ctx.parallel.tp, ep_rank=ctx.ep_rank, ep=ctx.parallel.ep,
+            etp_rank=ctx.etp_rank, etp=ctx.parallel.etp,
+        )
+    return chunks, config

@@ -1,0 +1,191 @@
+"""Read Hugging Face safetensors checkpoints tensor by tensor, and load them into a sharded model.
+
+No rank ever materialises the whole model: each rank reads only the tensors its parameters are
+made of (its layers, its experts), and for vocab-parallel tensors only its rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+import torch
+
+from gspo_megatron.model import mapping
+from gspo_megatron.model.mapping import Kind, MappingError
+from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file or tensor."""
+
+
+class HFCheckpointReader:
+    """Lazy access to the tensors of an HF checkpoint directory (sharded or single-file)."""
+
+    def __init__(self, hf_dir: str):
+        self.hf_dir = hf_dir
+        self._handles: dict = {}
+        if not os.path.isdir(hf_dir):
+            raise CheckpointError(f"{hf_dir}: no such directory")
+        index = os.path.join(hf_dir, INDEX_FILE)
+        single = os.path.join(hf_dir, SINGLE_FILE)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+            self.weight_map: dict[str, str] = dict(weight_map)
+        elif os.path.isfile(single):
+            self.weight_map = {k: SINGLE_FILE for k in self._open(SINGLE_FILE).keys()}
+        else:
+            raise CheckpointError(f"{hf_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+        for fname in sorted(set(self.weight_map.values())):
+            if not os.path.isfile(os.path.join(hf_dir, fname)):
+                raise CheckpointError(f"{os.path.join(hf_dir, fname)}: shard listed in {INDEX_FILE} is missing")
+
+    def _open(self, fname: str):
+        from safetensors import safe_open
+
+        h = self._handles.get(fname)
+        if h is None:
+            path = os.path.join(self.hf_dir, fname)
+            try:
+                h = safe_open(path, framework="pt")
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+            self._handles[fname] = h
+        return h
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def _file_of(self, name: str) -> str:
+        try:
+            return self.weight_map[name]
+        except KeyError:
+            raise CheckpointError(f"{self.hf_dir}: tensor {name!r} is missing from the checkpoint") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self._file_of(name)).get_slice(name).get_shape())
+
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only rows [start, stop) of dim 0 (read from disk without the rest)."""
+        fname = self._file_of(name)
+        try:
+            sl = self._open(fname).get_slice(name)
+            t = sl[rows[0] : rows[1]] if rows is not None else sl[:]
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{os.path.join(self.hf_dir, fname)}: cannot read tensor {name!r} ({e})") from None
+        return t
+
+    def validate(self, arch: Qwen3MoeArch) -> None:
+        """Names and shapes against the config, before any rank loads anything."""
+        expected = mapping.hf_shapes(arch)
+        have = self.names()
+        missing = [n for n in expected if n not in have]
+        if missing:
+            raise CheckpointError(
+                f"{self.hf_dir}: tensor {missing[0]!r} is missing"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
+        ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+        unknown = sorted(have - set(expected) - ignorable)
+        if unknown:
+            raise CheckpointError(
+                f"{self.hf_dir}: unknown tensor {unknown[0]!r} (not part of a Qwen3-MoE with this config)"
+                + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+            )
+        for n, shp in expected.items():
+            got = self.shape(n)
+            if got != shp:
+                raise CheckpointError(f"{self.hf_dir}: tensor {n!r} has shape {list(got)}, config implies {list(shp)}")
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module") and not hasattr(module, "decoder"):
+        module = module.module
+    return module
+
+
+def layer_offset(model: torch.nn.Module) -> int:
+    """Global index of this stage's first decoder layer (Megatron layer_number is 1-based)."""
+    layers = getattr(getattr(_unwrap(model), "decoder", None), "layers", None)
+    if not layers:
+        return 0
+    return layers[0].layer_number - 1
+
+
+def global_expert(local: int, ep_rank: int, arch: Qwen3MoeArch, ep: int) -> int:
+    # Megatron assigns experts to EP ranks in contiguous blocks.
+    return ep_rank * (arch.num_experts // ep) + local
+
+
+def named_local_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    """Parameters of one model chunk, with wrapper prefixes removed."""
+    return _unwrap(model).named_parameters()
+
+
+def load_hf_into_model(
+    models: list[torch.nn.Module],
+    reader: HFCheckpointReader,
+    arch: Qwen3MoeArch,
+    *,
+    tp_rank: int,
+    tp: int,
+    ep_rank: int,
+    ep: int,
+    etp_rank: int,
+    etp: int,
+) -> int:
+    """Copy HF weights into this rank's parameters; returns the number of parameters loaded."""
+    n = 0
+    for model in models:
+        offset = layer_offset(model)
+        for name, param in named_local_params(model):
+            m = mapping.match(name)
+            layer = None if m.layer is None else m.layer + offset
+            expert = None if m.expert is None else global_expert(m.expert, ep_rank, arch, ep)
+            hf_names = m.rule.hf_names(layer, expert)
+            if m.rule.kind is Kind.VOCAB and arch.tie_word_embeddings:
+                hf_names = ("model.embed_tokens.weight",)
+            local = _local_tensor(m.rule, hf_names, reader, arch, param.shape,
+                                  rank=etp_rank if m.rule.kind.is_expert else tp_rank,
+                                  size=etp if m.rule.kind.is_expert else tp)
+            if tuple(local.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{reader.hf_dir}: {'/'.join(hf_names)} gives shape {list(local.shape)} for "
+                    f"{name}, model expects {list(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(local.to(param.dtype))
+            n += 1
+    return n
+
+
+def _local_tensor(rule, hf_names, reader, arch, local_shape, *, rank, size) -> torch.Tensor:
+    if rule.kind is Kind.VOCAB:
+        # Read only this rank's rows; rows past the HF vocab are padding (zeros).
+        rows = local_shape[0]
+        start, stop = rank * rows, (rank + 1) * rows
+        out = torch.zeros(local_shape, dtype=_dtype_of(reader, hf_names[0]))
+        hi = min(stop, arch.vocab_size)
+        if hi > start:
+            out[: hi - start] = reader.get(hf_names[0], rows=(start, hi))
+        return out
+    tensors = [reader.get(n) for n in hf_names]
+    full = mapping.hf_to_full(rule, tensors, arch, padded_vocab=0)
+    try:
+        return mapping.shard(rule, full, rank, size)
+    except MappingError as e:
+        raise CheckpointError(f"{reader.hf_dir}: {e}") from None
+
+
+def _dtype_of(reader: HFCheckpointReader, name: str) -> torch.dtype:
+    return reader.get(name, rows=(0, 1)).dtype

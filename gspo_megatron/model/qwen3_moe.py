@@ -1,0 +1,283 @@
+"""Qwen3-MoE as a Megatron-Core GPTModel: HF config -> TransformerConfig, layer specs, builder.
+
+Only this file knows how Qwen3-MoE's architecture maps onto Megatron's config knobs; the weight
+name/shape map lives in `mapping.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gspo_megatron.config import ConfigError
+
+# Megatron pads the vocabulary so each TP shard is a multiple of this (Megatron-LM's default
+# make-vocab-size-divisible-by); exports slice back to the HF vocab size.
+VOCAB_PAD_MULTIPLE = 128
+
+
+class ModelConfigError(ConfigError):
+    """The HF config is not a Qwen3-MoE this backend supports."""
+
+
+@dataclass(frozen=True)
+class Qwen3MoeArch:
+    """The architecture fields of a Hugging Face Qwen3MoeConfig that the backend uses."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    moe_topk: int
+    moe_intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    norm_topk_prob: bool
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config") -> "Qwen3MoeArch":
+        """Validate an HF config dict (config.json contents or an inline dict)."""
+        mt = d.get("model_type", "qwen3_moe")
+        if mt != "qwen3_moe":
+            raise ModelConfigError(f"{source}: model_type is {mt!r}, expected 'qwen3_moe'")
+
+        def req(*keys):
+            for k in keys:
+                if k in d and d[k] is not None:
+                    return d[k]
+            raise ModelConfigError(f"{source}: missing required field {keys[0]!r}")
+
+        num_experts = int(req("num_experts", "num_local_experts"))
+        if num_experts <= 0:
+            raise ModelConfigError(f"{source}: num_experts must be > 0 for Qwen3-MoE")
+        if d.get("shared_expert_intermediate_size"):
+            raise ModelConfigError(f"{source}: shared experts are not supported (Qwen3-MoE has none)")
+        if d.get("mlp_only_layers"):
+            raise ModelConfigError(
+                f"{source}: dense MLP layers mixed in (mlp_only_layers={d['mlp_only_layers']}) are not supported"
+            )
+        if int(d.get("decoder_sparse_step", 1)) != 1:
+            raise ModelConfigError(f"{source}: decoder_sparse_step != 1 (dense layers mixed in) is not supported")
+        if d.get("use_sliding_window"):
+            raise ModelConfigError(f"{source}: sliding-window attention is not supported")
+        if d.get("attention_bias"):
+            raise ModelConfigError(f"{source}: attention_bias=true is not Qwen3-MoE and is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ModelConfigError(f"{source}: rope_type {rope_type!r} is not supported (default RoPE only)")
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        hidden = int(req("hidden_size"))
+        heads = int(req("num_attention_heads"))
+        arch = cls(
+            vocab_size=int(req("vocab_size")),
+            hidden_size=hidden,
+            num_layers=int(req("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            num_experts=num_experts,
+            moe_topk=int(req("num_experts_per_tok")),
+            moe_intermediate_size=int(req("moe_intermediate_size")),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        )
+        if arch.num_attention_heads % arch.num_key_value_heads:
+            raise ModelConfigError(f"{source}: num_attention_heads not a multiple of num_key_value_heads")
+        if not 0 < arch.moe_topk <= arch.num_experts:
+            raise ModelConfigError(f"{source}: num_experts_per_tok must be in [1, num_experts]")
+        return arch
+
+    @classmethod
+    def from_hf_dir(cls, hf_dir: str) -> "Qwen3MoeArch":
+        path = os.path.join(hf_dir, "config.json")
+        if not os.path.isdir(hf_dir):
+            raise ModelConfigError(f"{hf_dir}: no such directory")
+        if not os.path.isfile(path):
+            raise ModelConfigError(f"{path}: missing (not a Hugging Face checkpoint directory)")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path}: invalid JSON ({e})") from None
+        return cls.from_hf_dict(d, source=path)
+
+    # ------------------------------------------------------------------------------------------
+    def padded_vocab_size(self, tp: int) -> int:
+        m = VOCAB_PAD_MULTIPLE * tp
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def q_per_group(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def dims_for_validation(self) -> dict[str, int]:
+        return dict(
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_key_value_heads,
+            num_experts=self.num_experts,
+            moe_ffn_hidden_size=self.moe_intermediate_size,
+        )
+
+
+def transformer_config(
+    arch: Qwen3MoeArch,
+    parallel,
+    *,
+    dtype: torch.dtype = torch.float32,
+    use_te: bool = False,
+    dispatcher: str | None = None,
+    recompute: bool = False,
+):
+    """Megatron TransformerConfig for `arch` under `parallel` (a gspo_megatron.config.ParallelConfig).
+
+    RL-specific choices: no auxiliary load-balancing loss (the policy gradient is the only
+    objective, as RL peers do), fp32 routing (router decisions are sensitive to rounding, and
+    train/inference routing mismatch is what GSPO's sequence ratio has to absorb), no dropout.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dispatcher is None:
+        # The alltoall dispatcher's uneven all-gather over the expert-TP group is unsupported by
+        # gloo; the allgather dispatcher is exact there too.
+        dispatcher = "alltoall" if (use_te or parallel.etp == 1) else "allgather"
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,  # must be explicit: heads*head_dim != hidden for Qwen3
+        ffn_hidden_size=arch.moe_intermediate_size,  # unused by MoE layers; set for validation
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_topk,
+        moe_ffn_hidden_size=arch.moe_intermediate_size,
+        moe_router_score_function="softmax",
+        # HF: softmax over all experts, top-k, renormalise if norm_topk_prob. Megatron with
+        # pre_softmax=False: top-k logits, then softmax over them == the renormalised version.
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=use_te,
+        moe_permute_fusion=False,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not use_te,
+        perform_initialization=True,
+        persist_layer_norm=False,
+        bias_dropout_fusion=use_te,
+        apply_rope_fusion=use_te,
+        masked_softmax_fusion=use_te,
+        gradient_accumulation_fusion=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        variable_seq_lengths=True,
+    )
+
+
+def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank: int | None = None):
+    """TransformerBlockSubmodules for this rank's layers.
+
+    GPU: Megatron's Transformer Engine spec (grouped-GEMM experts, fused norm+QKV).
+    CPU: Megatron's local spec with every RMSNorm swapped for `SPRMSNorm`: the local spec's torch
+    norm refuses sequence parallel, which MoE+TP training requires.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    if use_te:
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=True, qk_layernorm=True
+        )
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=TENorm)
+
+    from gspo_megatron.model.norm import SPRMSNorm
+
+    layer = specs.get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, qk_layernorm=True, normalization="RMSNorm"
+    )
+    sub = layer.submodules
+    sub.input_layernorm = SPRMSNorm
+    sub.pre_mlp_layernorm = SPRMSNorm
+    sub.self_attention.submodules.q_layernorm = SPRMSNorm
+    sub.self_attention.submodules.k_layernorm = SPRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=SPRMSNorm)
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def build_gpt_model(arch: Qwen3MoeArch, config, *, pre_process: bool, post_process: bool, use_te: bool):
+    """One pipeline stage of the Qwen3-MoE GPTModel (Megatron's global parallel state must exist)."""
+    from megatron.core.models.gpt import GPTModel
+
+    spec = layer_block_spec(config, use_te)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.padded_vocab_size(config.tensor_model_parallel_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        rotary_percent=1.0,
+    )
+
+
+def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.float32, recompute: bool = False):
+    """This rank's model chunk(s) for the layout in `ctx` (a parallel.state.ParallelContext).
+
+    Returns (chunks, transformer_config). One chunk per rank (no virtual pipeline stages yet).
+    """
+    use_te = ctx.device.type == "cuda" and te_available()
+    config = transformer_config(arch, ctx.parallel, dtype=dtype, use_te=use_te, recompute=recompute)
+    model = build_gpt_model(arch, config, pre_process=ctx.is_first_stage, post_process=ctx.is_last_stage, use_te=use_te)
+    model.to(ctx.device)
+    return [model], config

@@ -1,0 +1,353 @@
+"""Run Megatron-Core 0.16.1 on CPU with gloo.
+
+Megatron-Core assumes CUDA in a handful of places. On a machine without a GPU this module covers
+exactly those, and nothing else; `activate()` is a no-op when CUDA is in use, so the GPU path is
+never touched. Each assumption is listed in `ASSUMPTIONS` with where it lives and what we do about
+it; `tests/test_cpu_runtime.py` pins every entry so an upgrade of Megatron that moves or removes one
+fails loudly instead of silently running unpatched code.
+
+How: instead of patching `torch` globally, the listed Megatron modules get a module-local `torch`
+that is a thin proxy of the real one. The proxy only differs in (1) tensor factories rewrite
+`device="cuda"`/`cuda:N` to CPU and (2) `torch.cuda` answers with CPU stand-ins
+(`current_device() -> "cpu"`, streams/events that do nothing, `synchronize()` no-op). Every other
+attribute is the real torch object, so `isinstance(x, torch.Tensor)`, dtypes, `torch.distributed`
+behave as usual. The CUDA RNG tracker is replaced by one that keeps CPU generator states, and
+three Megatron functions whose CPU behaviour is wrong are swapped (see ASSUMPTIONS).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Assumption:
+    key: str
+    where: str  # module (and symbol) in Megatron-Core 0.16.1
+    what: str  # the CUDA assumption
+    fix: str  # what the runtime does
+
+
+# Modules whose module-level `torch` becomes the CPU proxy, with the reason each one needs it.
+PROXIED_MODULES: dict[str, str] = {
+    "megatron.core.pipeline_parallel.schedules": 'total_num_tokens = torch.zeros(..., device="cuda")',
+    "megatron.core.pipeline_parallel.p2p_communication": "shape tensors on torch.cuda.current_device(); torch.cuda.synchronize()",
+    "megatron.core.tensor_parallel.layers": "weights/buffers allocated on torch.cuda.current_device()",
+    "megatron.core.tensor_parallel.mappings": "all-gather/reduce-scatter outputs on torch.cuda.current_device()",
+    "megatron.core.tensor_parallel.utils": "gather buffers on torch.cuda.current_device()",
+    "megatron.core.transformer.moe.router": "router weight moved to torch.cuda.current_device()",
+    "megatron.core.transformer.moe.experts": "expert weights on torch.cuda.current_device()",
+    "megatron.core.transformer.moe.moe_utils": 'aux-loss tracker on device="cuda"; record_stream',
+    "megatron.core.transformer.moe.token_dispatcher": "torch.cuda.Stream for device-to-host copies of split sizes",
+    "megatron.core.transformer.attention": "inference buffers on torch.cuda.current_device()",
+    "megatron.core.transformer.dot_product_attention": "masks on torch.cuda.current_device()",
+    "megatron.core.transformer.transformer_layer": "tensors moved to torch.cuda.current_device()",
+    "megatron.core.transformer.utils": 'attention masks built with device="cuda"',
+    "megatron.core.models.gpt.gpt_model": "buffers on torch.cuda.current_device()",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "inv_freq on torch.cuda.current_device()",
+    "megatron.core.distributed.finalize_model_grads": "reduction buffers on torch.cuda.current_device()",
+    "megatron.core.optimizer.clip_grads": 'norm buffers on device="cuda"',
+    "megatron.core.optimizer.optimizer": 'found_inf / scale tensors on device="cuda"',
+    "megatron.core.utils": "GlobalMemoryBuffer (attention matmul buffer) on torch.cuda.current_device()",
+}
+
+ASSUMPTIONS: tuple[Assumption, ...] = (
+    Assumption(
+        "cuda-tensors",
+        "the modules in PROXIED_MODULES",
+        'tensors created with device="cuda" or torch.cuda.current_device()',
+        "module-local torch proxy that maps CUDA devices to CPU",
+    ),
+    Assumption(
+        "cuda-streams",
+        "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher",
+        "torch.cuda.Stream / Event / current_stream for overlapping device-to-host copies",
+        "no-op stream/event stand-ins inside the proxy (CPU work is synchronous)",
+    ),
+    Assumption(
+        "cuda-rng-tracker",
+        "megatron.core.tensor_parallel.random (model_parallel_cuda_manual_seed, get_cuda_rng_tracker)",
+        "tracker stores CUDA generator states; attention forks it even with dropout 0",
+        "a tracker with the same interface over CPU generator states; seeding via seed_model_parallel_rng()",
+    ),
+    Assumption(
+        "te-general-gemm",
+        "megatron.core.transformer.moe.moe_utils.te_general_gemm",
+        "name only bound when Transformer Engine imports: NameError in the router without TE",
+        "bind it to None so the router takes its torch.mm path",
+    ),
+    Assumption(
+        "a2a-split-sizes",
+        "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu (used by the alltoall dispatcher)",
+        "converts split sizes to numpy only for CUDA tensors; gloo all_to_all_single rejects tensor split sizes",
+        "CPU version that also converts CPU tensors when as_numpy=True",
+    ),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The proxy
+
+
+def _cpu_device(device: Any) -> Any:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")  # torch.cuda.current_device() style ordinals
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _redirect(fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = getattr(fn, "__name__", "factory")
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
+    "empty_like", "zeros_like", "ones_like", "full_like", "linspace", "eye", "randperm",
+)
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream/Event: CPU work is synchronous, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, *a, **k):
+        return _NullStream()
+
+    def record(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    def __hash__(self):
+        return 0
+
+
+_NULL_STREAM = _NullStream()
+
+
+def _make_cuda_namespace() -> types.SimpleNamespace:
+    real = torch.cuda
+    ns = types.SimpleNamespace(
+        is_available=lambda: False,
+        current_device=lambda: "cpu",
+        device_count=lambda: 0,
+        synchronize=lambda *a, **k: None,
+        empty_cache=lambda: None,
+        Stream=_NullStream,
+        Event=_NullStream,
+        current_stream=lambda *a, **k: _NULL_STREAM,
+        default_stream=lambda *a, **k: _NULL_STREAM,
+        stream=lambda *a, **k: contextlib.nullcontext(),
+        nvtx=types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
+                                   range=lambda *a, **k: contextlib.nullcontext()),
+        memory_allocated=lambda *a, **k: 0,
+        max_memory_allocated=lambda *a, **k: 0,
+    )
+    # Anything else (types like torch.cuda.FloatTensor used in asserts, amp, ...) is the real one.
+    return types.SimpleNamespace(**{**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")}, **vars(ns)})
+
+
+class _TorchProxy(types.ModuleType):
+    """`torch` as seen by a patched Megatron module on CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _make_cuda_namespace()
+        for name in _FACTORIES:
+            setattr(self, name, _redirect(getattr(torch, name)))
+
+    def __getattr__(self, name):  # only called for attributes not set above
+        return getattr(torch, name)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU RNG tracker
+
+
+class CpuRNGStatesTracker:
+    """Megatron's CudaRNGStatesTracker interface over CPU generator states.
+
+    `fork(name)` swaps the process-wide CPU generator state for the named one for the duration of
+    the block, like the CUDA tracker does with the CUDA generator.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self):
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = {k: v.clone() for k, v in states.items()}
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+# --------------------------------------------------------------------------------------------
+# Replacements
+
+
+def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    # Same contract as Megatron's, but CPU tensors become numpy too when asked: gloo's
+    # all_to_all_single only takes python/numpy split sizes.
+    if torch.is_tensor(tensor):
+        tensor = tensor.detach().to("cpu")
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
+# --------------------------------------------------------------------------------------------
+# Activation
+
+
+class _State:
+    """Holds what activate() replaced so deactivate() can restore it (one per process)."""
+
+    def __init__(self):
+        self.saved: list[tuple[Any, str, Any, bool]] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.saved)
+
+
+_STATE = _State()
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    had = hasattr(obj, name)
+    _STATE.saved.append((obj, name, getattr(obj, name, None), had))
+    setattr(obj, name, value)
+
+
+def should_activate(device: str | torch.device | None = None) -> bool:
+    """The runtime applies when computing on CPU (explicitly, or because CUDA is absent)."""
+    if device is None or str(device) == "auto":
+        return not torch.cuda.is_available()
+    return torch.device(device).type == "cpu"
+
+
+def activate(device: str | torch.device | None = None) -> bool:
+    """Install the CPU runtime if `device` resolves to CPU. Idempotent; returns whether active."""
+    if not should_activate(device):
+        return False
+    if _STATE.active:
+        return True
+    proxy = _TorchProxy()
+    for modname in PROXIED_MODULES:
+        mod = importlib.import_module(modname)
+        if getattr(mod, "torch", None) is not torch:
+            raise RuntimeError(
+                f"cpu_runtime: {modname} no longer binds the module 'torch' as expected; "
+                "megatron-core changed, revisit gspo_megatron/parallel/cpu_runtime.py"
+            )
+        _set(mod, "torch", proxy)
+
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not getattr(moe_utils, "HAVE_TE", False):
+        _set(moe_utils, "te_general_gemm", None)
+    _set(moe_utils, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
+    _set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
+
+    tracker = CpuRNGStatesTracker()
+    _set(mrandom, "_CUDA_RNG_STATE_TRACKER", tracker)
+    _set(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    return True
+
+
+def deactivate() -> None:
+    """Undo activate() (tests use it to show each patch is needed)."""
+    while _STATE.saved:
+        obj, name, value, had = _STATE.saved.pop()
+        if had:
+            setattr(obj, name, value)
+        else:
+            delattr(obj, name)
+
+
+def is_active() -> bool:
+    return _STATE.active
+
+
+def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
+    """CPU counterpart of megatron's model_parallel_cuda_manual_seed (same seed offsets)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
+
+
+__all__ = [
+    "ASSUMPTIONS", "PROXIED_MODULES", "CpuRNGStatesTracker", "activate", "deactivate",
+    "is_active", "seed_model_parallel_rng", "should_activate",
+]

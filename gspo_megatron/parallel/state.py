@@ -1,0 +1,158 @@
+"""Process groups from a ParallelConfig. The only module that reads Megatron's global parallel state;
+everything else receives a `ParallelContext` and passes its groups explicitly."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.config import ParallelConfig
+from gspo_megatron.parallel import cpu_runtime
+
+# Every collective wait is bounded: a rank that died must not hang the others forever.
+DEFAULT_TIMEOUT_MIN = 30
+
+
+@dataclass
+class ParallelContext:
+    parallel: ParallelConfig
+    device: torch.device
+    world_size: int
+    rank: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    cp_rank: int
+    ep_rank: int
+    etp_rank: int
+    tp_group: Any
+    pp_group: Any
+    dp_group: Any  # pure data-parallel group (without CP)
+    dp_cp_group: Any  # data x context parallel: where dense gradients are reduced
+    cp_group: Any
+    ep_group: Any
+    etp_group: Any
+    edp_group: Any
+    mp_group: Any  # model-parallel (tp x pp) group
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.parallel.pp - 1
+
+    @property
+    def use_cpu_runtime(self) -> bool:
+        return self.device.type == "cpu"
+
+
+def resolve_device(requested: str = "auto") -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("parallel.device=cuda but CUDA is not available on this machine")
+    return torch.device(requested)
+
+
+def _env_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_parallel(
+    parallel: ParallelConfig,
+    *,
+    seed: int = 1234,
+    model_dims: dict | None = None,
+    timeout_min: int = DEFAULT_TIMEOUT_MIN,
+) -> ParallelContext:
+    """Validate the layout, start torch.distributed and Megatron's groups, seed model-parallel RNG.
+
+    Works without torchrun: with no RANK/WORLD_SIZE in the environment it starts a one-process
+    group on a free local port.
+    """
+    rank, world = _env_world()
+    parallel.validate(world, **(model_dims or {}))
+    device = resolve_device(parallel.device)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            if world != 1:
+                raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is unset: launch with torchrun")
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_min)
+        )
+    if device.type == "cpu":
+        cpu_runtime.activate("cpu")
+
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+        distributed_timeout_minutes=timeout_min,
+        create_gloo_process_groups=device.type == "cuda",  # on CPU every group is gloo already
+    )
+    ctx = ParallelContext(
+        parallel=parallel,
+        device=device,
+        world_size=world,
+        rank=rank,
+        dp=parallel.dp(world),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        cp_group=ps.get_context_parallel_group(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        edp_group=ps.get_expert_data_parallel_group(),
+        mp_group=ps.get_model_parallel_group(),
+    )
+    seed_rng(ctx, seed)
+    return ctx
+
+
+def seed_rng(ctx: ParallelContext, seed: int) -> None:
+    """Seed the default and model-parallel generators (Megatron's offsets)."""
+    if ctx.device.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        cpu_runtime.seed_model_parallel_rng(seed, ctx.tp_rank, ctx.ep_rank, ctx.etp_rank)
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
