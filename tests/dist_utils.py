@@ -8,6 +8,7 @@ sent back to the parent, which gets a list indexed by rank.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -38,7 +39,8 @@ def _worker(fn, rank, world_size, port, args, queue):
     torch.set_num_threads(1)
     try:
         out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
+        # plain pickle to bytes: tensors must not travel as shared-memory handles that die with us
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report the traceback to the parent instead of dying silently
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -79,7 +81,7 @@ def run_distributed(
                     raise RuntimeError(f"rank process died with exit code {dead[0].exitcode}")
                 continue
             if ok:
-                results[rank] = out
+                results[rank] = pickle.loads(out)
             else:
                 errors.append(f"rank {rank}:\n{out}")
                 break  # other ranks may now hang in a collective: stop them below

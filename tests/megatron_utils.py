@@ -1,0 +1,70 @@
+"""Shared pieces of the Megatron-side tests: a tiny random Qwen3-MoE saved with save_pretrained,
+and reference log-probs / gradients computed with transformers' Qwen3MoeForCausalLM."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_hf_config(**over):
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kw.update(over)
+    return Qwen3MoeConfig(**kw)
+
+
+def make_tiny_hf(path, seed: int = 0, dtype=torch.float32, max_shard_size="200KB", **over):
+    """Random tiny Qwen3-MoE written as a sharded safetensors checkpoint; returns the model."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(tiny_hf_config(**over)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)  # larger than the default init: non-trivial routing and attention
+    model.to(dtype).save_pretrained(str(path), max_shard_size=max_shard_size)
+    return model
+
+
+def random_sequences(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_token_logprobs(model, seqs) -> list[torch.Tensor]:
+    out = []
+    for s in seqs:
+        logits = model(torch.tensor([s])).logits[0].float()
+        out.append(torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(s[1:])[:, None])[:, 0])
+    return out
+
+
+def hf_mean_nll_grads(model, seqs) -> dict[str, torch.Tensor]:
+    """Gradients (Hub names) of the mean token NLL over all sequences; experts split per expert."""
+    model.zero_grad()
+    lps = hf_token_logprobs(model, seqs)
+    n = sum(len(x) for x in lps)
+    loss = -sum(x.sum() for x in lps) / n
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            for e in range(g.shape[0]):
+                gate, up = g[e].chunk(2, 0)
+                grads[f"{base}{e}.gate_proj.weight"] = gate
+                grads[f"{base}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(g.shape[0]):
+                grads[f"{base}{e}.down_proj.weight"] = g[e]
+        else:
+            grads[name] = g
+    model.zero_grad()
+    return grads
