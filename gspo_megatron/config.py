@@ -1,7 +1,18 @@
 """Typed configuration. Pure Python: validated before any process group exists."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import json
+import os
+import re
+import types
+import typing
+import urllib.parse
+import warnings
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Literal, Optional
+
+import yaml
 
 
 class ConfigError(ValueError):
@@ -90,3 +101,776 @@ class ParallelConfig:
         self.check_world(world_size)
         if model_dims:
             self.check_model(**model_dims)
+
+
+# --------------------------------------------------------------------------------------------
+# Everything below: the rest of the typed config, YAML + dotted overrides, validation.
+# --------------------------------------------------------------------------------------------
+
+
+class ConfigWarning(UserWarning):
+    """A configuration that works but is probably not what was meant."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+LOSS_TYPES = ("gspo", "gspo_token", "grpo")
+# Clip ranges when the user sets none: GSPO clips a length-normalised sequence ratio, so its
+# ranges are ~3 orders of magnitude tighter than GRPO's per-token ones (GSPO paper; verl/TRL).
+DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+GSPO_EPS_WARN = 0.05  # a GSPO clip range this wide is GRPO-sized: almost nothing gets clipped
+GRPO_EPS_WARN = 0.01  # a GRPO clip range this narrow is GSPO-sized: almost everything gets clipped
+
+# Fields an inline model.hf_config may hold (transformers' Qwen3MoeConfig arguments plus the keys
+# real Qwen3 config.json files carry). A typo here would be silently ignored by transformers.
+HF_CONFIG_KEYS = frozenset(
+    """
+    vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
+    num_key_value_heads head_dim hidden_act max_position_embeddings initializer_range rms_norm_eps
+    use_cache tie_word_embeddings rope_theta rope_scaling rope_parameters attention_bias
+    use_sliding_window sliding_window max_window_layers attention_dropout decoder_sparse_step
+    moe_intermediate_size num_experts_per_tok num_experts num_local_experts norm_topk_prob
+    output_router_logits router_aux_loss_coef mlp_only_layers pad_token_id bos_token_id
+    eos_token_id architectures model_type torch_dtype dtype transformers_version
+    """.split()
+)
+# An inline hf_config must state these (transformers' defaults are the 30B model's, which would
+# silently turn a "tiny" config into a big one).
+HF_CONFIG_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+
+_REWARD_FN_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
+def _positive(key: str, v, allow_zero: bool = False) -> None:
+    if v < 0 or (v == 0 and not allow_zero):
+        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # HF checkpoint directory (config.json + safetensors) to start from; null = random init.
+    hf_dir: Optional[str] = None
+    # Megatron torch_dist checkpoint directory to load weights from (overrides hf_dir weights).
+    load: Optional[str] = None
+    # Inline Qwen3MoeConfig fields (HF names) for a random init when hf_dir is unset. When both are
+    # set, hf_dir/config.json is the architecture and every field listed here must agree with it.
+    hf_config: Optional[dict] = None
+    # Tokenizer directory; null = hf_dir, else the synthetic task's built-in tokenizer.
+    tokenizer: Optional[str] = None
+    # Parameter / compute dtype of the policy (Megatron keeps fp32 master weights for 16-bit).
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # Seed of the random init (used only without hf_dir / load).
+    init_seed: int = 1234
+    # MoE load-balancing aux-loss coefficient; 0 = off (what RL peers use).
+    moe_aux_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        _positive("model.moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)
+        if self.hf_dir is None and self.hf_config is None:
+            raise ConfigError(
+                "model: no architecture: set model.hf_dir (HF checkpoint dir) or model.hf_config "
+                "(inline Qwen3MoeConfig fields)"
+            )
+        if self.hf_config is not None:
+            check_hf_config(self.hf_config, "model.hf_config")
+
+
+def check_hf_config(hf: dict, where: str, *, require: bool = True) -> None:
+    """Structural sanity of a Qwen3-MoE config dict (inline or read from config.json)."""
+    if require:
+        unknown = sorted(k for k in hf if k not in HF_CONFIG_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown key '{where}.{unknown[0]}'"
+                + _suggest(unknown[0], HF_CONFIG_KEYS, where + ".")
+                + f"; valid keys: {', '.join(sorted(HF_CONFIG_KEYS))}"
+            )
+        missing = [k for k in HF_CONFIG_REQUIRED if k not in hf and not (
+            k == "num_experts" and "num_local_experts" in hf)]
+        if missing:
+            raise ConfigError(f"{where} is missing required field(s): {', '.join(missing)}")
+    ints = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "num_experts", "num_local_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "intermediate_size", "head_dim", "decoder_sparse_step",
+    )
+    for k in ints:
+        if k in hf and hf[k] is not None:
+            v = hf[k]
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k.endswith("experts") else 1):
+                raise ConfigError(f"{where}.{k} must be a positive integer, got {v!r}")
+    dims = hf_model_dims(hf)
+    if dims["num_attention_heads"] % dims["num_key_value_heads"]:
+        raise ConfigError(
+            f"{where}: num_attention_heads={dims['num_attention_heads']} is not a multiple of "
+            f"num_key_value_heads={dims['num_key_value_heads']}"
+        )
+    if dims["num_experts"] and not 1 <= dims["num_experts_per_tok"] <= dims["num_experts"]:
+        raise ConfigError(
+            f"{where}: num_experts_per_tok={dims['num_experts_per_tok']} must be in "
+            f"[1, num_experts={dims['num_experts']}]"
+        )
+
+
+def hf_model_dims(hf: dict) -> dict:
+    """The architecture numbers the layout and the planner need, with Qwen3MoeConfig defaults for
+    the optional fields."""
+    heads = hf.get("num_attention_heads", 32)
+    hidden = hf.get("hidden_size", 2048)
+    num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    return {
+        "vocab_size": hf.get("vocab_size", 151936),
+        "hidden_size": hidden,
+        "num_hidden_layers": hf.get("num_hidden_layers", 24),
+        "num_attention_heads": heads,
+        "num_key_value_heads": hf.get("num_key_value_heads", 4),
+        "head_dim": hf.get("head_dim") or hidden // heads,
+        "intermediate_size": hf.get("intermediate_size", 6144),
+        "moe_intermediate_size": hf.get("moe_intermediate_size", 768),
+        "num_experts": num_experts or 0,
+        "num_experts_per_tok": hf.get("num_experts_per_tok", 8),
+        "decoder_sparse_step": hf.get("decoder_sparse_step", 1) or 1,
+        "mlp_only_layers": list(hf.get("mlp_only_layers") or []),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "attention_bias": bool(hf.get("attention_bias", False)),
+    }
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    # gspo: sequence-level ratio, gradient through the sequence mean (paper); gspo_token: verl's
+    # token form with the sequence ratio's value; grpo: per-token ratio.
+    type: Literal["gspo", "gspo_token", "grpo"] = "gspo"
+    # Clip range [1 - eps_low, 1 + eps_high] of the importance ratio. null = the loss's default:
+    # 3e-4 / 4e-4 for gspo and gspo_token, 0.2 / 0.27 for grpo.
+    eps_low: Optional[float] = None
+    eps_high: Optional[float] = None
+    # KL(π || π_ref) penalty coefficient; > 0 needs a reference model (honoured for every loss).
+    kl_coef: float = 0.0
+    # Entropy bonus coefficient (added as -coef * entropy to the loss).
+    entropy_coef: float = 0.0
+    # Where π_old comes from: "engine" = the rollout engine's log-probs (GSPO paper §5.4);
+    # "recompute" = one forward-only Megatron pass before the step's first update.
+    old_logprobs: Literal["engine", "recompute"] = "recompute"
+    # Truncated importance sampling cap on π_old / π_engine per token; null = off.
+    tis_cap: Optional[float] = None
+
+    def __post_init__(self):
+        lo_d, hi_d = DEFAULT_EPS[self.type]
+        if self.eps_low is None:
+            object.__setattr__(self, "eps_low", lo_d)
+        if self.eps_high is None:
+            object.__setattr__(self, "eps_high", hi_d)
+        if not 0 < self.eps_low < 1:
+            raise ConfigError(f"loss.eps_low must be in (0, 1), got {self.eps_low!r}")
+        _positive("loss.eps_high", self.eps_high)
+        _positive("loss.kl_coef", self.kl_coef, allow_zero=True)
+        if self.tis_cap is not None:
+            _positive("loss.tis_cap", self.tis_cap)
+            if self.old_logprobs == "engine":
+                raise ConfigError(
+                    "loss.tis_cap needs loss.old_logprobs=recompute (TIS reweights by "
+                    "π_old/π_engine, which is 1 when π_old is the engine's)"
+                )
+        if self.type in ("gspo", "gspo_token") and max(self.eps_low, self.eps_high) >= GSPO_EPS_WARN:
+            warnings.warn(
+                f"loss.type={self.type} with eps_low={self.eps_low}, eps_high={self.eps_high}: "
+                f"GSPO clips a sequence-level ratio; GRPO-sized ranges (>= {GSPO_EPS_WARN}) clip "
+                "almost nothing (the paper uses 3e-4 / 4e-4)",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        if self.type == "grpo" and max(self.eps_low, self.eps_high) < GRPO_EPS_WARN:
+            warnings.warn(
+                f"loss.type=grpo with eps_low={self.eps_low}, eps_high={self.eps_high}: GSPO-sized "
+                "clipping of per-token ratios clips almost every token (GRPO uses ~0.2)",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        if self.type == "grpo" and self.old_logprobs == "engine":
+            warnings.warn(
+                "loss.type=grpo with old_logprobs=engine: token-level ratios are sensitive to "
+                "engine/trainer mismatch (MoE routing differs on ~10% of routers); consider "
+                "old_logprobs=recompute",
+                ConfigWarning,
+                stacklevel=2,
+            )
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    # Base URLs of running SGLang servers (http://host:port); used when launch is false.
+    urls: list[str] = field(default_factory=list)
+    # Start the servers ourselves (colocated with the trainer) instead of using urls.
+    launch: bool = False
+    # Model the servers load at start; null = model.hf_dir.
+    model_path: Optional[str] = None
+    # Per-server tensor parallel size, data-parallel replicas, expert parallel size (launch only).
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+    # --mem-fraction-static: fraction of GPU memory for weights + KV cache (launch only).
+    mem_fraction: float = 0.7
+    # First port of launched servers (server i listens on port + i) and the address they bind.
+    port: int = 30000
+    host: str = "127.0.0.1"
+    # Bearer token sent to the servers (and passed to launched ones); null = none.
+    api_key: Optional[str] = None
+    # How new policy weights reach the servers: "disk" (HF safetensors in shared_dir +
+    # update_weights_from_disk), "distributed" (NCCL broadcast group), "tensor" (CUDA IPC
+    # handles; colocated only).
+    weight_sync: Literal["disk", "distributed", "tensor"] = "disk"
+    # Weight-sync bucket size, MiB (distributed / tensor).
+    bucket_mb: int = 512
+    # Timeout of one HTTP request, seconds (generation of a whole batch included).
+    request_timeout_s: float = 600.0
+    # How long to wait for the servers' /health_generate, seconds.
+    ready_timeout_s: float = 900.0
+    # Retries of a failed/aborted request before the step fails.
+    max_retries: int = 3
+    # Concurrent in-flight HTTP requests across all servers.
+    concurrency: int = 64
+    # Directory visible to trainer and servers for disk sync; null = <out_dir>/weight_sync.
+    shared_dir: Optional[str] = None
+    # Extra command-line arguments for `python -m sglang.launch_server` (launch only).
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    # Rollout engine: "hf" = in-process transformers generate (CPU/small); "sglang" = SGLang HTTP.
+    backend: Literal["hf", "sglang"] = "hf"
+    # Prompts per GSPO step (P) and samples per prompt (G, the group size).
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    # Sampling settings; top_k = -1 disables top-k.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # Maximum response length, tokens.
+    max_new_tokens: int = 64
+    # Drop groups whose rewards all agree (zero advantage) and over-sample prompts to refill.
+    dynamic_sampling: bool = False
+    # Extra sampling rounds dynamic sampling may run per step before training on what it has.
+    max_oversample_rounds: int = 3
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+    def __post_init__(self):
+        _positive("rollout.prompts_per_step", self.prompts_per_step)
+        if self.samples_per_prompt < 2:
+            raise ConfigError(
+                f"rollout.samples_per_prompt must be >= 2 (advantages are normalised within a "
+                f"group), got {self.samples_per_prompt}"
+            )
+        _positive("rollout.temperature", self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.max_oversample_rounds", self.max_oversample_rounds, allow_zero=True)
+        if self.backend == "sglang":
+            self._check_sglang()
+
+    def _check_sglang(self):
+        s = self.sglang
+        if s.urls and s.launch:
+            raise ConfigError(
+                "rollout.sglang: set either urls (servers already running) or launch=true "
+                "(start them ourselves), not both"
+            )
+        if not s.urls and not s.launch:
+            raise ConfigError(
+                "rollout.backend=sglang needs rollout.sglang.urls=[http://host:port,...] or "
+                "rollout.sglang.launch=true"
+            )
+        for i, u in enumerate(s.urls):
+            p = urllib.parse.urlsplit(u)
+            try:
+                port = p.port
+            except ValueError:
+                port = None
+            if p.scheme not in ("http", "https") or not p.hostname or port is None:
+                raise ConfigError(
+                    f"rollout.sglang.urls[{i}] must look like http://host:port, got {u!r}"
+                )
+        for k in ("tp", "dp", "ep", "bucket_mb", "concurrency"):
+            _positive(f"rollout.sglang.{k}", getattr(s, k))
+        if not 0 < s.mem_fraction < 1:
+            raise ConfigError(f"rollout.sglang.mem_fraction must be in (0, 1), got {s.mem_fraction!r}")
+        if not 1 <= s.port <= 65535:
+            raise ConfigError(f"rollout.sglang.port must be in [1, 65535], got {s.port!r}")
+        _positive("rollout.sglang.request_timeout_s", s.request_timeout_s)
+        _positive("rollout.sglang.ready_timeout_s", s.ready_timeout_s)
+        _positive("rollout.sglang.max_retries", s.max_retries, allow_zero=True)
+        if s.weight_sync == "tensor" and not s.launch:
+            raise ConfigError(
+                "rollout.sglang.weight_sync=tensor passes CUDA IPC handles and needs colocated "
+                "servers (rollout.sglang.launch=true); use disk or distributed for remote urls"
+            )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # Prompt source: "synthetic" (generated task, verifiable answers) or "file" (JSONL/parquet).
+    source: Literal["synthetic", "file"] = "synthetic"
+    # Dataset file for source=file (relative paths are relative to the working directory).
+    path: Optional[str] = None
+    # Record fields holding the prompt and the reference answer (source=file).
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    # Synthetic task name (source=synthetic).
+    task: str = "addition"
+    # Seed of prompt generation / shuffling.
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.source == "file" and not self.path:
+            raise ConfigError("data.source=file needs data.path")
+        for k in ("prompt_key", "answer_key", "task"):
+            if not getattr(self, k):
+                raise ConfigError(f"data.{k} must be a non-empty string")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    # null = the synthetic task's own reward; "math" = built-in math-verify reward;
+    # otherwise "package.module:function" (imported by the trainer).
+    fn: Optional[str] = None
+
+    def __post_init__(self):
+        if self.fn is not None and self.fn != "math" and not _REWARD_FN_RE.match(self.fn):
+            raise ConfigError(
+                f"reward.fn must be null, 'math' or 'module.path:function', got {self.fn!r}"
+            )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    # Adam learning rate after warmup, and the floor of the decay schedule.
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    # LR schedule after warmup: constant | linear | cosine (decays to min_lr at train.max_steps).
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    # Decoupled weight decay (AdamW).
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    # Global gradient-norm clip; 0 = off.
+    clip_grad: float = 1.0
+    # Linear LR warmup, optimizer steps.
+    warmup_steps: int = 0
+    # Shard fp32 master weights and Adam states over the data-parallel ranks (Megatron's
+    # distributed optimizer / ZeRO-1).
+    use_distributed_optimizer: bool = True
+    # Keep main gradients and their DP reduction in fp32 (false halves gradient memory).
+    grad_reduce_in_fp32: bool = True
+
+    def __post_init__(self):
+        _positive("optimizer.lr", self.lr)
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optimizer.min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
+        _positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
+        for k in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, k) < 1:
+                raise ConfigError(f"optimizer.{k} must be in [0, 1), got {getattr(self, k)!r}")
+        _positive("optimizer.adam_eps", self.adam_eps)
+        _positive("optimizer.clip_grad", self.clip_grad, allow_zero=True)
+        _positive("optimizer.warmup_steps", self.warmup_steps, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # GSPO steps (one rollout batch each).
+    max_steps: int = 100
+    # Optimizer steps per rollout batch (the GSPO paper uses 4).
+    minibatches_per_step: int = 4
+    # Token budget of one packed microbatch (per data-parallel rank, before the CP split).
+    micro_batch_tokens: int = 8192
+    # Seed of sampling, shuffling and dropout.
+    seed: int = 42
+    # Supervised warm start on the task's demonstrations before GSPO, optimizer steps; 0 = off.
+    sft_warmup_steps: int = 0
+    # Learning rate of the SFT warm start.
+    sft_lr: float = 1e-4
+    # Activation recompute: none; selective (Megatron selective recompute of core attention,
+    # MoE activation and layernorms); full (each layer recomputed from its input).
+    recompute: Literal["none", "selective", "full"] = "none"
+
+    def __post_init__(self):
+        _positive("train.max_steps", self.max_steps, allow_zero=True)
+        _positive("train.minibatches_per_step", self.minibatches_per_step)
+        _positive("train.micro_batch_tokens", self.micro_batch_tokens)
+        _positive("train.sft_warmup_steps", self.sft_warmup_steps, allow_zero=True)
+        _positive("train.sft_lr", self.sft_lr)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    # Save every `interval` steps (and at the end); 0 = only at the end.
+    interval: int = 50
+    # "auto": resume from the latest checkpoint in out_dir if any; "never"; or a checkpoint path.
+    resume: str = "auto"
+    # Checkpoints kept in out_dir (older ones deleted after a successful save); 0 = keep all.
+    keep_last: int = 2
+    # Export the final policy as an HF checkpoint to <out_dir>/hf.
+    export_hf: bool = False
+
+    def __post_init__(self):
+        _positive("checkpoint.interval", self.interval, allow_zero=True)
+        _positive("checkpoint.keep_last", self.keep_last, allow_zero=True)
+        if not self.resume:
+            raise ConfigError("checkpoint.resume must be auto, never or a checkpoint path")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    # TensorBoard event files in <out_dir>/tb.
+    tensorboard: bool = False
+    # A tqdm progress bar on rank 0.
+    progress_bar: bool = True
+    # Plot reward / loss curves to <out_dir>/metrics.png at the end.
+    plot: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Run directory: resolved config, metrics, checkpoints, exports.
+    out_dir: str = "runs/gspo"
+
+    def __post_init__(self):
+        if not self.out_dir:
+            raise ConfigError("out_dir must be a non-empty path")
+        samples = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if samples % self.train.minibatches_per_step:
+            raise ConfigError(
+                f"rollout.prompts_per_step * samples_per_prompt = {self.rollout.prompts_per_step}"
+                f" * {self.rollout.samples_per_prompt} = {samples} is not divisible by "
+                f"train.minibatches_per_step = {self.train.minibatches_per_step}"
+            )
+        if self.train.micro_batch_tokens <= self.rollout.max_new_tokens:
+            raise ConfigError(
+                f"train.micro_batch_tokens={self.train.micro_batch_tokens} must exceed "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} (a whole sample, prompt "
+                "included, must fit in one microbatch)"
+            )
+        if self.data.source == "file" and self.reward.fn is None:
+            raise ConfigError(
+                "data.source=file needs reward.fn ('math' or 'module:function'); null means the "
+                "synthetic task's reward"
+            )
+        s = self.rollout.sglang
+        if (
+            self.rollout.backend == "sglang"
+            and s.launch
+            and s.model_path is None
+            and self.model.hf_dir is None
+        ):
+            raise ConfigError(
+                "rollout.sglang.launch=true needs rollout.sglang.model_path or model.hf_dir "
+                "(SGLang cannot start from an inline hf_config)"
+            )
+        if self.loss.kl_coef > 0 and self.model.hf_dir is None and self.model.load is None:
+            warnings.warn(
+                "loss.kl_coef > 0 with a random init: the reference policy is the random "
+                "initial model",
+                ConfigWarning,
+                stacklevel=2,
+            )
+
+    # ---- architecture -------------------------------------------------------------------
+
+    def hf_config_dict(self) -> dict:
+        """The model architecture as a Qwen3MoeConfig dict: hf_dir/config.json when hf_dir is set
+        (checked against any inline fields), else the inline hf_config."""
+        m = self.model
+        if m.hf_dir is None:
+            return dict(m.hf_config)
+        path = os.path.join(m.hf_dir, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                on_disk = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"model.hf_dir: {path} does not exist") from None
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.hf_dir: cannot read {path}: {e}") from None
+        if not isinstance(on_disk, dict):
+            raise ConfigError(f"model.hf_dir: {path} is not a JSON object")
+        for k, v in (m.hf_config or {}).items():
+            if k in on_disk and on_disk[k] != v:
+                raise ConfigError(
+                    f"model.hf_config.{k}={v!r} disagrees with {path} ({k}={on_disk[k]!r}); "
+                    "drop the inline field or fix model.hf_dir"
+                )
+        check_hf_config(on_disk, f"model.hf_dir ({path})", require=False)
+        return on_disk
+
+    def model_dims(self, hf_config_dict: dict | None = None) -> dict:
+        return hf_model_dims(self.hf_config_dict() if hf_config_dict is None else hf_config_dict)
+
+    def _layout_dims(self, hf: dict) -> dict:
+        d = hf_model_dims(hf)
+        return dict(
+            num_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_query_groups=d["num_key_value_heads"],
+            num_experts=d["num_experts"],
+            moe_ffn_hidden_size=d["moe_intermediate_size"] if d["num_experts"] else None,
+        )
+
+    def check_model(self, hf_config_dict: dict | None = None) -> None:
+        """Layout checks that need the model but not the world size."""
+        hf = self.hf_config_dict() if hf_config_dict is None else hf_config_dict
+        self.parallel.check_model(**self._layout_dims(hf))
+
+    def validate_world(self, world_size: int, hf_config_dict: dict | None = None) -> None:
+        """Check the layout against the world size and the model (ParallelConfig.validate)."""
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
+        hf = self.hf_config_dict() if hf_config_dict is None else hf_config_dict
+        self.parallel.validate(world_size, **self._layout_dims(hf))
+
+    def check_paths(self) -> None:
+        """Checks that read the filesystem (run by load_config)."""
+        if self.data.source == "file" and not os.path.exists(self.data.path):
+            raise ConfigError(f"data.path: {self.data.path} does not exist")
+        if self.model.load is not None and not os.path.isdir(self.model.load):
+            raise ConfigError(f"model.load: {self.model.load} is not a directory")
+        if self.model.tokenizer is not None and not os.path.exists(self.model.tokenizer):
+            raise ConfigError(f"model.tokenizer: {self.model.tokenizer} does not exist")
+        r = self.checkpoint.resume
+        if r not in ("auto", "never") and not os.path.exists(r):
+            raise ConfigError(f"checkpoint.resume: {r} does not exist (use auto, never or a path)")
+
+    # ---- serialisation ------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def dump_yaml(self, path: str) -> None:
+        """Write the resolved config (atomically) so that load_config(path, []) reproduces it."""
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(self.to_yaml())
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Config":
+        """Build and validate (without filesystem checks) from a plain nested dict."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
+        return _build(cls, data, "")
+
+
+# ---- building dataclasses from plain data --------------------------------------------------
+
+
+def _to_plain(obj):
+    if is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _suggest(name: str, valid, parent: str = "") -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean '{parent}{close[0]}'?)" if close else ""
+
+
+def _unknown_key(key: str, name: str, valid: list[str]) -> ConfigError:
+    parent = key.rpartition(".")[0]
+    where = f"in '{parent}'" if parent else "at the top level"
+    return ConfigError(
+        f"unknown config key '{key}'{_suggest(name, valid, parent + '.' if parent else '')}; valid keys {where}: {', '.join(valid)}"
+    )
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + "|".join(str(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is dict or origin is dict:
+        return "a mapping"
+    if is_dataclass(tp):
+        return "a section (mapping)"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value, tp, key: str):
+    origin = typing.get_origin(tp)
+    bad = ConfigError(
+        f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}"[:300]
+    )
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        assert len(args) == 1, tp
+        return _coerce(value, args[0], key)
+    if value is None:
+        raise bad
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or isinstance(value, bool):
+            raise ConfigError(f"{key} must be one of {'|'.join(map(str, choices))}, got {value!r}")
+        return value
+    if is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise bad
+        return _build(tp, value, key + ".")
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [value]  # a single item for a list field
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise bad
+        return str(value)
+    raise TypeError(f"unsupported config type {tp!r} at {key}")
+
+
+def _build(cls, data: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    for k in data:
+        if k not in names:
+            raise _unknown_key(f"{prefix}{k}", str(k), names)
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in data:
+            v = data[f.name]
+            if v is None and is_dataclass(hints[f.name]):
+                v = {}  # an empty section ("parallel:" with everything commented out)
+            kwargs[f.name] = _coerce(v, hints[f.name], prefix + f.name)
+    if cls is Config and "model" not in kwargs:
+        kwargs["model"] = _build(ModelConfig, {}, "model.")
+    return cls(**kwargs)
+
+
+# ---- YAML + overrides -----------------------------------------------------------------------
+
+
+def parse_override(item: str) -> tuple[list[str], object]:
+    """'a.b.c=value' -> (['a', 'b', 'c'], value parsed as a YAML scalar/list)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ConfigError(f"override {item!r}: bad key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep the literal string (the field type decides)
+    return parts, value
+
+
+def _deep_merge(dst: dict, src: dict) -> dict:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_merge(dst[k], v)
+        else:
+            dst[k] = v
+    return dst
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(
+                    f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section"
+                )
+            node = nxt
+        last = parts[-1]
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
+            _deep_merge(node[last], value)
+        else:
+            node[last] = value
+    return data
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """YAML file (or none: defaults) + dotted overrides -> validated Config. Raises ConfigError."""
+    data: dict = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            msg = " ".join(str(e).split())
+            raise ConfigError(f"config file {path} is not valid YAML: {msg}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    data = apply_overrides(data, list(overrides or ()))
+    cfg = Config.from_dict(data)
+    cfg.check_paths()
+    cfg.check_model()
+    return cfg

@@ -1,0 +1,480 @@
+"""Dry-run planner: validate a config and show what a run of it would look like on N ranks.
+
+    python -m gspo_megatron.planner --config FILE [--json] [--world-size N | --nnodes A --nproc-per-node B] [key=value ...]
+
+(`python -m gspo_megatron.train --config FILE --dry-run ...` calls `main` with the same arguments.)
+
+Pure Python: no torch, no process group. It prints
+  * the rank grid in Megatron-Core's order "tp-cp-ep-dp-pp": which global ranks form each TP, CP,
+    DP, PP group (dense part) and each expert-TP, EP, expert-DP group (MoE part);
+  * which ranks hold which decoder layers (pipeline stages) and which experts (EP ranks);
+  * parameter counts (total, active per token, per rank);
+  * a per-GPU memory estimate (formula below).
+
+Parameter counts (Qwen3-MoE, from the HF config fields only)
+  per layer: q [nq*hd, H], k/v [nkv*hd, H], o [H, nq*hd] (+ biases if attention_bias),
+             q_norm/k_norm [hd], input/post-attention norms [H],
+             MoE layer: router [E, H] + E experts of 3*H*I (gate, up, down);
+             dense layer (mlp_only_layers / decoder_sparse_step): 3*H*intermediate_size;
+  model: embedding [V, H] + lm_head [V, H] (unless tied) + final norm [H].
+  active = everything except the (E - top_k) unused experts of each MoE layer.
+  Totals use the real vocab; per-rank counts use Megatron's padded vocab (multiple of 128*TP).
+
+Per-rank layout (Megatron): attention and dense-MLP matrices split over TP; norms, q/k norms and
+the router replicated; each EP rank holds E/EP experts per layer, each split over ETP; PP stage s
+holds layers [s*L/PP, (s+1)*L/PP), the embedding lives on stage 0, final norm and output layer on
+the last stage (a tied embedding keeps a copy there when PP > 1).
+
+Memory per GPU (bytes; b = bytes of model.dtype, 4 for float32):
+  weights     = params_rank * b
+  gradients   = params_rank * (4 if optimizer.grad_reduce_in_fp32 or float32 else b)
+  optimizer   = params * (4 fp32 master (16-bit dtypes only) + 4 Adam m + 4 Adam v), divided with
+                use_distributed_optimizer by the ranks sharing the parameter: DP*CP for dense
+                parameters, expert-DP for expert parameters
+  activations = stored tensors of the stage's layers for the microbatches in flight, with
+                T = train.micro_batch_tokens / CP tokens per rank and microbatch:
+      attention, per token: 2H (norm in/out) [/TP with SP] + ((nq + 2nkv) + (nq + nkv) + nq)*hd/TP
+                            (qkv, normed+roped q/k, attention output; flash attention: no s^2 term)
+      MoE, per token:       2H (norm in/out) [/TP with SP] + 2*4*E/TP (fp32 router logits, probs)
+                            + k*ETP/TP routed copies of (2H + 3*I/ETP) (permuted input, fc1
+                            [gate; up], SwiGLU output, fc2 output) -- balanced routing, no capacity
+                            factor, no token dropping
+      dense MLP, per token: 2H [/TP with SP] + 3*I_dense/TP
+      selective recompute drops the norm outputs, attention output and SwiGLU output;
+      full recompute keeps only each layer's input (H [/TP with SP]) plus one layer's tensors;
+      microbatches in flight: PP on stage 0 under 1F1B (worst stage), 1 with PP = 1;
+      last stage adds fp32 logits and their softmax/gradient: 2 * 4 * T * V_padded/TP.
+  reference_model (only when loss.kl_coef > 0) = params_rank * b: a resident frozen copy.
+  Not counted: CUDA context and NCCL buffers (~1-3 GiB), allocator fragmentation, colocated
+  SGLang engines.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import warnings
+from typing import Sequence
+
+from gspo_megatron.config import Config, ConfigError, hf_model_dims, load_config
+
+GiB = 1024**3
+ORDER = "tp-cp-ep-dp-pp"  # Megatron-Core's default rank order (first = fastest varying)
+VOCAB_DIVISOR = 128  # Megatron's make_vocab_size_divisible_by; times TP
+
+
+# ---- rank grid ------------------------------------------------------------------------------
+
+
+def rank_groups(dims: Sequence[tuple[str, int]], token: str) -> list[list[int]]:
+    """Groups of global ranks that vary only along the named dimensions.
+
+    `dims` lists (name, size) from fastest- to slowest-varying: rank = Σ coord_i * Π_{j<i} size_j.
+    Groups are ordered by the remaining coordinates (first fastest), members likewise — the same
+    groups, in the same order, as Megatron-Core's RankGenerator.get_ranks(token).
+    """
+    names = [n for n, _ in dims]
+    sizes = [s for _, s in dims]
+    want = token.split("-")
+    for w in want:
+        if w not in names:
+            raise ValueError(f"unknown parallel dimension {w!r}")
+    stride = [math.prod(sizes[:i]) for i in range(len(sizes))]
+    inner = [i for i, n in enumerate(names) if n in want]
+    outer = [i for i, n in enumerate(names) if n not in want]
+
+    def coords(idx):  # all coordinate tuples over idx, first index fastest
+        for c in itertools.product(*[range(sizes[i]) for i in reversed(idx)]):
+            yield tuple(reversed(c))
+
+    groups = []
+    for oc in coords(outer):
+        base = sum(c * stride[i] for c, i in zip(oc, outer))
+        groups.append([base + sum(c * stride[i] for c, i in zip(ic, inner)) for ic in coords(inner)])
+    return groups
+
+
+def decoder_dims(p, world_size: int) -> list[tuple[str, int]]:
+    """Dense (attention) grid: tp, cp, dp, pp (ep = 1 in this grid, as in Megatron)."""
+    return [("tp", p.tp), ("cp", p.cp), ("dp", p.dp(world_size)), ("pp", p.pp)]
+
+
+def expert_dims(p, world_size: int) -> list[tuple[str, int]]:
+    """Expert grid: expert-tp, ep, expert-dp, pp (cp = 1 in this grid, as in Megatron)."""
+    return [("tp", p.etp), ("ep", p.ep), ("dp", p.edp(world_size)), ("pp", p.pp)]
+
+
+def _coord(dims, rank: int) -> dict[str, int]:
+    out = {}
+    for name, size in dims:
+        out[name] = rank % size
+        rank //= size
+    return out
+
+
+# ---- parameter counts -----------------------------------------------------------------------
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    m = VOCAB_DIVISOR * tp
+    return -(-vocab // m) * m
+
+
+def is_moe_layer(d: dict, i: int) -> bool:
+    """Qwen3-MoE's rule (HF Qwen3MoeDecoderLayer)."""
+    return (
+        i not in d["mlp_only_layers"]
+        and d["num_experts"] > 0
+        and (i + 1) % d["decoder_sparse_step"] == 0
+    )
+
+
+def layer_params(d: dict, moe: bool, tp: int = 1, ep: int = 1, etp: int = 1) -> dict:
+    """One decoder layer's parameters on one rank (tp = ep = etp = 1: the whole layer)."""
+    H, hd = d["hidden_size"], d["head_dim"]
+    nq, nkv = d["num_attention_heads"], d["num_key_value_heads"]
+    attn = H * nq * hd + 2 * H * nkv * hd + nq * hd * H
+    if d["attention_bias"]:
+        attn += (nq + 2 * nkv) * hd + H  # q, k, v biases and o_proj bias (HF Qwen3 has all four)
+    norms = 2 * H + 2 * hd  # input/post-attention norms, q_norm/k_norm
+    out = {"attention": attn // tp, "norms": norms, "router": 0, "experts": 0, "dense_mlp": 0,
+           "expert_active": 0}
+    if moe:
+        E, I = d["num_experts"], d["moe_intermediate_size"]
+        per_expert = 3 * H * I
+        out["router"] = E * H
+        out["experts"] = (E // ep) * per_expert // etp
+        out["expert_active"] = d["num_experts_per_tok"] * per_expert
+    else:
+        out["dense_mlp"] = 3 * H * d["intermediate_size"] // tp
+    return out
+
+
+def count_params(d: dict) -> dict:
+    """Total and active parameter counts of the unsharded model (real vocab)."""
+    V, H, L = d["vocab_size"], d["hidden_size"], d["num_hidden_layers"]
+    embed = V * H
+    output = 0 if d["tie_word_embeddings"] else V * H
+    br = {"embedding": embed, "output_layer": output, "final_norm": H, "attention": 0, "norms": 0,
+          "router": 0, "experts": 0, "dense_mlp": 0}
+    active = embed + output + H
+    for i in range(L):
+        lp = layer_params(d, is_moe_layer(d, i))
+        for k in ("attention", "norms", "router", "experts", "dense_mlp"):
+            br[k] += lp[k]
+        active += lp["attention"] + lp["norms"] + lp["router"] + lp["dense_mlp"] + lp["expert_active"]
+    return {"total": sum(br.values()), "active": active, "breakdown": br}
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+
+def _activation_bytes_per_layer(d, moe: bool, cfg: Config, T: float) -> tuple[float, float]:
+    """(stored bytes of one layer for one microbatch, bytes of its input alone)."""
+    p = cfg.parallel
+    b = 4 if cfg.model.dtype == "float32" else 2
+    H, hd = d["hidden_size"], d["head_dim"]
+    nq, nkv = d["num_attention_heads"], d["num_key_value_heads"]
+    tp, etp = p.tp, p.etp
+    sp = tp if p.sequence_parallel else 1  # divisor of the H-sized (sequence-parallel) tensors
+    selective = cfg.train.recompute == "selective"
+    norm_terms = (1 if selective else 2) * H / sp  # norm input (+ output unless recomputed)
+    attn = norm_terms + ((nq + 2 * nkv) + (nq + nkv) + (0 if selective else nq)) * hd / tp
+    if moe:
+        E, I, k = d["num_experts"], d["moe_intermediate_size"], d["num_experts_per_tok"]
+        pair = 2 * H + (2 if selective else 3) * I / etp
+        mlp = norm_terms + 2 * 4 * E / (tp * b) + k * etp / tp * pair
+    else:
+        mlp = norm_terms + (2 if selective else 3) * d["intermediate_size"] / tp
+    return T * (attn + mlp) * b, T * H / sp * b
+
+
+def memory_per_stage(cfg: Config, d: dict, world_size: int, stage: dict) -> dict:
+    p, o = cfg.parallel, cfg.optimizer
+    b = 4 if cfg.model.dtype == "float32" else 2
+    grad_b = 4 if (o.grad_reduce_in_fp32 or b == 4) else b
+    opt_b = (4 if b != 4 else 0) + 8
+    dense, expert = stage["dense_params"], stage["expert_params"]
+    if o.use_distributed_optimizer:
+        optimizer = opt_b * (dense / (p.dp(world_size) * p.cp) + expert / p.edp(world_size))
+    else:
+        optimizer = opt_b * (dense + expert)
+    T = cfg.train.micro_batch_tokens / p.cp
+    layers = range(*stage["layers"])
+    per_layer = [_activation_bytes_per_layer(d, is_moe_layer(d, i), cfg, T) for i in layers]
+    in_flight = p.pp - stage["pp_rank"] if p.pp > 1 else 1  # 1F1B: stage s holds pp - s
+    if cfg.train.recompute == "full":
+        one_mb = sum(inp for _, inp in per_layer)
+        act = one_mb * in_flight + max((full for full, _ in per_layer), default=0)
+    else:
+        act = sum(full for full, _ in per_layer) * in_flight
+    if stage["output_layer"]:
+        act += 2 * 4 * T * padded_vocab(d["vocab_size"], p.tp) / p.tp
+    weights = (dense + expert) * b
+    out = {
+        "weights": weights / GiB,
+        "gradients": (dense + expert) * grad_b / GiB,
+        "optimizer": optimizer / GiB,
+        "activations": act / GiB,
+    }
+    if cfg.loss.kl_coef > 0:
+        out["reference_model"] = weights / GiB  # a resident frozen copy of the policy's shard
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---- the plan -------------------------------------------------------------------------------
+
+
+def default_world_size(cfg: Config) -> int:
+    """The smallest world the layout allows: pp * lcm(tp*cp, ep*etp)."""
+    p = cfg.parallel
+    return p.pp * math.lcm(p.tp * p.cp, p.ep * p.etp)
+
+
+def plan(config: Config, world_size: int) -> dict:
+    """Validate `config` on `world_size` ranks and describe the layout (a JSON-able dict)."""
+    hf = config.hf_config_dict()
+    config.validate_world(world_size, hf)
+    d = hf_model_dims(hf)
+    p = config.parallel
+    dp, edp = p.dp(world_size), p.edp(world_size)
+    ddims, edims = decoder_dims(p, world_size), expert_dims(p, world_size)
+    counts = count_params(d)
+    L, E = d["num_hidden_layers"], d["num_experts"]
+    Vp = padded_vocab(d["vocab_size"], p.tp)
+    H = d["hidden_size"]
+
+    groups = {
+        "tp": rank_groups(ddims, "tp"),
+        "cp": rank_groups(ddims, "cp"),
+        "dp": rank_groups(ddims, "dp"),
+        "dp_cp": rank_groups(ddims, "dp-cp"),
+        "pp": rank_groups(ddims, "pp"),
+        "expert_tp": rank_groups(edims, "tp"),
+        "ep": rank_groups(edims, "ep"),
+        "expert_dp": rank_groups(edims, "dp"),
+    }
+
+    per_stage_layers = L // p.pp
+    stages = []
+    for s, ranks in enumerate(zip(*groups["pp"])):  # ranks with pp coordinate s
+        lo, hi = s * per_stage_layers, (s + 1) * per_stage_layers
+        first, last = s == 0, s == p.pp - 1
+        dense = expert = 0
+        for i in range(lo, hi):
+            lp = layer_params(d, is_moe_layer(d, i), p.tp, p.ep, p.etp)
+            dense += lp["attention"] + lp["norms"] + lp["router"] + lp["dense_mlp"]
+            expert += lp["experts"]
+        if first:
+            dense += Vp * H // p.tp
+        if last:
+            dense += H  # final norm
+            if not d["tie_word_embeddings"] or p.pp > 1:
+                dense += Vp * H // p.tp  # output layer (a tied embedding's copy when PP > 1)
+        stage = {
+            "pp_rank": s,
+            "ranks": sorted(ranks),
+            "layers": [lo, hi],
+            "embedding": first,
+            "output_layer": last,
+            "dense_params": dense,
+            "expert_params": expert,
+            "params": dense + expert,
+        }
+        stage["memory_gib"] = memory_per_stage(config, d, world_size, stage)
+        stages.append(stage)
+
+    experts = []
+    if E:
+        per_ep = E // p.ep
+        by_ep: dict[int, list[int]] = {}
+        for r in range(world_size):
+            by_ep.setdefault(_coord(edims, r)["ep"], []).append(r)
+        for e in range(p.ep):
+            experts.append({"ep_rank": e, "experts": [e * per_ep, (e + 1) * per_ep],
+                            "ranks": by_ep[e]})
+
+    ranks = []
+    for r in range(world_size):
+        dc, ec = _coord(ddims, r), _coord(edims, r)
+        st = stages[dc["pp"]]
+        row = {"rank": r, "tp": dc["tp"], "cp": dc["cp"], "dp": dc["dp"], "pp": dc["pp"],
+               "etp": ec["tp"], "ep": ec["ep"], "edp": ec["dp"], "layers": st["layers"]}
+        if E:
+            per_ep = E // p.ep
+            row["experts"] = [ec["ep"] * per_ep, (ec["ep"] + 1) * per_ep]
+        ranks.append(row)
+
+    peak = max(stages, key=lambda st: st["memory_gib"]["total"])
+    n_moe = sum(is_moe_layer(d, i) for i in range(L))
+    return {
+        "world_size": world_size,
+        "order": ORDER,
+        "layout": {
+            "tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": dp, "ep": p.ep, "etp": p.etp, "edp": edp,
+            "sequence_parallel": p.sequence_parallel, "device": p.device,
+        },
+        "model": {
+            **{k: d[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                                 "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                 "tie_word_embeddings")},
+            "moe_layers": n_moe,
+            "padded_vocab_size": Vp,
+            "dtype": config.model.dtype,
+        },
+        "total_params": counts["total"],
+        "active_params": counts["active"],
+        "params_breakdown": counts["breakdown"],
+        "groups": groups,
+        "stages": stages,
+        "experts": experts,
+        "ranks": ranks,
+        "max_params_per_rank": max(st["params"] for st in stages),
+        "peak_memory_gib": peak["memory_gib"]["total"],
+        "peak_memory_stage": peak["pp_rank"],
+        "micro_batch_tokens": config.train.micro_batch_tokens,
+        "memory_assumptions": [
+            "weights in model.dtype; gradients fp32 when optimizer.grad_reduce_in_fp32",
+            "Adam: fp32 master (16-bit dtypes) + m + v = 12 (or 8) bytes/param, sharded over "
+            "DP*CP (dense) / expert-DP (experts) with the distributed optimizer",
+            "activations: flash attention, balanced MoE routing without capacity factor, "
+            "T = micro_batch_tokens/CP per microbatch, PP-s microbatches in flight on stage s "
+            "(1F1B), fp32 logits + softmax on the last stage",
+            "not counted: CUDA context, NCCL buffers, fragmentation, colocated SGLang",
+        ],
+    }
+
+
+# ---- text output ----------------------------------------------------------------------------
+
+
+def _fmt_ranks(rs: Sequence[int]) -> str:
+    rs = list(rs)
+    if len(rs) > 2 and all(b - a == 1 for a, b in zip(rs, rs[1:])):
+        return f"{rs[0]}-{rs[-1]}"
+    if len(rs) > 2:
+        step = rs[1] - rs[0]
+        if step > 0 and all(b - a == step for a, b in zip(rs, rs[1:])):
+            return f"{rs[0]}-{rs[-1]}:{step}"
+    return ",".join(map(str, rs))
+
+
+def _fmt_groups(gs: list[list[int]], limit: int = 6) -> str:
+    shown = " ".join(f"[{_fmt_ranks(g)}]" for g in gs[:limit])
+    more = f" ... ({len(gs)} groups of {len(gs[0])})" if len(gs) > limit else ""
+    return shown + more
+
+
+def _b(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def _mem(gib: float) -> str:
+    if gib >= 1:
+        return f"{gib:.1f} GiB"
+    if gib * 1024 >= 1:
+        return f"{gib * 1024:.1f} MiB"
+    return f"{gib * 1024 * 1024:.1f} KiB"
+
+
+def format_plan(pl: dict) -> str:
+    lay, m = pl["layout"], pl["model"]
+    lines = [
+        f"world {pl['world_size']} = tp {lay['tp']} x cp {lay['cp']} x dp {lay['dp']} x pp "
+        f"{lay['pp']}; experts per stage: etp {lay['etp']} x ep {lay['ep']} x edp {lay['edp']}; "
+        f"sequence_parallel {'on' if lay['sequence_parallel'] else 'off'}; order {pl['order']}",
+        f"model: {m['num_hidden_layers']} layers ({m['moe_layers']} MoE), hidden {m['hidden_size']}"
+        f", heads {m['num_attention_heads']}/{m['num_key_value_heads']} kv x {m['head_dim']}, "
+        f"experts {m['num_experts']} top-{m['num_experts_per_tok']} (ffn "
+        f"{m['moe_intermediate_size']}), vocab {m['vocab_size']} (padded {m['padded_vocab_size']}"
+        f" at tp {lay['tp']}), {m['dtype']}",
+        f"params: total {_b(pl['total_params'])} ({pl['total_params']:,}), active per token "
+        f"{_b(pl['active_params'])} ({pl['active_params']:,})",
+        "groups (global ranks):",
+    ]
+    for name, gs in pl["groups"].items():
+        lines.append(f"  {name:<10}{_fmt_groups(gs)}")
+    lines.append("pipeline stages:")
+    for st in pl["stages"]:
+        extra = [x for x, on in (("embedding", st["embedding"]), ("final norm + output layer",
+                                                                  st["output_layer"])) if on]
+        lines.append(
+            f"  stage {st['pp_rank']}: layers {st['layers'][0]}-{st['layers'][1] - 1}"
+            f"{' + ' + ' + '.join(extra) if extra else ''}; ranks {_fmt_ranks(st['ranks'])}"
+        )
+    if pl["experts"]:
+        lines.append("experts (global ids, in every MoE layer of the rank's stage):")
+        for e in pl["experts"][:16]:
+            lines.append(f"  ep {e['ep_rank']}: experts {e['experts'][0]}-{e['experts'][1] - 1}; "
+                         f"ranks {_fmt_ranks(e['ranks'])}")
+        if len(pl["experts"]) > 16:
+            lines.append(f"  ... ({len(pl['experts'])} EP ranks)")
+    lines.append(f"per GPU (micro_batch_tokens {pl['micro_batch_tokens']}):")
+    for st in pl["stages"]:
+        mem = st["memory_gib"]
+        parts = " | ".join(f"{k} {_mem(v)}" for k, v in mem.items())
+        lines.append(
+            f"  stage {st['pp_rank']}: params {_b(st['params'])} (dense {_b(st['dense_params'])}, "
+            f"expert {_b(st['expert_params'])}): {parts}"
+        )
+    lines.append(f"peak {_mem(pl['peak_memory_gib'])} per GPU on stage {pl['peak_memory_stage']}")
+    lines.append("assumptions: " + "; ".join(pl["memory_assumptions"]))
+    return "\n".join(lines)
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+
+def build_parser(prog: str = "python -m gspo_megatron.planner") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="Validate a config and plan its layout.")
+    ap.add_argument("--config", help="YAML config file")
+    ap.add_argument("--dry-run", action="store_true", help="accepted for the trainer's CLI")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--world-size", type=int, help="number of ranks (GPUs / processes)")
+    ap.add_argument("--nnodes", type=int, help="nodes (with --nproc-per-node)")
+    ap.add_argument("--nproc-per-node", type=int, help="ranks per node (with --nnodes)")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = load_config(args.config, args.overrides)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
+        if args.world_size is not None and (args.nnodes or args.nproc_per_node):
+            raise ConfigError("give either --world-size or --nnodes/--nproc-per-node")
+        if args.world_size is not None:
+            world = args.world_size
+        elif args.nnodes or args.nproc_per_node:
+            world = (args.nnodes or 1) * (args.nproc_per_node or 1)
+        elif os.environ.get("WORLD_SIZE", "").isdigit():
+            world = int(os.environ["WORLD_SIZE"])
+        else:
+            world = default_world_size(cfg)
+        pl = plan(cfg, world)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(pl))
+    else:
+        if args.config:
+            print(f"gspo-megatron dry run: {args.config}")
+        print(format_plan(pl))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

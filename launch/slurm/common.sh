@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2034  # globals set here (TORCHRUN_CMD, LOG_DIR, ...) are read by the sbatch scripts
+# Helpers sourced by the sbatch scripts in this directory (no Python logic lives here).
+#
+# Every command that would start a process goes through run_cmd / run_bg: with DRY_RUN=1 they
+# print the shell-quoted command line on stdout instead (one line each) so a test can render the
+# launch without Slurm; explanations go to stderr.
+
+# The repository root: where the job was submitted from (sbatch copies the script away, so its
+# own path is useless), or REPO_DIR.
+REPO_DIR=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
+DRY_RUN=${DRY_RUN:-0}
+
+log() {
+    printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2
+}
+
+die() {
+    log "error: $*"
+    exit 2
+}
+
+quote_cmd() {
+    printf '%q ' "$@"
+    printf '\n'
+}
+
+# run_cmd CMD...: run in the foreground (or print it).
+run_cmd() {
+    if [[ $DRY_RUN == 1 ]]; then
+        quote_cmd "$@"
+    else
+        "$@"
+    fi
+}
+
+# run_bg CMD...: start in the background and append its pid to BG_PIDS (or print it).
+BG_PIDS=()
+run_bg() {
+    if [[ $DRY_RUN == 1 ]]; then
+        quote_cmd "$@"
+    else
+        "$@" &
+        BG_PIDS+=("$!")
+    fi
+}
+
+# kill_bg: stop the background commands this script started (by pid), then reap them.
+kill_bg() {
+    local pid
+    for pid in "${BG_PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${BG_PIDS[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+}
+
+# The interpreter: PYTHON, else the repo's venv (not inside a container), else python3.
+pick_python() {
+    if [[ -n ${PYTHON:-} ]]; then
+        echo "$PYTHON"
+    elif [[ -z ${CONTAINER_IMAGE:-} && -x $REPO_DIR/.venv/bin/python ]]; then
+        echo "$REPO_DIR/.venv/bin/python"
+    else
+        echo python3
+    fi
+}
+
+# The allocation's hostnames, one per line.
+job_nodes() {
+    [[ -n ${SLURM_JOB_NODELIST:-} ]] || die "SLURM_JOB_NODELIST is not set (submit with sbatch)"
+    scontrol show hostnames "$SLURM_JOB_NODELIST"
+}
+
+# node_addr HOST: the host's IPv4 address as the cluster resolves it (loopback answers, e.g. a
+# Debian 127.0.1.1 entry, are skipped), else the hostname itself.
+node_addr() {
+    local addr
+    addr=$(timeout 5 getent ahostsv4 "$1" 2>/dev/null | awk '$1 !~ /^127\./ {print $1; exit}') || true
+    echo "${addr:-$1}"
+}
+
+# Defaults for NCCL / PyTorch distributed; each can be overridden from the environment.
+#   CUDA_DEVICE_MAX_CONNECTIONS=1    Megatron: keeps TP/SP communication ordered with compute.
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a failed or timed-out collective aborts the job instead of
+#                                    hanging it until the Slurm time limit.
+#   NCCL_DEBUG=WARN                  INFO prints the transports chosen (use it to check IB).
+# Set per cluster (left unset here, see docs/cluster.md):
+#   NCCL_SOCKET_IFNAME=ib0|eth0      interface for NCCL's bootstrap / socket fallback
+#   NCCL_IB_HCA=mlx5_0,mlx5_1,...    the InfiniBand HCAs to use (all rails)
+#   NCCL_IB_GID_INDEX=3              RoCE clusters
+#   NCCL_IB_TIMEOUT=22, NCCL_IB_RETRY_CNT=13   tolerate congested fabrics
+#   NCCL_NVLS_ENABLE=0               if NVLink SHARP fails to initialise
+setup_dist_env() {
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export PYTHONPATH=$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# Extra srun arguments for a pyxis/enroot container (CONTAINER_IMAGE, CONTAINER_MOUNTS).
+container_args() {
+    CONTAINER_ARGS=()
+    if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+        CONTAINER_ARGS+=("--container-image=$CONTAINER_IMAGE" "--container-workdir=$PWD")
+        local mounts=${CONTAINER_MOUNTS:-$REPO_DIR:$REPO_DIR}
+        CONTAINER_ARGS+=("--container-mounts=$mounts")
+    fi
+}
+
+# resolve_config PATH: absolute path of an existing config file.
+resolve_config() {
+    [[ -n ${1:-} ]] || die "usage: sbatch $(basename "$0") CONFIG.yaml [section.key=value ...]"
+    [[ -f $1 ]] || die "config file not found: $1"
+    realpath "$1"
+}
+
+# The per-job log directory (stable across --requeue: the job id is kept).
+setup_log_dir() {
+    LOG_DIR=${LOG_DIR:-$REPO_DIR/logs/${SLURM_JOB_NAME:-gspo}-${SLURM_JOB_ID:-local}}
+    if [[ $DRY_RUN != 1 ]]; then
+        mkdir -p "$LOG_DIR"
+    fi
+    log "logs: $LOG_DIR (restart ${SLURM_RESTART_COUNT:-0})"
+}
+
+# torchrun_cmd NNODES NPROC HEAD_ADDR -- ARGS...: sets TORCHRUN_CMD to a multi-node torchrun with
+# c10d rendezvous on HEAD_ADDR:MASTER_PORT running `-m gspo_megatron.train ARGS...`.
+torchrun_cmd() {
+    local nnodes=$1 nproc=$2 head=$3
+    shift 4
+    local python
+    python=$(pick_python)
+    TORCHRUN_CMD=("$python" -m torch.distributed.run
+        "--nnodes=$nnodes" "--nproc-per-node=$nproc"
+        --rdzv-backend=c10d "--rdzv-endpoint=$head:$MASTER_PORT" "--rdzv-id=${SLURM_JOB_ID:-0}"
+        --max-restarts=0
+        -m gspo_megatron.train "$@")
+}
+
+# Rendezvous port: fixed per job so every node computes the same one.
+MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}

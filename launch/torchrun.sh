@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Train on one node with torchrun: NPROC processes (one per GPU, or CPU processes).
+#
+#   NPROC=8 launch/torchrun.sh launch/configs/qwen3_30b_a3b.yaml model.hf_dir=/ckpt/Qwen3-30B-A3B
+#   NPROC=2 launch/torchrun.sh launch/configs/tiny_cpu.yaml train.max_steps=5
+#
+# Everything after the config file is passed to `python -m gspo_megatron.train` as dotted
+# overrides (section.key=value). Check a layout first with
+#   python -m gspo_megatron.planner --config FILE --world-size "$NPROC"
+#
+# Environment:
+#   NPROC         processes (default: the visible GPUs, else 1)
+#   PYTHON        interpreter (default: <repo>/.venv/bin/python if present, else python3)
+#   MASTER_PORT   fixed rendezvous port on localhost (default: torchrun --standalone picks a free one)
+#   OMP_NUM_THREADS  CPU threads per process (default: cores / NPROC, at least 1)
+#   DRY_RUN=1     print the command instead of running it
+set -euo pipefail
+
+REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+usage() {
+    echo "usage: [NPROC=N] $0 CONFIG.yaml [section.key=value ...]" >&2
+}
+
+if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
+    usage
+    exit 2
+fi
+config=$1
+shift
+if [[ ! -f $config ]]; then
+    echo "torchrun.sh: config file not found: $config" >&2
+    exit 2
+fi
+
+if [[ -z ${NPROC:-} ]]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        NPROC=$(nvidia-smi -L | grep -c '^GPU')
+    else
+        NPROC=1
+    fi
+fi
+if ! [[ $NPROC =~ ^[1-9][0-9]*$ ]]; then
+    echo "torchrun.sh: NPROC must be a positive integer, got '$NPROC'" >&2
+    exit 2
+fi
+
+if [[ -z ${PYTHON:-} ]]; then
+    if [[ -x $REPO_DIR/.venv/bin/python ]]; then
+        PYTHON=$REPO_DIR/.venv/bin/python
+    else
+        PYTHON=python3
+    fi
+fi
+
+cores=$(nproc 2>/dev/null || echo 1)
+threads=$((cores / NPROC))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((threads > 0 ? threads : 1))}
+export PYTHONPATH=$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}
+# Megatron: TP/SP communication is issued in order on one CUDA stream queue.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+
+if [[ -n ${MASTER_PORT:-} ]]; then
+    rdzv=(--rdzv-backend=c10d "--rdzv-endpoint=localhost:$MASTER_PORT")
+else
+    rdzv=(--standalone)
+fi
+
+cmd=("$PYTHON" -m torch.distributed.run --nnodes=1 "--nproc-per-node=$NPROC" "${rdzv[@]}"
+    -m gspo_megatron.train --config "$config" "$@")
+
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+    printf '%q ' "${cmd[@]}"
+    printf '\n'
+    exit 0
+fi
+exec "${cmd[@]}"

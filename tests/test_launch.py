@@ -1,0 +1,368 @@
+"""Launch scripts (rendered with DRY_RUN=1 and a fake Slurm) and the dry-run planner."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from gspo_megatron import planner
+from gspo_megatron.config import ConfigError, load_config
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "launch", "configs")
+PRESETS = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
+SCRIPTS = [os.path.join(ROOT, "launch", "torchrun.sh")] + sorted(
+    glob.glob(os.path.join(ROOT, "launch", "slurm", "*.sbatch"))
+    + glob.glob(os.path.join(ROOT, "launch", "slurm", "*.sh"))
+)
+URLS = "rollout.sglang.urls=[http://a:1,http://b:2]"
+
+
+def preset(name: str) -> str:
+    return os.path.join(CONFIGS, name + ".yaml")
+
+
+# ---- static checks -------------------------------------------------------------------------
+
+
+def test_scripts_exist():
+    names = {os.path.relpath(s, ROOT) for s in SCRIPTS}
+    assert {"launch/torchrun.sh", "launch/slurm/train.sbatch",
+            "launch/slurm/train_with_sglang.sbatch"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: os.path.relpath(s, ROOT))
+def test_bash_syntax(script):
+    r = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_shellcheck():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install -y shellcheck)")
+    rel = [os.path.relpath(s, ROOT) for s in SCRIPTS]
+    r = subprocess.run(["shellcheck", "-x", *rel], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_torchrun_sh_is_executable():
+    assert os.stat(os.path.join(ROOT, "launch", "torchrun.sh")).st_mode & stat.S_IXUSR
+
+
+# ---- rendering -----------------------------------------------------------------------------
+
+
+def render(script: str, args: list[str], env: dict | None = None, nodes: list[str] | None = None,
+           tmp_path=None, expect_rc: int = 0) -> list[list[str]]:
+    """Run a launch script with DRY_RUN=1; return the printed commands as argv lists."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SGLANG_"))}
+    for k in ("NPROC", "MASTER_PORT", "PYTHON", "CONTAINER_IMAGE", "LOG_DIR", "GPUS_PER_NODE"):
+        e.pop(k, None)
+    e["DRY_RUN"] = "1"
+    if nodes is not None:
+        fake = tmp_path / "bin"
+        fake.mkdir(exist_ok=True)
+        sc = fake / "scontrol"
+        sc.write_text('#!/usr/bin/env bash\n[[ $1 == show && $2 == hostnames ]] || exit 1\n'
+                      'tr " " "\\n" <<<"$FAKE_NODES"\n')
+        sc.chmod(0o755)
+        e.update(PATH=f"{fake}:{e['PATH']}", FAKE_NODES=" ".join(nodes),
+                 SLURM_JOB_NODELIST=f"{nodes[0]}-list", SLURM_NNODES=str(len(nodes)),
+                 SLURM_JOB_ID="4242", SLURM_JOB_NAME="gspo", SLURM_SUBMIT_DIR=ROOT,
+                 SLURM_GPUS_ON_NODE="8")
+    e.update(env or {})
+    r = subprocess.run(["bash", script, *args], cwd=ROOT, env=e, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == expect_rc, r.stdout + r.stderr
+    return [shlex.split(line) for line in r.stdout.splitlines() if line.strip()]
+
+
+def train_args(argv: list[str]) -> list[str]:
+    """What follows `-m gspo_megatron.train` in a command."""
+    i = argv.index("gspo_megatron.train")
+    assert argv[i - 1] == "-m"
+    return argv[i + 1:]
+
+
+def opt(argv: list[str], name: str) -> str:
+    vals = [a.split("=", 1)[1] for a in argv if a.startswith(name + "=")]
+    assert len(vals) == 1, (name, argv)
+    return vals[0]
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
+def test_torchrun_render(path):
+    rel = os.path.relpath(path, ROOT)
+    (cmd,) = render(os.path.join(ROOT, "launch", "torchrun.sh"),
+                    [rel, "train.max_steps=5", URLS, "out_dir=runs/a b"], env={"NPROC": "4"})
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert opt(cmd, "--nproc-per-node") == "4" and opt(cmd, "--nnodes") == "1"
+    assert "--standalone" in cmd
+    assert train_args(cmd) == ["--config", rel, "train.max_steps=5", URLS, "out_dir=runs/a b"]
+
+
+def test_torchrun_fixed_port_and_errors(tmp_path):
+    (cmd,) = render(os.path.join(ROOT, "launch", "torchrun.sh"), [preset("tiny_cpu")],
+                    env={"NPROC": "2", "MASTER_PORT": "29511", "PYTHON": "/opt/py/bin/python"})
+    assert cmd[0] == "/opt/py/bin/python"
+    assert opt(cmd, "--rdzv-endpoint") == "localhost:29511" and "--standalone" not in cmd
+    render(os.path.join(ROOT, "launch", "torchrun.sh"), ["nope.yaml"], expect_rc=2)
+    render(os.path.join(ROOT, "launch", "torchrun.sh"), [], expect_rc=2)
+    render(os.path.join(ROOT, "launch", "torchrun.sh"), [preset("tiny_cpu")],
+           env={"NPROC": "x"}, expect_rc=2)
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=os.path.basename)
+def test_train_sbatch_render(path, tmp_path):
+    nodes = ["gpu-a001", "gpu-a002", "gpu-a003"]
+    (cmd,) = render(os.path.join(ROOT, "launch", "slurm", "train.sbatch"),
+                    [os.path.relpath(path, ROOT), "checkpoint.resume=never", URLS],
+                    nodes=nodes, tmp_path=tmp_path)
+    assert cmd[0] == "srun"
+    assert opt(cmd, "--nodes") == "3" and opt(cmd, "--ntasks-per-node") == "1"
+    assert "--kill-on-bad-exit=1" in cmd
+    assert opt(cmd, "--output").startswith(os.path.join(ROOT, "logs", "gspo-4242") + "/")
+    assert opt(cmd, "--nnodes") == "3" and opt(cmd, "--nproc-per-node") == "8"
+    assert opt(cmd, "--rdzv-backend") == "c10d" and opt(cmd, "--rdzv-id") == "4242"
+    assert opt(cmd, "--rdzv-endpoint") == f"gpu-a001:{20000 + 4242}"
+    # Absolute config path; resume=auto first so that a user's explicit choice still wins.
+    assert train_args(cmd) == ["--config", path, "checkpoint.resume=auto",
+                               "checkpoint.resume=never", URLS]
+
+
+def test_train_sbatch_env_knobs(tmp_path):
+    (cmd,) = render(os.path.join(ROOT, "launch", "slurm", "train.sbatch"), [preset("tiny_cpu")],
+                    nodes=["n1"], tmp_path=tmp_path,
+                    env={"GPUS_PER_NODE": "4", "MASTER_PORT": "23456", "LOG_DIR": "/tmp/L",
+                         "CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.01-py3"})
+    assert opt(cmd, "--nproc-per-node") == "4" and opt(cmd, "--gpus-per-node") == "4"
+    assert opt(cmd, "--rdzv-endpoint") == "n1:23456" and opt(cmd, "--output") == "/tmp/L/train-node%n.log"
+    assert opt(cmd, "--container-image") == "nvcr.io#nvidia/pytorch:25.01-py3"
+    assert cmd[cmd.index("-m") - 1] == "python3"  # no host venv inside a container
+    render(os.path.join(ROOT, "launch", "slurm", "train.sbatch"), ["missing.yaml"], nodes=["n1"],
+           tmp_path=tmp_path, expect_rc=2)
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_235b_a22b"])
+def test_sglang_sbatch_disaggregated(name, tmp_path):
+    nodes = [f"n{i}" for i in range(1, 6)]
+    cmds = render(os.path.join(ROOT, "launch", "slurm", "train_with_sglang.sbatch"),
+                  [preset(name), "model.hf_dir=/ckpt/m", "train.max_steps=2"],
+                  env={"SGLANG_NODES": "2", "SGLANG_API_KEY": "sekret"}, nodes=nodes,
+                  tmp_path=tmp_path)
+    servers = [c for c in cmds if "sglang.launch_server" in c]
+    (trainer,) = [c for c in cmds if "gspo_megatron.train" in c]
+    assert len(servers) == 2 and len(cmds) == 3
+    for node, c in zip(["n4", "n5"], servers):  # the last SGLANG_NODES nodes
+        assert c[0] == "srun" and opt(c, "--nodelist") == node
+        launch = c[c.index("sglang.launch_server") + 1:]
+        assert launch[launch.index("--host") + 1] == node  # bound to the node's address
+        assert launch[launch.index("--port") + 1] == "30000"
+        assert launch[launch.index("--model-path") + 1] == "/ckpt/m"
+        assert launch[launch.index("--tp-size") + 1] == "8"
+        assert launch[launch.index("--api-key") + 1] == "sekret"
+        assert "--nnodes" not in launch
+    assert opt(trainer, "--nodelist") == "n1,n2,n3" and opt(trainer, "--nnodes") == "3"
+    assert opt(trainer, "--rdzv-endpoint") == f"n1:{20000 + 4242}"
+    assert train_args(trainer) == [
+        "--config", preset(name), "checkpoint.resume=auto", "rollout.backend=sglang",
+        "rollout.sglang.launch=false", "rollout.sglang.urls=[http://n4:30000,http://n5:30000]",
+        "rollout.sglang.api_key=sekret", "model.hf_dir=/ckpt/m", "train.max_steps=2",
+    ]
+    # The url override the trainer receives parses back to the list of servers.
+    cfg = load_config(preset(name), train_args(trainer)[2:6])
+    assert cfg.rollout.sglang.urls == ["http://n4:30000", "http://n5:30000"]
+
+
+def test_sglang_sbatch_multinode_servers_and_colocated(tmp_path):
+    script = os.path.join(ROOT, "launch", "slurm", "train_with_sglang.sbatch")
+    cmds = render(script, [preset("qwen3_235b_a22b")],
+                  env={"SGLANG_NODES": "2", "SGLANG_NODES_PER_SERVER": "2",
+                       "SGLANG_MODEL_PATH": "/m", "SGLANG_EP": "16", "SGLANG_PORT": "31000"},
+                  nodes=["a", "b", "c"], tmp_path=tmp_path)
+    servers = [c for c in cmds if "sglang.launch_server" in c]
+    assert [opt(c, "--nodelist") for c in servers] == ["b", "c"]
+    for rank, c in enumerate(servers):
+        assert c[c.index("--node-rank") + 1] == str(rank) and c[c.index("--nnodes") + 1] == "2"
+        assert c[c.index("--dist-init-addr") + 1] == "b:50000"
+        assert c[c.index("--tp-size") + 1] == "16" and c[c.index("--ep-size") + 1] == "16"
+    (trainer,) = [c for c in cmds if "gspo_megatron.train" in c]
+    assert "rollout.sglang.urls=[http://b:31000]" in train_args(trainer)
+    assert opt(trainer, "--nnodes") == "1"
+
+    # Servers in their own image; the trainer keeps the host interpreter.
+    cmds = render(script, [preset("qwen3_30b_a3b"), "model.hf_dir=/m"],
+                  env={"SGLANG_CONTAINER_IMAGE": "lmsysorg/sglang:latest",
+                       "SGLANG_EXTRA_ARGS": "--enable-memory-saver --log-level warning"},
+                  nodes=["a", "b"], tmp_path=tmp_path)
+    server, trainer = cmds
+    assert opt(server, "--container-image") == "lmsysorg/sglang:latest"
+    assert server[server.index("-m") - 1] == "python3"
+    assert server[-3:] == ["--enable-memory-saver", "--log-level", "warning"]
+    assert not any(a.startswith("--container-image") for a in trainer)
+
+    (trainer,) = render(script, [preset("qwen3_30b_a3b"), "x.y=1"],
+                        env={"SGLANG_MODE": "colocated"}, nodes=["a", "b"], tmp_path=tmp_path)
+    assert opt(trainer, "--nnodes") == "2"
+    args = train_args(trainer)
+    assert args[:3] == ["--config", preset("qwen3_30b_a3b"), "checkpoint.resume=auto"]
+    assert "rollout.sglang.launch=true" in args and args[-1] == "x.y=1"
+
+    # Errors: no server model, no node left for training, uneven multi-node servers.
+    render(script, [preset("qwen3_30b_a3b")], nodes=["a", "b"], tmp_path=tmp_path, expect_rc=2)
+    render(script, [preset("qwen3_30b_a3b"), "model.hf_dir=/m"], env={"SGLANG_NODES": "2"},
+           nodes=["a", "b"], tmp_path=tmp_path, expect_rc=2)
+    render(script, [preset("qwen3_30b_a3b"), "model.hf_dir=/m"],
+           env={"SGLANG_NODES": "3", "SGLANG_NODES_PER_SERVER": "2"}, nodes=list("abcde"),
+           tmp_path=tmp_path, expect_rc=2)
+
+
+# ---- planner -------------------------------------------------------------------------------
+
+
+def dry_run_json(name: str, *args: str) -> dict:
+    r = subprocess.run(
+        [sys.executable, "-m", "gspo_megatron.planner", "--config", preset(name), "--dry-run",
+         "--json", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize(
+    "name,args,total,active",
+    [
+        ("qwen3_30b_a3b", ["--nnodes", "2", "--nproc-per-node", "8"], 30.5e9, 3.3e9),
+        ("qwen3_235b_a22b", ["--world-size", "128"], 235e9, 22e9),
+    ],
+)
+def test_dry_run_param_counts_match_published(name, args, total, active):
+    pl = dry_run_json(name, *args)
+    assert abs(pl["total_params"] / total - 1) < 0.01, pl["total_params"]
+    assert abs(pl["active_params"] / active - 1) < 0.03, pl["active_params"]
+
+
+def test_param_counts_equal_transformers_model():
+    """The planner's formula against transformers' own Qwen3-MoE module (on the meta device)."""
+    torch = pytest.importorskip("torch")
+    tr = pytest.importorskip("transformers")
+    for path in PRESETS:
+        hf = load_config(path, []).model.hf_config
+        with torch.device("meta"):
+            model = tr.Qwen3MoeForCausalLM(tr.Qwen3MoeConfig(**hf))
+        n = sum(p.numel() for p in model.parameters())
+        counts = planner.count_params(planner.hf_model_dims(hf))
+        assert counts["total"] == n, (os.path.basename(path), counts["total"], n)
+
+
+def test_plan_30b_layout():
+    cfg = load_config(preset("qwen3_30b_a3b"), [])
+    pl = planner.plan(cfg, 16)
+    lay = pl["layout"]
+    assert (lay["tp"], lay["dp"], lay["ep"], lay["edp"], lay["pp"]) == (2, 8, 8, 2, 1)
+    assert pl["model"]["padded_vocab_size"] == 152064  # 151936 -> multiple of 128*2
+    assert pl["groups"]["tp"][:2] == [[0, 1], [2, 3]]
+    assert pl["groups"]["ep"] == [list(range(8)), list(range(8, 16))]  # an EP group = one node
+    assert pl["groups"]["expert_dp"][0] == [0, 8]
+    assert pl["experts"][3] == {"ep_rank": 3, "experts": [48, 64], "ranks": [3, 11]}
+    (stage,) = pl["stages"]
+    assert stage["layers"] == [0, 48] and stage["embedding"] and stage["output_layer"]
+    assert pl["ranks"][11]["experts"] == [48, 64] and pl["ranks"][11]["tp"] == 1
+    mem = stage["memory_gib"]
+    assert all(v > 0 for v in mem.values())
+    assert abs(mem["total"] - sum(v for k, v in mem.items() if k != "total")) < 1e-9
+    # Distributed optimizer: doubling expert-DP halves the expert Adam states.
+    pl8 = planner.plan(cfg, 8)
+    assert pl8["stages"][0]["memory_gib"]["optimizer"] > mem["optimizer"]
+    assert pl8["stages"][0]["params"] == stage["params"]
+
+
+def test_plan_235b_pipeline_and_tp8_vocab():
+    cfg = load_config(preset("qwen3_235b_a22b"), [])
+    pl = planner.plan(cfg, 128)
+    s0, s1 = pl["stages"]
+    assert s0["layers"] == [0, 47] and s1["layers"] == [47, 94]
+    assert s0["ranks"] == list(range(64)) and s1["ranks"] == list(range(64, 128))
+    assert s0["embedding"] and not s0["output_layer"] and s1["output_layer"]
+    assert len(pl["experts"]) == 32 and pl["experts"][31]["experts"] == [124, 128]
+    with pytest.raises(ConfigError, match="num_key_value_heads"):  # 4 kv heads
+        load_config(preset("qwen3_235b_a22b"), ["parallel.tp=8"])
+    cfg = load_config(preset("qwen3_30b_a3b"), ["parallel.tp=4"])
+    assert planner.plan(cfg, 32)["model"]["padded_vocab_size"] == 152064
+    assert planner.padded_vocab(151936, 8) == 152576
+    assert planner.padded_vocab(151936, 1) == 151936
+
+
+def test_plan_single_rank_holds_everything():
+    cfg = load_config(preset("tiny_cpu"), ["parallel.tp=1", "parallel.sequence_parallel=false"])
+    pl = planner.plan(cfg, 1)
+    d = planner.hf_model_dims(cfg.model.hf_config)
+    pad = (pl["model"]["padded_vocab_size"] - d["vocab_size"]) * d["hidden_size"] * 2
+    assert pl["stages"][0]["params"] == pl["total_params"] + pad
+
+
+def test_per_rank_params_sum_to_total():
+    """Summing each rank's share over one tp x ep slice of every stage recovers the model
+    (replicated tensors -- norms, router -- counted once per slice)."""
+    cfg = load_config(preset("qwen3_235b_a22b"), [])
+    pl = planner.plan(cfg, 128)
+    d = planner.hf_model_dims(cfg.model.hf_config)
+    tp, ep = 4, 32
+    H, L, E = d["hidden_size"], d["num_hidden_layers"], d["num_experts"]
+    replicated = L * (2 * H + 2 * d["head_dim"] + E * H) + H
+    total = 0
+    for st in pl["stages"]:
+        total += st["dense_params"] * tp + st["expert_params"] * ep
+    total -= replicated * (tp - 1)  # norms/router were counted tp times
+    pad = (pl["model"]["padded_vocab_size"] - d["vocab_size"]) * H * 2
+    assert total == pl["total_params"] + pad
+
+
+@pytest.mark.parametrize(
+    "tp,cp,pp,ep,etp,world",
+    [(2, 1, 1, 1, 1, 2), (2, 1, 2, 4, 1, 8), (2, 2, 2, 2, 2, 16), (1, 1, 2, 8, 1, 16),
+     (4, 1, 2, 4, 2, 32), (1, 2, 1, 4, 1, 8)],
+)
+def test_rank_groups_match_megatron(tp, cp, pp, ep, etp, world):
+    ps = pytest.importorskip("megatron.core.parallel_state")
+    from gspo_megatron.config import ParallelConfig
+
+    p = ParallelConfig(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, sequence_parallel=tp > 1)
+    dp, edp = p.dp(world), p.edp(world)
+    dec = ps.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    exp = ps.RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    ddims, edims = planner.decoder_dims(p, world), planner.expert_dims(p, world)
+    for token in ("tp", "cp", "dp", "pp", "dp-cp", "tp-pp", "tp-dp-cp"):
+        assert planner.rank_groups(ddims, token) == dec.get_ranks(token), token
+    for token in ("tp", "ep", "dp", "pp", "tp-ep"):
+        assert planner.rank_groups(edims, token) == exp.get_ranks(token), token
+
+
+def test_planner_cli_text_and_errors(capsys):
+    assert planner.main(["--config", preset("tiny_cpu"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "world 2 = tp 2" in out and "stage 0: layers 0-1" in out and "experts 0-7" in out
+    assert planner.main(["--config", preset("tiny_cpu"), "parallel.tp=3"]) == 2
+    assert "num_attention_heads" in capsys.readouterr().err
+    assert planner.main(["--config", preset("tiny_cpu"), "--world-size", "3"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+    assert planner.main(["--config", preset("tiny_cpu"), "trian.max_steps=1"]) == 2
+    assert "trian" in capsys.readouterr().err
+    assert planner.main(["--config", preset("qwen3_30b_a3b"), "--nnodes", "1",
+                         "--nproc-per-node", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 8
+    # Options and overrides may be interleaved, as the trainer's CLI passes them through.
+    assert planner.main(["--config", preset("tiny_cpu"), "parallel.tp=1", "--json",
+                         "parallel.sequence_parallel=false", "--world-size", "2"]) == 0
+    pl = json.loads(capsys.readouterr().out)
+    assert pl["layout"]["tp"] == 1 and pl["layout"]["dp"] == 2
