@@ -50,7 +50,6 @@ PROXIED_MODULES: dict[str, str] = {
     "megatron.core.transformer.utils": 'attention masks built with device="cuda"',
     "megatron.core.models.gpt.gpt_model": "buffers on torch.cuda.current_device()",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "inv_freq on torch.cuda.current_device()",
-    "megatron.core.distributed.finalize_model_grads": "reduction buffers on torch.cuda.current_device()",
     "megatron.core.distributed.param_and_grad_buffer": "grad buffers on torch.cuda.current_device(); communication streams",
     "megatron.core.distributed.distributed_data_parallel": "torch.cuda.Stream for overlapped grad reduction",
     "megatron.core.optimizer.clip_grads": 'norm buffers on device="cuda"',

@@ -1,0 +1,185 @@
+"""Pins every CUDA assumption of Megatron-Core 0.16.1 that parallel/cpu_runtime.py covers.
+
+Each test shows the assumption is still there (so the runtime is still needed, and a Megatron
+upgrade that moves it fails here loudly) and that the runtime's answer to it works.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+
+def test_proxied_modules_still_assume_cuda():
+    from gspo_megatron.parallel import cpu_runtime
+
+    for modname, reason in cpu_runtime.PROXIED_MODULES.items():
+        src = inspect.getsource(importlib.import_module(modname))
+        assert re.search(r"torch\.cuda\.|device=['\"]cuda", src), f"{modname} no longer mentions cuda: drop it from PROXIED_MODULES ({reason})"
+
+
+def test_proxy_redirects_only_cuda_devices():
+    from gspo_megatron.parallel import cpu_runtime
+
+    proxy = cpu_runtime._TorchProxy()
+    assert proxy.zeros(2, device="cuda").device.type == "cpu"
+    assert proxy.empty(3, device=proxy.cuda.current_device()).device.type == "cpu"
+    assert proxy.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"
+    assert proxy.Tensor is torch.Tensor and proxy.float32 is torch.float32
+    assert proxy.distributed is torch.distributed
+    s = proxy.cuda.Stream()
+    s.wait_stream(proxy.cuda.current_stream())  # no-ops
+    assert proxy.cuda.is_available() is False
+
+
+def test_runtime_is_inert_for_cuda_devices():
+    from gspo_megatron.parallel import cpu_runtime
+    from megatron.core.pipeline_parallel import schedules
+
+    assert cpu_runtime.activate("cuda") is False
+    assert schedules.torch is torch and not cpu_runtime.is_active()
+
+
+def test_te_general_gemm_is_unbound_without_te():
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE:
+        pytest.skip("Transformer Engine installed: the name is bound")
+    assert not hasattr(moe_utils, "te_general_gemm")  # the router would raise NameError
+    from gspo_megatron.parallel import cpu_runtime
+
+    try:
+        cpu_runtime.activate("cpu")
+        assert moe_utils.te_general_gemm is None
+        x, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+        y = moe_utils.RouterGatingLinearFunction.apply(x, w, None, torch.float32)
+        torch.testing.assert_close(y, x @ w.t())
+    finally:
+        cpu_runtime.deactivate()
+    assert not hasattr(moe_utils, "te_general_gemm")
+
+
+def test_split_sizes_stay_tensors_in_megatron_helper():
+    from megatron.core.transformer.moe import moe_utils
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    t = torch.tensor([1, 2])
+    assert torch.is_tensor(moe_utils.maybe_move_tensor_to_cpu(t, as_numpy=True))  # the assumption
+    out = cpu_runtime._maybe_move_tensor_to_cpu(t, as_numpy=True)
+    assert isinstance(out, np.ndarray) and out.tolist() == [1, 2]
+
+
+def test_torch_rmsnorm_spec_refuses_sequence_parallel():
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from gspo_megatron.model.norm import SPRMSNorm
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                            tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm(cfg, 8, normalization="RMSNorm")
+    norm = SPRMSNorm(cfg, 8, eps=1e-6)
+    assert norm.weight.sequence_parallel is True
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-6))
+
+
+def _rank_runtime(rank, world):
+    """Runs inside a fresh process: without the runtime Megatron fails on CPU, with it it works."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(create_gloo_process_groups=False)
+    seen = {}
+    # (c) CUDA RNG tracker
+    try:
+        mrandom.model_parallel_cuda_manual_seed(1)
+        seen["rng_without"] = "ok"
+    except (AssertionError, RuntimeError) as e:
+        seen["rng_without"] = str(e)
+    # (a) device="cuda" in schedules: the no-pipelining schedule allocates total_num_tokens on cuda
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron.core.enums import ModelType
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    model = torch.nn.Linear(2, 2)
+    model.config = ModelParallelConfig()
+    model.model_type = ModelType.encoder_or_decoder
+    model.set_input_tensor = lambda t: None
+
+    def run_schedule():
+        def fs(it, m):
+            x = next(it)
+            return m(x), lambda out: (out.sum(), {"v": out.detach().sum()})
+
+        return schedules.forward_backward_no_pipelining(
+            forward_step_func=fs, data_iterator=iter([torch.ones(1, 2)]), model=[model], num_microbatches=1,
+            seq_length=1, micro_batch_size=1, forward_only=True)
+
+    try:
+        run_schedule()
+        seen["schedule_without"] = "ok"
+    except (AssertionError, RuntimeError) as e:
+        seen["schedule_without"] = str(e)
+    cpu_runtime.activate("cpu")
+    cpu_runtime.seed_model_parallel_rng(1, 0, 0, 0)
+    tracker = mrandom.get_cuda_rng_tracker()
+    with tracker.fork():
+        a = torch.rand(3)
+    with tracker.fork():
+        b = torch.rand(3)
+    seen["fork_advances"] = not torch.equal(a, b)
+    cpu_runtime.seed_model_parallel_rng(1, 0, 0, 0)
+    with mrandom.get_cuda_rng_tracker().fork():
+        seen["fork_reproducible"] = torch.equal(torch.rand(3), a)
+    seen["schedule_with"] = float(run_schedule()[0]["v"])
+    seen["expected"] = float(model(torch.ones(1, 2)).sum())
+    cpu_runtime.deactivate()
+    seen["restored"] = schedules.torch is torch
+    ps.destroy_model_parallel()
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_megatron_needs_the_runtime_on_cpu_and_works_with_it():
+    seen = run_distributed(_rank_runtime, 1, timeout=100)[0]
+    assert "CUDA" in seen["rng_without"] or "cuda" in seen["rng_without"]
+    assert "CUDA" in seen["schedule_without"] or "cuda" in seen["schedule_without"]
+    assert seen["fork_advances"] and seen["fork_reproducible"]
+    assert seen["schedule_with"] == pytest.approx(seen["expected"], rel=1e-6)
+    assert seen["restored"]
+
+
+def _rank_a2a(rank, world):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    x = torch.arange(4, dtype=torch.float32) + 10 * rank
+    out = torch.empty(4)
+    try:
+        dist.all_to_all_single(out, x, output_split_sizes=torch.tensor([2, 2]), input_split_sizes=torch.tensor([2, 2]))
+        tensor_ok = True
+    except (TypeError, RuntimeError):
+        tensor_ok = False
+    dist.all_to_all_single(out, x, output_split_sizes=np.array([2, 2]).tolist(), input_split_sizes=[2, 2])
+    return tensor_ok, out.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_gloo_all_to_all_rejects_tensor_split_sizes():
+    res = run_distributed(_rank_a2a, 2, timeout=50)
+    assert res[0][0] is False and res[1][0] is False
+    assert res[0][1] == [0.0, 1.0, 10.0, 11.0]
