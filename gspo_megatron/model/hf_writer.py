@@ -1,0 +1,149 @@
+"""Write a Hugging Face checkpoint from a stream of (name, tensor): safetensors shards + index.
+
+Used by the converter (mcore -> HF), the trainer's final export and SGLang's disk weight sync.
+Memory: at most one shard's worth of tensors is held. The checkpoint is assembled in a temporary
+directory beside `out_dir` and renamed into place at the end, so an interrupted write never leaves
+something at `out_dir` that looks like a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterable
+
+import torch
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
+
+
+def parse_size(s: str | int) -> int:
+    """'5GB', '500MB', '200KB' or a byte count."""
+    if isinstance(s, int):
+        return s
+    t = s.strip().upper()
+    for unit, mul in (("GIB", 1024**3), ("MIB", 1024**2), ("KIB", 1024), ("GB", 10**9), ("MB", 10**6),
+                      ("KB", 10**3), ("B", 1)):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mul)
+    return int(t)
+
+
+class HFShardWriter:
+    """Accumulates tensors into shards of at most `max_shard_bytes` and writes them to `directory`."""
+
+    def __init__(self, directory: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None):
+        self.directory = directory
+        self.max_shard_bytes = max_shard_bytes
+        self.dtype = dtype
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._pending or any(name in s for s in self._shards):
+            raise ValueError(f"duplicate tensor name {name!r} in HF export")
+        t = tensor.detach().to("cpu")
+        if self.dtype is not None and t.is_floating_point():
+            t = t.to(self.dtype)
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = t
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        idx = len(self._shards)
+        save_file(self._pending, os.path.join(self.directory, f"shard-{idx:05d}.safetensors"), metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        """Flush, give shards their final `model-XXXXX-of-YYYYY` names, write the index."""
+        if self._pending:
+            self._flush()
+        n = len(self._shards)
+        weight_map = {}
+        for i, names in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.directory, f"shard-{i:05d}.safetensors"), os.path.join(self.directory, final))
+            weight_map.update({k: final for k in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+
+
+def save_hf_checkpoint(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str,
+    hf_config: dict,
+    *,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    copy_from: str | None = None,
+    progress: bool = False,
+) -> int:
+    """Write a complete HF checkpoint at `out_dir` atomically; returns bytes of tensor data.
+
+    `hf_config` is written as config.json (with `torch_dtype`/`dtype` updated when `dtype` is given).
+    `copy_from`: a directory whose generation_config.json and tokenizer files are carried over.
+    """
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        writer = HFShardWriter(tmp, parse_size(max_shard_size), dtype)
+        it = named_tensors
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(named_tensors, desc="writing HF tensors", unit="tensor")
+        for name, t in it:
+            writer.add(name, t)
+        writer.finish()
+        cfg = dict(hf_config)
+        if dtype is not None:
+            dname = str(dtype).replace("torch.", "")
+            cfg["torch_dtype"] = dname
+            cfg["dtype"] = dname
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        if copy_from:
+            copy_side_files(copy_from, tmp)
+        if os.path.exists(out_dir):
+            # Replace an older export (e.g. the previous weight-sync version) as one step.
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rmdir(old)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return writer.total_bytes
+
+
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model",
+)
+
+
+def copy_side_files(src: str, dst: str) -> list[str]:
+    """Carry generation config and tokenizer files over when present."""
+    copied = []
+    for f in SIDE_FILES:
+        p = os.path.join(src, f)
+        if os.path.isfile(p):
+            shutil.copyfile(p, os.path.join(dst, f))
+            copied.append(f)
+    return copied
