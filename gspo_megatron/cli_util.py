@@ -40,3 +40,16 @@ def atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def quiet_known_warnings() -> None:
+    """Silence third-party warnings that say nothing actionable on this path (printed once per
+    rank per collective otherwise): torch's renamed collectives used inside Megatron, Megatron's
+    notes that apex/TE are absent on CPU, and its CUDA_DEVICE_MAX_CONNECTIONS hint."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    for msg in (r".*(Apex|Transformer Engine).* not installed.*", r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+                r".*tensor model parallel size is 1\. Disabling sequence parallel.*",
+                r".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=msg)

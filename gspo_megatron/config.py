@@ -428,7 +428,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     # Synthetic task name (source=synthetic).
-    task: str = "addition"
+    task: str = "sort"
     # Seed of prompt generation / shuffling.
     seed: int = 0
 

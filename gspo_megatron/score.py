@@ -58,7 +58,9 @@ def read_input(path: str, vocab_size: int) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
-    from gspo_megatron.cli_util import atomic_write_text, user_errors
+    from gspo_megatron.cli_util import quiet_known_warnings, atomic_write_text, user_errors
+
+    quiet_known_warnings()
 
     args = parse_args(argv)
     with user_errors("gspo_megatron.score"):

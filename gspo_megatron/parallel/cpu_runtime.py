@@ -88,6 +88,12 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "converts split sizes to numpy only for CUDA tensors; gloo all_to_all_single rejects tensor split sizes",
         "CPU version that also converts CPU tensors when as_numpy=True",
     ),
+    Assumption(
+        "clip-grad-dtype-assert",
+        "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32 (imported by optimizer.optimizer)",
+        "asserts param.grad.type() == 'torch.cuda.FloatTensor' before scaling",
+        "same scaling for CPU float32 grads (the norm itself is still Megatron's get_grad_norm_fp32)",
+    ),
 )
 
 
@@ -261,6 +267,21 @@ def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: boo
     return tensor
 
 
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):
+    # Megatron's contract: scale every fp32 grad by max_norm / (total_norm + 1e-6) when < 1.
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    for g in grads:
+        if g.dtype != torch.float32:
+            raise TypeError(f"clip_grad_by_total_norm_fp32 expects float32 grads, got {g.dtype}")
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.mul_(clip_coeff)
+
+
 # --------------------------------------------------------------------------------------------
 # Activation
 
@@ -315,6 +336,11 @@ def activate(device: str | torch.device | None = None) -> bool:
         _set(moe_utils, "te_general_gemm", None)
     _set(moe_utils, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
+
+    from megatron.core.optimizer import clip_grads, optimizer as moptimizer
+
+    _set(clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
+    _set(moptimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
 
     tracker = CpuRNGStatesTracker()
     _set(mrandom, "_CUDA_RNG_STATE_TRACKER", tracker)

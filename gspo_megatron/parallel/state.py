@@ -110,7 +110,7 @@ def init_parallel(
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
         distributed_timeout_minutes=timeout_min,
-        create_gloo_process_groups=device.type == "cuda",  # on CPU every group is gloo already
+        create_gloo_process_groups=True,  # Megatron's optimizer asks for the gloo DP groups
     )
     ctx = ParallelContext(
         parallel=parallel,

@@ -1,0 +1,49 @@
+"""GSPO post-training of Qwen3-MoE on Megatron-Core.
+
+    torchrun --nproc-per-node N -m gspo_megatron.train --config FILE.yaml [dotted.key=value ...]
+    python -m gspo_megatron.train --config FILE.yaml --dry-run [--json] [--world-size N]
+
+Without torchrun it runs as one process. Bad configuration, data or reward modules fail with one
+line on stderr and exit status 2 before any heavy work.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in argv:
+        from gspo_megatron.planner import main as planner_main
+
+        return planner_main(argv)
+    p = argparse.ArgumentParser(prog="gspo_megatron.train", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="YAML config (see launch/configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=5 out_dir=runs/x")
+    args = p.parse_intermixed_args(argv)
+
+    from gspo_megatron.cli_util import quiet_known_warnings, user_errors
+
+    quiet_known_warnings()
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-parameter INFO lists drown ours
+    with user_errors("gspo_megatron.train"):
+        from gspo_megatron.config import load_config
+        from gspo_megatron.train.loop import train
+
+        cfg = load_config(args.config, args.overrides)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if rank == 0:
+            cfg.dump_yaml(os.path.join(cfg.out_dir, "config.yaml"))
+        train(cfg, world_size=world)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""The GSPO training loop, top to bottom:
+
+    prompts -> G samples each (rollout engine, with its log-probs) -> rewards -> group advantages
+    -> optional dynamic-sampling filter -> minibatches (default 4) -> π_old (engine or recompute)
+    -> per minibatch: Megatron forward_backward with the GSPO loss, optimizer step
+    -> push weights to the engine -> metrics -> periodic checkpoint
+
+Rank 0 drives the rollout engine and the reward; samples are broadcast to all ranks, which then
+train together through Megatron's schedules.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.algorithms import group_advantages
+from gspo_megatron.model.export import iter_hf_tensors
+from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+from gspo_megatron.rollout.base import Sample, SamplingParams
+from gspo_megatron.train import checkpoint
+from gspo_megatron.train.batch import TrainSample, plan_minibatch, split_minibatches
+from gspo_megatron.train.loss import WEIGHTED_METRICS, LossSettings, fill_logprobs_step, policy_loss_step, sft_loss_step
+from gspo_megatron.train.metrics import MetricsWriter, plot, reduce_report
+from gspo_megatron.train.setup import RunParts, setup_run
+
+log = logging.getLogger("gspo_megatron.train")
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # GSPO steps completed
+    sft_done: bool = False
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "sft_done": self.sft_done, "data": self.data}
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron passes
+
+
+def _run_schedule(parts: RunParts, step_fn, microbatches, *, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for m in parts.model:
+        m.train(not forward_only)
+    seq = max(mb.tokens.shape[1] for mb in microbatches)
+    ctx = torch.no_grad() if forward_only else torch.enable_grad()
+    with ctx:
+        return get_forward_backward_func()(
+            forward_step_func=step_fn, data_iterator=iter(microbatches), model=parts.model,
+            num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=microbatches[0].tokens.shape[0],
+            forward_only=forward_only,
+        )
+
+
+def _optimizer_step(parts: RunParts, optimizer, scheduler, step_fn, microbatches):
+    for m in parts.model:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = _run_schedule(parts, step_fn, microbatches, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    if ok and scheduler is not None:
+        scheduler.step(increment=1)
+    return reports, (grad_norm if grad_norm is not None else 0.0)
+
+
+def _reporter(parts: RunParts) -> bool:
+    c = parts.ctx
+    return c.is_last_stage and c.tp_rank == 0 and c.cp_rank == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Phases
+
+
+def push_weights(parts: RunParts, version: int) -> float:
+    """Stream the current policy into the rollout engine (rank 0 owns the engine)."""
+    t0 = time.perf_counter()
+    stream = iter_hf_tensors(parts.model, parts.ctx, parts.arch)
+    if parts.engine is not None:
+        parts.engine.update_weights(stream, version)
+    else:
+        for _ in stream:  # other ranks take part in the gathers
+            pass
+    return time.perf_counter() - t0
+
+
+def sft_warmup(parts: RunParts, writer: MetricsWriter | None) -> None:
+    """Brief supervised warm start on the task's demonstrations (RL normally starts from an SFT
+    model; a random-init demo model would otherwise see reward 0 everywhere)."""
+    cfg, ctx = parts.cfg, parts.ctx
+    steps = cfg.train.sft_warmup_steps
+    if steps <= 0:
+        return
+    from gspo_megatron.train.optim import build_optimizer
+
+    opt, _ = build_optimizer(cfg.optimizer, parts.model, ctx, lr=cfg.train.sft_lr, total_steps=steps,
+                             dtype=parts.dtype)
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+    rng = random.Random(cfg.train.seed + 7919)
+    for s in range(steps):
+        samples = parts.prompts.demonstrations(batch, rng) if ctx.rank == 0 else None
+        samples = _broadcast(samples)
+        mbs, _ = plan_minibatch(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=cfg.train.micro_batch_tokens,
+                                multiple=parts.seq_multiple, pad_id=parts.pad_id)
+        reports, _ = _optimizer_step(parts, opt, None, sft_loss_step(ctx, parts.arch.vocab_size), mbs)
+        tot = reduce_report(reports, _reporter(parts), ("nll_sum", "tokens"))
+        if writer is not None and (s % 10 == 0 or s == steps - 1):
+            row = {"step": 0, "phase": "sft", "sft_step": s + 1, "nll": tot["nll_sum"] / max(tot["tokens"], 1)}
+            writer.write(row)
+            log.info("supervised warm start %d/%d: token NLL %.3f", s + 1, steps, row["nll"])
+    del opt
+
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def rollout(parts: RunParts, step: int) -> tuple[list[Sample], list[float], dict]:
+    """Rank 0: generate, score, filter. Returns kept samples, their rewards and rollout stats."""
+    cfg = parts.cfg.rollout
+    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              max_new_tokens=cfg.max_new_tokens, stop_token_ids=tuple(parts.stop_ids))
+    G, P = cfg.samples_per_prompt, cfg.prompts_per_step
+    kept: list[Sample] = []
+    kept_rewards: list[float] = []
+    all_rewards: list[float] = []
+    raised = 0
+    lengths: list[int] = []
+    rounds = 0
+    groups_needed = P
+    while groups_needed > 0:
+        examples = parts.prompts.batch(step, rounds, groups_needed if rounds else P)
+        prompt_ids = [parts.prompts.encode(ex) for ex in examples]
+        samples = parts.engine.generate(prompt_ids, G, sampling, seed=parts.cfg.train.seed * 100003 + step * 101 + rounds)
+        texts = [parts.tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in samples]
+        rewards, flags = parts.score(texts, [examples[s.prompt_index] for s in samples])
+        raised += sum(flags)
+        all_rewards += rewards
+        lengths += [len(s.response_ids) for s in samples]
+        for g in range(len(examples)):
+            grp = slice(g * G, (g + 1) * G)
+            r = rewards[grp]
+            if cfg.dynamic_sampling and max(r) == min(r):
+                continue  # zero advantage for every sample: no learning signal
+            kept += samples[grp]
+            kept_rewards += r
+        groups_needed = P - len(kept) // G
+        rounds += 1
+        if not cfg.dynamic_sampling or rounds > cfg.max_oversample_rounds:
+            break
+    kept = kept[: P * G]
+    kept_rewards = kept_rewards[: P * G]
+    t = torch.tensor(all_rewards, dtype=torch.float64)
+    stats = {
+        "reward_mean": float(t.mean()), "reward_std": float(t.std()) if len(t) > 1 else 0.0,
+        "reward_raised": raised, "response_len_mean": sum(lengths) / max(len(lengths), 1),
+        "groups_kept": len(kept) // G, "rollout_rounds": rounds,
+        "truncated_frac": sum(1 for s in kept if s.finish_reason == "length") / max(len(kept), 1),
+    }
+    return kept, kept_rewards, stats
+
+
+def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
+    """π_old for every minibatch, then one optimizer step per minibatch. Collective."""
+    cfg, ctx = parts.cfg, parts.ctx
+    minibatches = []
+    for idx in split_minibatches(len(samples), cfg.train.minibatches_per_step):
+        mbs, n_seq = plan_minibatch([samples[i] for i in idx], dp=ctx.dp, dp_rank=ctx.dp_rank,
+                                    token_budget=cfg.train.micro_batch_tokens, multiple=parts.seq_multiple,
+                                    pad_id=parts.pad_id)
+        minibatches.append(mbs)
+    flat = [mb for mbs in minibatches for mb in mbs]
+    t0 = time.perf_counter()
+    temperature = cfg.rollout.temperature
+    if cfg.loss.old_logprobs == "recompute":
+        # one forward-only pass before the first update: π_old is the policy that generated
+        _run_schedule(parts, fill_logprobs_step(ctx, parts.arch.vocab_size, temperature, "old_logprobs"), flat,
+                      forward_only=True)
+    else:
+        for mb in flat:  # paper §5.4: the engine's likelihoods serve as π_old directly
+            mb.old_logprobs = mb.engine_logprobs
+    if parts.reference is not None:
+        parts.reference.fill(flat, temperature)
+    t_old = time.perf_counter() - t0
+
+    settings = LossSettings(cfg.loss.type, cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.kl_coef,
+                            cfg.loss.entropy_coef, cfg.loss.tis_cap, temperature)
+    step_fn = policy_loss_step(ctx, parts.arch.vocab_size, settings)
+    keys = ("loss", "sequences") + WEIGHTED_METRICS
+    totals = dict.fromkeys(keys, 0.0)
+    grad_norms = []
+    t1 = time.perf_counter()
+    for mbs in minibatches:
+        reports, gn = _optimizer_step(parts, parts.optimizer, parts.scheduler, step_fn, mbs)
+        grad_norms.append(float(gn))
+        tot = reduce_report(reports, _reporter(parts), keys)
+        n = max(tot["sequences"], 1.0)
+        # per-minibatch loss (sum of sequence losses / sequences), averaged over minibatches below
+        totals["loss"] += tot["loss"] / n
+        totals["sequences"] += tot["sequences"]
+        for k in WEIGHTED_METRICS:
+            totals[k] += tot[k]
+    t_train = time.perf_counter() - t1
+    n_all = max(totals["sequences"], 1.0)
+    present = {"kl_ref": cfg.loss.kl_coef > 0, "tis_weight_mean": cfg.loss.tis_cap is not None}
+    out = {k: totals[k] / n_all for k in WEIGHTED_METRICS if present.get(k, True)}
+    out["loss"] = totals["loss"] / len(minibatches)
+    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    out["lr"] = parts.optimizer.param_groups[0]["lr"]
+    out["t_old_logprobs"] = t_old
+    out["t_train"] = t_train
+    out["train_tokens"] = sum(x.length for x in samples)
+    return out
+
+
+def to_train_samples(samples: list[Sample], rewards: list[float], group_size: int) -> list[TrainSample]:
+    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size)
+    return [TrainSample(s.prompt_ids, s.response_ids, float(a), list(s.response_logprobs))
+            for s, a in zip(samples, adv.tolist())]
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+def train(cfg, *, world_size: int) -> dict:
+    parts = setup_run(cfg, world_size=world_size)
+    ctx = parts.ctx
+    state = LoopState()
+    resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, cfg.out_dir)
+    if resume_from:
+        state = LoopState(**checkpoint.load(resume_from, parts.model, parts.optimizer, parts.scheduler, ctx))
+        parts.prompts.load_state_dict(state.data)
+        if ctx.rank == 0:
+            log.info("resumed from %s at step %d", resume_from, state.step)
+    writer = None
+    if ctx.rank == 0:  # a fresh run starts a fresh metrics file; a resumed one keeps its past
+        writer = MetricsWriter(cfg.out_dir, tensorboard=cfg.logging.tensorboard,
+                               resume_step=state.step if resume_from else -1)
+    if not state.sft_done:
+        sft_warmup(parts, writer)
+        state.sft_done = True
+    # Servers/engines may hold other weights (another checkpoint, a fresh random init): push ours
+    # before the first rollout of every run, fresh or resumed.
+    push_weights(parts, state.step)
+
+    bar = None
+    if ctx.rank == 0 and cfg.logging.progress_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="GSPO", unit="step")
+    last = {}
+    try:
+        for step in range(state.step, cfg.train.max_steps):
+            t_step = time.perf_counter()
+            t0 = time.perf_counter()
+            if ctx.rank == 0:
+                kept, rewards, rstats = rollout(parts, step)
+                payload = (to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt), rstats)
+            else:
+                payload = None
+            samples, rstats = _broadcast(payload)
+            t_rollout = time.perf_counter() - t0
+            random.Random(cfg.train.seed * 7 + step).shuffle(samples)
+            metrics = gspo_step(parts, samples) if samples else {}
+            t_sync = push_weights(parts, step + 1)
+            state.step = step + 1
+            state.data = parts.prompts.state_dict()
+            dt = time.perf_counter() - t_step
+            if ctx.rank == 0:
+                row = {"step": state.step, "phase": "gspo", **rstats, **metrics, "t_rollout": t_rollout,
+                       "t_weight_sync": t_sync, "t_step": dt,
+                       "tokens_per_s": metrics.get("train_tokens", 0) / max(dt, 1e-9)}
+                writer.write(row)
+                last = row
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row.get('clip_frac', 0):.2f}")
+            if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and state.step < cfg.train.max_steps:
+                checkpoint.save(cfg.out_dir, state.step, parts.model, parts.optimizer, parts.scheduler,
+                                state.to_dict(), ctx, cfg.checkpoint.keep_last)
+        checkpoint.save(cfg.out_dir, state.step, parts.model, parts.optimizer, parts.scheduler, state.to_dict(), ctx,
+                        cfg.checkpoint.keep_last)
+        if cfg.checkpoint.export_hf:
+            parts.export_hf(os.path.join(cfg.out_dir, "hf"))
+        if ctx.rank == 0:
+            if bar is not None:
+                bar.close()
+            writer.close()
+            if cfg.logging.plot:
+                plot(writer.path, os.path.join(cfg.out_dir, "metrics.png"))
+    finally:
+        parts.close()
+    return last

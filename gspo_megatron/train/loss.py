@@ -1,0 +1,150 @@
+"""Megatron forward_step / loss_func pairs for `get_forward_backward_func()`.
+
+Normalisation (why the gradient equals the single-process full-batch gradient for any layout and
+microbatch count): the model is wrapped with `calculate_per_token_loss=True` (parallel/ddp.py), so
+Megatron neither divides a loss by the number of microbatches nor averages gradients over DP/CP;
+it sums them and finally divides every gradient by the global sum of the counts our loss
+functions return. Each loss function returns the SUM of its per-sequence losses and, as count,
+its number of non-empty sequences — reported on CP rank 0 only, because Megatron all-reduces the
+count over the DP x CP group and every CP rank holds the same sequences. The result is exactly
+mean over the minibatch's sequences of the per-sequence loss (GSPO's aggregation), i.e. the
+paper's objective, whatever the DP/CP/PP/TP/EP split or microbatching.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from gspo_megatron.algorithms import gspo_loss_from_stats, gspo_sequence_stats, gspo_token_loss, grpo_loss
+from gspo_megatron.parallel.logprobs import vocab_parallel_log_probs
+from gspo_megatron.parallel.seq_reduce import cp_all_reduce_sum
+from gspo_megatron.train.batch import MicroBatch
+
+# Metrics summed over microbatches/ranks, each weighted by the microbatch's sequence count, then
+# divided by the total count when reported.
+WEIGHTED_METRICS = ("clip_frac", "ratio_mean", "approx_kl", "entropy", "kl_ref", "tis_weight_mean")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    type: str
+    eps_low: float
+    eps_high: float
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+    temperature: float = 1.0  # the rollout's sampling temperature: π_θ is the tempered policy
+
+
+def _gspo(lp, mb: MicroBatch, stats, s: LossSettings, entropy):
+    return gspo_loss_from_stats(
+        advantages=mb.advantages, eps_low=s.eps_low, eps_high=s.eps_high, num_sequences=1,
+        kl_coef=s.kl_coef, entropy_coef=s.entropy_coef, tis_cap=s.tis_cap, **stats.fields(),
+    )
+
+
+def _token_options(mb: MicroBatch, stats, s: LossSettings, entropy) -> dict:
+    opts = dict(num_sequences=1, token_count=stats.token_count, entropy=entropy, entropy_coef=s.entropy_coef)
+    if mb.ref_logprobs is not None:
+        opts.update(ref_log_probs=mb.ref_logprobs, kl_coef=s.kl_coef)
+    if s.tis_cap is not None:
+        opts.update(engine_log_probs=mb.engine_logprobs, tis_cap=s.tis_cap)
+    return opts
+
+
+def _gspo_token(lp, mb: MicroBatch, stats, s: LossSettings, entropy):
+    opts = _token_options(mb, stats, s, entropy)
+    opts.update(logratio_sum=stats.logratio_sum.detach())
+    if s.tis_cap is not None:
+        opts.update(tis_logratio_sum=stats.tis_logratio_sum)
+    return gspo_token_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, eps_low=s.eps_low,
+                           eps_high=s.eps_high, **opts)
+
+
+def _grpo(lp, mb: MicroBatch, stats, s: LossSettings, entropy):
+    return grpo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, eps_low=s.eps_low, eps_high=s.eps_high,
+                     **_token_options(mb, stats, s, entropy))
+
+
+LOSSES: dict[str, Callable] = {"gspo": _gspo, "gspo_token": _gspo_token, "grpo": _grpo}
+
+
+def _positions(tokens: torch.Tensor) -> torch.Tensor:
+    b, s = tokens.shape
+    return torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+
+
+def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
+    """forward_step for one GSPO/GRPO update over MicroBatches carrying old (and ref) log-probs."""
+    loss_impl = LOSSES[settings.type]
+
+    def forward_step(data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        tokens = mb.tokens.to(ctx.device)
+        output = model(tokens, _positions(tokens), None)
+
+        def loss_func(logits):
+            lp, ent = vocab_parallel_log_probs(
+                logits, torch.roll(tokens, -1, 1), group=ctx.tp_group, temperature=settings.temperature,
+                vocab_size=vocab_size, return_entropy=True,
+            )
+            ent = ent if settings.entropy_coef else ent.detach()
+            stats = gspo_sequence_stats(
+                lp, mb.old_logprobs, mb.loss_mask, ref_log_probs=mb.ref_logprobs, entropy=ent,
+                engine_log_probs=mb.engine_logprobs if settings.tis_cap is not None else None,
+            )
+            if ctx.parallel.cp > 1:
+                stats = stats.reduce(lambda t: cp_all_reduce_sum(t, ctx.cp_group))
+            loss, metrics = loss_impl(lp, mb, stats, settings, ent)
+            n = mb.num_sequences
+            report = {k: metrics[k].detach() * n for k in WEIGHTED_METRICS if k in metrics}
+            report["loss"] = loss.detach()
+            report["sequences"] = torch.tensor(float(n))
+            count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int)
+            return loss, count, report
+
+        return output, loss_func
+
+    return forward_step
+
+
+def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str):
+    """Forward-only step storing token log-probs [b, s] on each MicroBatch as `attr` (last stage)."""
+
+    def forward_step(data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        tokens = mb.tokens.to(ctx.device)
+        output = model(tokens, _positions(tokens), None)
+
+        def loss_func(logits):
+            lp = vocab_parallel_log_probs(logits, torch.roll(tokens, -1, 1), group=ctx.tp_group,
+                                          temperature=temperature, vocab_size=vocab_size)
+            setattr(mb, attr, lp.detach().float())
+            return torch.zeros((), device=tokens.device), {}
+
+        return output, loss_func
+
+    return forward_step
+
+
+def sft_loss_step(ctx, vocab_size: int):
+    """Supervised warm start: token NLL on the loss mask; count = tokens (per-token mean)."""
+
+    def forward_step(data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        tokens = mb.tokens.to(ctx.device)
+        output = model(tokens, _positions(tokens), None)
+
+        def loss_func(logits):
+            lp = vocab_parallel_log_probs(logits, torch.roll(tokens, -1, 1), group=ctx.tp_group, vocab_size=vocab_size)
+            mask = mb.loss_mask
+            nll = -(lp * mask).sum()
+            n = int(mask.sum())
+            count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int)
+            return nll, count, {"nll_sum": nll.detach(), "tokens": torch.tensor(float(n))}
+
+        return output, loss_func
+
+    return forward_step

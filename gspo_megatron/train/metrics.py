@@ -1,0 +1,89 @@
+"""Step metrics: one JSON line per step (rank 0), optional TensorBoard, a PNG plot at the end."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def reduce_report(reports: list[dict], reporter: bool, keys: tuple[str, ...]) -> dict[str, float]:
+    """Sum microbatch reports over this rank's microbatches and over all reporting ranks.
+
+    Only one rank per (DP shard) reports (last PP stage, TP rank 0, CP rank 0); the others add
+    zeros. Collective over the world group: every rank must call it with the same `keys`.
+    """
+    vec = torch.zeros(len(keys), dtype=torch.float64)
+    if reporter:
+        for r in reports:
+            for i, k in enumerate(keys):
+                if k in r:
+                    vec[i] += float(r[k])
+    dist.all_reduce(vec)
+    return dict(zip(keys, vec.tolist()))
+
+
+class MetricsWriter:
+    def __init__(self, out_dir: str, *, tensorboard: bool, resume_step: int = 0):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        os.makedirs(out_dir, exist_ok=True)
+        if os.path.exists(self.path):
+            # Drop lines past the resumed step: a run killed after logging step k but before its
+            # checkpoint repeats those steps.
+            with open(self.path) as f:
+                keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(keep)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
+            except Exception as e:  # tensorboard is optional
+                log.warning("TensorBoard unavailable (%s); metrics.jsonl only", e)
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot(metrics_path: str, png_path: str) -> bool:
+    """Reward and clip fraction over steps; returns False if matplotlib is unavailable."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    rows = [json.loads(ln) for ln in open(metrics_path) if ln.strip()]
+    rows = [r for r in rows if r.get("phase") == "gspo"]
+    if not rows:
+        return False
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].plot(steps, [r["reward_mean"] for r in rows], marker=".")
+    ax[0].set_title("reward (mean over samples)")
+    ax[0].set_xlabel("step")
+    ax[1].plot(steps, [r["clip_frac"] for r in rows], marker=".", color="tab:red")
+    ax[1].set_title("clip fraction (sequences)")
+    ax[1].set_xlabel("step")
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return True

@@ -1,0 +1,257 @@
+"""Everything a run needs, built once from the config: parallel state, policy, optimizer,
+tokenizer, prompt source, reward, rollout engine (rank 0), optional reference model."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from gspo_megatron.cli_util import InputError
+from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+from gspo_megatron.train.batch import TrainSample
+
+log = logging.getLogger("gspo_megatron.train")
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+
+
+class PromptSource:
+    """Prompts for each step: a synthetic task (generated from a per-step seed, so a resumed run
+    sees the same prompts) or a dataset file (a resumable shuffled stream)."""
+
+    def __init__(self, data_cfg, tokenizer, seed: int):
+        from gspo_megatron.rollout.data import PromptStream, load_prompts
+        from gspo_megatron.rollout.tasks import TASKS, SyntheticTask
+
+        self.tokenizer = tokenizer
+        self.seed = data_cfg.seed
+        self.task = None
+        self.stream = None
+        if data_cfg.source == "synthetic":
+            if data_cfg.task not in TASKS:
+                raise InputError(f"data.task: unknown synthetic task {data_cfg.task!r}; choose from {sorted(TASKS)}")
+            self.task = SyntheticTask(data_cfg.task, seed=data_cfg.seed)
+        else:
+            examples = load_prompts(data_cfg.path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key)
+            self.prompt_key = data_cfg.prompt_key
+            self.stream = PromptStream(examples, 1, seed=data_cfg.seed)
+
+    def batch(self, step: int, round_: int, n: int) -> list[dict]:
+        if self.task is not None:
+            return self.task.sample_prompts(n, random.Random(f"{self.seed}:{step}:{round_}"))
+        return self.stream.next_batch(n)
+
+    def encode(self, example: dict) -> list[int]:
+        from gspo_megatron.rollout.data import render_prompt
+
+        key = "prompt" if self.task is not None else self.prompt_key
+        return render_prompt(self.tokenizer, example[key])
+
+    def demonstrations(self, n: int, rng: random.Random) -> list[TrainSample]:
+        if self.task is None:
+            raise InputError("train.sft_warmup_steps > 0 needs a synthetic task (demonstrations)")
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for ex in self.task.sample_prompts(n, rng):
+            answer = self.tokenizer.encode(self.task.demonstration(ex), add_special_tokens=False) + [eos]
+            out.append(TrainSample(self.encode(ex), answer, 0.0))
+        return out
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict() if self.stream is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.stream is not None and state:
+            self.stream.load_state_dict(state)
+
+
+# --------------------------------------------------------------------------------------------
+# Reward
+
+
+def resolve_reward(cfg, task) -> Callable[[list[str], list[dict]], tuple[list[float], list[bool]]]:
+    """Import the reward before any heavy work (a bad module:function fails in seconds)."""
+    from gspo_megatron.rollout.rewards import load_reward_fn, math_reward, score_samples
+
+    spec = cfg.reward.fn
+    if spec is None:
+        if task is None:
+            raise InputError("reward.fn is required when data.source=file")
+        fn = task.reward
+    elif spec == "math":
+        fn = math_reward
+    else:
+        fn = load_reward_fn(spec)
+    return lambda texts, examples: score_samples(fn, texts, examples)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference policy (KL)
+
+
+class ReferencePolicy:
+    """A frozen copy of the initial policy, same layout, for ref log-probs when loss.kl_coef > 0."""
+
+    def __init__(self, parts: "RunParts", chunks):
+        self.parts = parts
+        self.chunks = chunks
+        for c in chunks:
+            c.requires_grad_(False)
+
+    def fill(self, microbatches, temperature: float) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from gspo_megatron.train.loss import fill_logprobs_step
+
+        p = self.parts
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=fill_logprobs_step(p.ctx, p.arch.vocab_size, temperature, "ref_logprobs"),
+                data_iterator=iter(microbatches), model=self.chunks, num_microbatches=len(microbatches),
+                seq_length=max(mb.tokens.shape[1] for mb in microbatches),
+                micro_batch_size=microbatches[0].tokens.shape[0], forward_only=True,
+            )
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunParts:
+    cfg: Any
+    ctx: Any
+    arch: Qwen3MoeArch
+    hf_config: dict
+    dtype: torch.dtype
+    model: list  # DDP-wrapped chunks
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+    prompts: PromptSource
+    score: Callable
+    engine: Any  # rank 0 only
+    reference: ReferencePolicy | None
+    seq_multiple: int
+    pad_id: int
+    stop_ids: list[int]
+
+    def export_hf(self, out_dir: str) -> None:
+        """Final policy as an HF checkpoint (collective; rank 0 writes)."""
+        from gspo_megatron.model.export import iter_hf_tensors
+        from gspo_megatron.model.hf_writer import save_hf_checkpoint
+
+        stream = iter_hf_tensors(self.model, self.ctx, self.arch)
+        if self.ctx.rank == 0:
+            cfg = {**self.hf_config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+            if self.tokenizer.eos_token_id is not None:
+                cfg.setdefault("eos_token_id", self.tokenizer.eos_token_id)
+                cfg.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+            save_hf_checkpoint(stream, out_dir, cfg, dtype=self.dtype, copy_from=self.cfg.model.hf_dir)
+            if not self.cfg.model.hf_dir:
+                self.tokenizer.save_pretrained(out_dir)
+            log.info("exported the policy to %s", out_dir)
+        else:
+            for _ in stream:
+                pass
+
+    def close(self) -> None:
+        from gspo_megatron.parallel.state import destroy_parallel
+
+        if self.engine is not None:
+            self.engine.close()
+        destroy_parallel()
+
+
+def load_tokenizer(cfg):
+    path = cfg.model.tokenizer or cfg.model.hf_dir
+    if path and os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    if cfg.data.source != "synthetic":
+        raise InputError("no tokenizer: set model.tokenizer (or an hf_dir with tokenizer files)")
+    from gspo_megatron.rollout.tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+def _make_hf_engine(cfg, hf_config, tokenizer, dtype):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from gspo_megatron.rollout.hf_engine import HFEngine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.model.hf_dir:
+        return HFEngine(cfg.model.hf_dir, device=device, dtype=dtype, tokenizer=tokenizer)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config)).to(dtype)  # weights pushed before use
+    return HFEngine(model, device=device, tokenizer=tokenizer)
+
+
+def _make_sglang_engine(cfg, hf_config, tokenizer, dtype):
+    from gspo_megatron.rollout.sglang_engine import SGLangEngine
+
+    return SGLangEngine.from_config(cfg, hf_config=hf_config, tokenizer=tokenizer)
+
+
+ENGINES = {"hf": _make_hf_engine, "sglang": _make_sglang_engine}
+
+
+def setup_run(cfg, *, world_size: int) -> RunParts:
+    from gspo_megatron.model.factory import build_policy, parse_dtype
+    from gspo_megatron.model.hf_io import HFCheckpointReader
+    from gspo_megatron.parallel.ddp import wrap_ddp
+    from gspo_megatron.parallel.state import init_parallel
+    from gspo_megatron.train.batch import MicroBatch  # noqa: F401  (import check before heavy work)
+    from gspo_megatron.train.optim import build_optimizer
+    from gspo_megatron.train.scoring import pad_multiple
+
+    # ---- everything that can fail on bad input, before process groups and models ----------
+    hf_config = cfg.hf_config_dict()
+    arch = Qwen3MoeArch.from_hf_dict(hf_config, source="model.hf_dir" if cfg.model.hf_dir else "model.hf_config")
+    cfg.validate_world(world_size, hf_config)
+    dtype = parse_dtype(cfg.model.dtype)
+    reader = None
+    if cfg.model.hf_dir:
+        reader = HFCheckpointReader(cfg.model.hf_dir)
+        reader.validate(arch)
+    tokenizer = load_tokenizer(cfg)
+    if len(tokenizer) > arch.vocab_size:
+        raise InputError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {arch.vocab_size}")
+    prompts = PromptSource(cfg.data, tokenizer, cfg.train.seed)
+    score = resolve_reward(cfg, prompts.task)
+
+    # ---- heavy work ------------------------------------------------------------------------
+    ctx = init_parallel(cfg.parallel, seed=cfg.model.init_seed, model_dims=None)
+    chunks, tconfig = build_policy(ctx, arch, reader=reader, dtype=dtype,
+                                   recompute=cfg.train.recompute == "full")
+    if cfg.model.load:
+        from converters.mcore import load_mcore_into_model
+
+        load_mcore_into_model(chunks, cfg.model.load)
+    reference = None
+    if cfg.loss.kl_coef > 0:
+        ref_chunks, _ = build_policy(ctx, arch, dtype=dtype)
+        for src, dst in zip(chunks, ref_chunks):
+            dst.load_state_dict(src.state_dict())
+    model = wrap_ddp(chunks, tconfig, grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32)
+    total_updates = cfg.train.max_steps * cfg.train.minibatches_per_step
+    optimizer, scheduler = build_optimizer(cfg.optimizer, model, ctx, total_steps=total_updates, dtype=dtype)
+    from gspo_megatron.parallel.state import seed_rng
+
+    seed_rng(ctx, cfg.train.seed)
+    engine = ENGINES[cfg.rollout.backend](cfg, hf_config, tokenizer, dtype) if ctx.rank == 0 else None
+    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    parts = RunParts(
+        cfg=cfg, ctx=ctx, arch=arch, hf_config=hf_config, dtype=dtype, model=model, optimizer=optimizer,
+        scheduler=scheduler, tokenizer=tokenizer, prompts=prompts, score=score, engine=engine, reference=None,
+        seq_multiple=pad_multiple(cfg.parallel), pad_id=tokenizer.pad_token_id or 0, stop_ids=stop_ids,
+    )
+    if cfg.loss.kl_coef > 0:
+        parts.reference = ReferencePolicy(parts, ref_chunks)
+    return parts
