@@ -21,11 +21,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The main job: GSPO on a tiny Qwen3-MoE, 2 CPU processes (TP2 + sequence parallel), ~3 minutes.
 demo: $(STAMP)
-	$(VPY) -m gspo_megatron.demo
+	OMP_NUM_THREADS=1 $(VPY) -m torch.distributed.run --standalone --nproc-per-node 2 \
+	  -m gspo_megatron.train --config launch/configs/tiny_cpu.yaml out_dir=runs/demo $(ARGS)
 
 test: $(STAMP)
-	$(VPY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests $(ARGS)
 
 clean:
 	rm -rf $(VENV)
