@@ -183,3 +183,34 @@ def test_gloo_all_to_all_rejects_tensor_split_sizes():
     res = run_distributed(_rank_a2a, 2, timeout=50)
     assert res[0][0] is False and res[1][0] is False
     assert res[0][1] == [0.0, 1.0, 10.0, 11.0]
+
+
+def test_megatron_clip_grad_asserts_cuda_and_cpu_replacement_scales():
+    from megatron.core.optimizer import clip_grads
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 2.0)
+    with pytest.raises(AssertionError):
+        clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    cpu_runtime._clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    torch.testing.assert_close(p.grad, torch.full((4,), 2.0 * 1.0 / (4.0 + 1e-6)))
+    q = torch.nn.Parameter(torch.ones(2))
+    q.grad = torch.full((2,), 0.1)
+    cpu_runtime._clip_grad_by_total_norm_fp32([q], max_norm=1.0, total_norm=0.5)  # below the max: untouched
+    torch.testing.assert_close(q.grad, torch.full((2,), 0.1))
+
+
+def test_every_assumption_is_pinned_here():
+    from gspo_megatron.parallel import cpu_runtime
+
+    src = inspect.getsource(inspect.getmodule(test_every_assumption_is_pinned_here))
+    pinned = {"cuda-tensors": "test_megatron_needs_the_runtime_on_cpu_and_works_with_it",
+              "cuda-streams": "test_proxy_redirects_only_cuda_devices",
+              "cuda-rng-tracker": "rng_without", "te-general-gemm": "test_te_general_gemm_is_unbound_without_te",
+              "a2a-split-sizes": "test_split_sizes_stay_tensors_in_megatron_helper",
+              "clip-grad-dtype-assert": "test_megatron_clip_grad_asserts_cuda_and_cpu_replacement_scales"}
+    assert {a.key for a in cpu_runtime.ASSUMPTIONS} == set(pinned)
+    for needle in pinned.values():
+        assert needle in src
