@@ -27,7 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallel (default: on when --tp > 1)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per microbatch")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096,
+                   help="token budget of one padded microbatch (sequences x padded length)")
     p.add_argument("--temperature", type=float, default=1.0, help="score softmax(logits / T)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
 
                 load_mcore_into_model(chunks, args.load)
             out = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size,
-                                  micro_batch_size=args.micro_batch_size, temperature=args.temperature)
+                                  micro_batch_tokens=args.micro_batch_tokens, temperature=args.temperature)
             if ctx.rank == 0:
                 atomic_write_text(args.output, "".join(json.dumps({"token_logprobs": lp}) + "\n" for lp in out))
         finally:

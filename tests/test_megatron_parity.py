@@ -29,7 +29,7 @@ def nll_forward_step(ctx, vocab_size):
 
         def loss_func(logits):
             lp = vocab_parallel_log_probs(logits, torch.roll(tokens, -1, 1), group=ctx.tp_group, vocab_size=vocab_size)
-            mask = torch.arange(s)[None, :] < (mb.lengths[:, None] - 1)
+            mask = mb.loss_mask
             n = mask.sum()
             return -(lp * mask).sum(), n.to(torch.int), {}
 
@@ -47,22 +47,25 @@ def _rank_parity(rank, world, hf_dir, layout, seqs):
     from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
-    from gspo_megatron.train.scoring import dp_shard, make_microbatches, pad_multiple, score_sequences
+    from gspo_megatron.train.batch import TrainSample, plan_minibatch
+    from gspo_megatron.train.scoring import pad_multiple, score_sequences
 
     par = ParallelConfig(**layout)
     arch = Qwen3MoeArch.from_hf_dir(hf_dir)
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
     chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir)
-    lps = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size, micro_batch_size=2)
+    lps = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size, micro_batch_tokens=48)
 
     model = wrap_ddp(chunks, tcfg)
     for m in model:
         m.train()
-    mine = list(dp_shard(len(seqs), ctx.dp, ctx.dp_rank))
-    mbs = make_microbatches(seqs, mine, 2, -(-len(mine) // 2), pad_multiple(par))
+    # "prompt" = first token: the loss covers every next-token prediction; several microbatches
+    mbs, _ = plan_minibatch([TrainSample(s[:1], s[1:], 0.0) for s in seqs], dp=ctx.dp, dp_rank=ctx.dp_rank,
+                            token_budget=48, multiple=pad_multiple(par))
     get_forward_backward_func()(
         forward_step_func=nll_forward_step(ctx, arch.vocab_size), data_iterator=iter(mbs), model=model,
-        num_microbatches=len(mbs), seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=2,
+        num_microbatches=len(mbs), seq_length=max(mb.tokens.shape[1] for mb in mbs),
+        micro_batch_size=mbs[0].tokens.shape[0],
         forward_only=False,
     )
     grads = dict(iter_hf_tensors(model, ctx, arch, tensor_of=grad_tensor))

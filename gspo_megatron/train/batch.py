@@ -107,19 +107,24 @@ def collate(samples: list[TrainSample], multiple: int, pad_id: int = 0, rows: in
     return MicroBatch(tokens, mask, adv, eng, n)
 
 
+def plan_indices(lengths: list[int], *, dp: int, dp_rank: int, token_budget: int, multiple: int) -> list[list[int]]:
+    """Sample indices of this DP rank's microbatches.
+
+    Every DP rank gets the same number of microbatches (empty ones become filler microbatches with
+    an empty mask), since expert-parallel collectives span DP ranks and need every rank in each
+    forward pass.
+    """
+    plans = [pack_microbatches(lengths, s, token_budget, multiple) for s in balance_dp(lengths, dp)]
+    n_micro = max(1, max(len(p) for p in plans))
+    return plans[dp_rank] + [[] for _ in range(n_micro - len(plans[dp_rank]))]
+
+
 def plan_minibatch(
     samples: list[TrainSample], *, dp: int, dp_rank: int, token_budget: int, multiple: int, pad_id: int = 0
 ) -> tuple[list[MicroBatch], int]:
-    """This DP rank's microbatches for one minibatch, and the minibatch's global sequence count.
-
-    Every DP rank gets the same number of microbatches (filler microbatches with an empty mask),
-    since expert-parallel collectives span DP ranks and need every rank in each forward pass.
-    """
-    lengths = [x.length for x in samples]
-    shards = balance_dp(lengths, dp)
-    plans = [pack_microbatches(lengths, s, token_budget, multiple) for s in shards]
-    n_micro = max(1, max(len(p) for p in plans))
-    mine = plans[dp_rank] + [[] for _ in range(n_micro - len(plans[dp_rank]))]
+    """This DP rank's microbatches for one minibatch, and the minibatch's global sequence count."""
+    mine = plan_indices([x.length for x in samples], dp=dp, dp_rank=dp_rank, token_budget=token_budget,
+                        multiple=multiple)
     mbs = [collate([samples[i] for i in g], multiple, pad_id) for g in mine]
     global_sequences = sum(1 for x in samples if x.response_ids)
     return mbs, global_sequences
