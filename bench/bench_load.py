@@ -220,6 +220,9 @@ class _DictReader:
         t = self.state[name]
         return t if rows is None else t[rows[0]:rows[1]]
 
+    def shape(self, name):
+        return tuple(self.state[name].shape)
+
 
 def _closing_reader(hf_dir: str):
     from gspo_megatron.model.hf_io import HFCheckpointReader
