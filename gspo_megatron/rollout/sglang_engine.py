@@ -1,0 +1,708 @@
+"""Rollouts on SGLang servers over HTTP (the cluster engine).
+
+Construction
+    ``SGLangEngine(cfg, ...)`` with ``cfg`` the ``rollout.sglang`` section (`SGLangConfig` or a plain
+    dict of its fields), or ``SGLangEngine.from_config(config)`` from the whole trainer `Config`
+    (resolves ``model_path`` = model.hf_dir, ``shared_dir`` = <out_dir>/weight_sync, the HF config).
+    Servers are either ``cfg.urls`` (already running; one URL may be an sglang-router, whose
+    workers are then found with ``GET /list_workers`` or ``/workers``: generation goes through the
+    router, weight sync / flush / abort go to every worker) or launched by us
+    (``cfg.launch=true``: `sglang_server.ServerProcesses`, stopped by `close()`). The constructor
+    waits for every server's ``/health_generate`` up to ``ready_timeout_s``.
+
+Generation (`generate`)
+    One ``POST /generate`` per prompt group: ``input_ids`` = the prompt repeated n times (SGLang's
+    ``sampling_params.n`` exists too, but how its outputs of a batched request are ordered is an
+    implementation detail; explicit rows keep the grouping exact, and the radix cache shares the
+    prompt prefix anyway), ``sampling_params`` {temperature, top_p, top_k, max_new_tokens, stop,
+    stop_token_ids, no_stop_trim: true, skip_special_tokens: true}, ``return_logprob: true``,
+    ``rid`` per row. Response tokens and log-probs are read from
+    ``meta_info.output_token_logprobs`` ([logprob, token_id, text] per generated token, the stop
+    token included), ``meta_info.finish_reason.type`` and ``meta_info.weight_version``. Samples come
+    back grouped per prompt in prompt order (base.py's contract).
+
+    At most ``concurrency`` requests are in flight; each goes to the least-loaded server (ties
+    round-robin) and has ``request_timeout_s``; connection errors, timeouts, HTTP 5xx and
+    responses aborted by the server are retried ``max_retries`` times with exponential backoff
+    (on another server when there is one), then `SGLangServerError` names the server. Malformed
+    responses raise `SGLangProtocolError` at once.
+
+    Over-sampling: ``generate(..., stop_after_groups=k)`` returns as soon as k groups are complete:
+    requests not yet sent are dropped, ``POST /abort_request {"abort_all": true}`` goes to every
+    server (repeated while answers are outstanding), and groups cut by the abort are discarded. The
+    result holds every group that completed (>= k unless fewer prompts; a few more if they finished
+    while the abort was on its way), in prompt order; ``Sample.prompt_index`` says which prompt.
+    ``metrics["dropped_groups"]`` counts the groups left out (never sent, or aborted).
+
+Log-probs
+    SGLang's ``output_token_logprobs`` are ``log_softmax(logits / T)`` of the sampled token, after
+    temperature and before top-k / top-p / min-p filtering — the untruncated tempered distribution
+    the trainer recomputes (and what `HFEngine` reports). This holds with SGLang's default sampler
+    settings; the environment variable ``SGLANG_RETURN_ORIGINAL_LOGPROB`` must NOT be set on the
+    servers (it switches to T = 1 log-probs); launched servers get it removed from their
+    environment (`LaunchSpec.unset_env`). Greedy (T = 0) reports T = 1 log-probs, as HFEngine
+    does. Logit penalties (repetition/frequency) would change the distribution: we never send them.
+
+Weights (`update_weights(named_tensors, version)`)
+    ``weight_sync`` = disk | distributed | tensor (see `weight_sync.py`), then ``POST /flush_cache``
+    on every server, retried while requests are pending. ``version`` must exceed the current
+    version; the trainer passes ``engine.weight_version + 1`` (or its step), so versions rise by one
+    per update. Before the first rollout of a run (fresh or resumed) the trainer pushes its current
+    weights: ``engine.update_weights(iter_hf_tensors(chunks, ctx, arch), version=step)`` on global
+    rank 0, ``weight_sync.drain(iter_hf_tensors(...))`` on the other ranks. Until that first push,
+    responses are not version-checked (the servers run whatever they loaded) and a warning says so.
+
+Stale versions
+    After an update to version v, every response must carry ``weight_version == "v"``. Anything
+    else means a server missed an update (restarted, or a sync went to the wrong place): with
+    ``on_stale="error"`` (default) `SGLangStaleWeightsError` names the server and both versions;
+    with ``on_stale="count"`` the samples are kept, tagged with the version they report, and
+    ``metrics["stale_samples"]`` counts them. A server that reports no weight_version at all (an
+    SGLang predating the field) cannot be checked: a warning, and ``metrics["unversioned_samples"]``.
+
+Colocated memory
+    `sleep()` flushes the cache and ``POST /release_memory_occupation`` (servers need
+    ``--enable-memory-saver``); `wake(tags=None)` ``POST /resume_memory_occupation``. The trainer
+    calls sleep() after a rollout and wake() before the next weight sync.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import threading
+import time
+import uuid
+import warnings
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any, Mapping
+
+import torch
+
+from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams
+from .sglang_server import (
+    LaunchSpec,
+    RetryableHTTPError,
+    SGLangError,
+    SGLangNotReadyError,
+    SGLangProtocolError,
+    SGLangServerError,
+    ServerClient,
+    ServerProcesses,
+    check_not_failed,
+    free_port,
+    local_address_towards,
+    parse_json,
+    wait_until_ready,
+)
+from .weight_sync import (
+    WEIGHT_SYNC_MODES,
+    DiskSync,
+    DistributedSync,
+    TensorSync,
+    flush_cache,
+    parse_dtype,
+)
+
+__all__ = [
+    "SGLangEngine", "SGLangError", "SGLangServerError", "SGLangProtocolError", "SGLangNotReadyError",
+    "SGLangStaleWeightsError", "sampling_to_sglang",
+]
+
+
+class SGLangStaleWeightsError(SGLangError):
+    pass
+
+
+class _Aborted(Exception):
+    """A group's request came back aborted after we asked for it (over-sampling)."""
+
+
+def sampling_to_sglang(sp: SamplingParams) -> dict:
+    """SamplingParams -> SGLang's sampling_params (greedy: temperature 0)."""
+    greedy = sp.temperature <= 0 or sp.top_k == 1
+    out = {
+        "temperature": 0.0 if greedy else float(sp.temperature),
+        "top_p": float(sp.top_p),
+        "top_k": int(sp.top_k) if sp.top_k > 0 else -1,
+        "max_new_tokens": int(sp.max_new_tokens),
+        "no_stop_trim": True,  # keep the stop token/string in the output (the trainer scores it)
+        "skip_special_tokens": True,  # affects `text` only
+    }
+    if sp.stop:
+        out["stop"] = list(sp.stop)
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = [int(t) for t in sp.stop_token_ids]
+    return out
+
+
+def _cfg_dict(cfg: Any) -> dict:
+    if cfg is None:
+        return {}
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    raise TypeError(f"SGLangEngine config must be an SGLangConfig or a dict, got {type(cfg).__name__}")
+
+
+def _defaults() -> dict:
+    from gspo_megatron.config import SGLangConfig  # the one place the fields and defaults live
+
+    return _cfg_dict(SGLangConfig())
+
+
+_DEFAULTS = _defaults()
+
+
+class SGLangEngine(RolloutEngine):
+    """RolloutEngine over SGLang's HTTP API. See the module docstring for the semantics.
+
+    cfg: the ``rollout.sglang`` fields (SGLangConfig or dict; missing keys take SGLangConfig's
+        defaults).
+    hf_config: the policy's HF config dict (disk sync writes it as config.json); default: read
+        from ``<model_path>/config.json``.
+    num_servers: servers to launch (launch mode); server i listens on port + i.
+    server_module / server_command: what to launch instead of ``python -m sglang.launch_server``.
+    server_env: extra environment of launched servers. log_dir: their logs (default: a temp dir).
+    sync_dtype: cast floating weights to this dtype before sending (e.g. torch.bfloat16).
+    sync_device: where tensors go for distributed/tensor sync (default cuda if available, else cpu).
+    sync_master_address / sync_master_port / sync_backend / sync_group_name: the distributed
+        weight-update group (defaults: the local address routing to the first server, a free
+        port, nccl with CUDA else gloo, "gspo_weight_sync").
+    on_stale: "error" | "count" (see the module docstring).
+    weight_version: the version the servers hold at start, when known (0 = unknown).
+    retry_backoff_s: first retry delay (doubles per retry, capped at 8 s).
+    wait_ready: wait for /health_generate in the constructor (default True).
+    """
+
+    def __init__(
+        self,
+        cfg: Any = None,
+        *,
+        hf_config: dict | None = None,
+        num_servers: int = 1,
+        server_module: str = "sglang.launch_server",
+        server_command: list[str] | None = None,
+        server_env: dict[str, str] | None = None,
+        log_dir: str | None = None,
+        sync_dtype: torch.dtype | str | None = None,
+        sync_device: str | torch.device | None = None,
+        sync_master_address: str | None = None,
+        sync_master_port: int | None = None,
+        sync_backend: str | None = None,
+        sync_group_name: str = "gspo_weight_sync",
+        on_stale: str = "error",
+        weight_version: int = 0,
+        retry_backoff_s: float = 0.5,
+        wait_ready: bool = True,
+        **overrides,
+    ):
+        c = dict(_DEFAULTS)
+        c.update(_cfg_dict(cfg))
+        unknown = sorted(set(overrides) - set(_DEFAULTS))
+        if unknown:
+            raise TypeError(f"SGLangEngine: unknown option(s) {unknown}; rollout.sglang fields are {sorted(_DEFAULTS)}")
+        c.update(overrides)
+        self.cfg = c
+        if c["weight_sync"] not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {c['weight_sync']!r}")
+        if bool(c["urls"]) == bool(c["launch"]):
+            raise ValueError("SGLangEngine: give either urls (running servers) or launch=true, not both/neither")
+        if on_stale not in ("error", "count"):
+            raise ValueError(f"on_stale must be 'error' or 'count', got {on_stale!r}")
+        for k in ("concurrency", "bucket_mb"):
+            if not c[k] or float(c[k]) <= 0 or (k == "concurrency" and int(c[k]) < 1):
+                raise ValueError(f"{k} must be >= 1, got {c[k]!r}")
+        self.on_stale = on_stale
+        self.concurrency = int(c["concurrency"])
+        self.max_retries = int(c["max_retries"])
+        self.request_timeout_s = float(c["request_timeout_s"])
+        self.ready_timeout_s = float(c["ready_timeout_s"])
+        self.retry_backoff_s = float(retry_backoff_s)
+        self.model_path = c["model_path"]
+        self._hf_config = hf_config
+        self._weight_version = int(weight_version)
+        self._synced = False  # True after our first successful update_weights
+        self._inconsistent: str | None = None
+        self._warned_unsynced = False
+        self._warned_unversioned = False
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.metrics: dict[str, float] = {
+            "requests": 0, "retries": 0, "dropped_groups": 0, "stale_samples": 0, "abort_calls": 0,
+            "weight_syncs": 0, "last_sync_s": 0.0, "last_sync_bytes": 0, "flush_attempts": 0,
+            "unversioned_samples": 0,
+        }
+        self.procs: ServerProcesses | None = None
+        self._syncer = None
+        self.sync_dtype = parse_dtype(sync_dtype) if sync_dtype is not None else None
+        self.sync_device = torch.device(sync_device) if sync_device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        self.sync_backend = sync_backend or ("nccl" if self.sync_device.type == "cuda" else "gloo")
+        self.sync_group_name = sync_group_name
+        self._sync_master_address = sync_master_address
+        self._sync_master_port = sync_master_port
+
+        try:
+            if c["launch"]:
+                if not self.model_path:
+                    raise ValueError("SGLangEngine launch=true needs model_path")
+                env = dict(server_env or {})
+                if "SGLANG_RETURN_ORIGINAL_LOGPROB" in env:
+                    raise ValueError("server_env must not set SGLANG_RETURN_ORIGINAL_LOGPROB (SGLang would "
+                                     "then report T=1 log-probs, not the tempered ones the trainer uses)")
+                spec = LaunchSpec(
+                    model_path=self.model_path, tp=int(c["tp"]), dp=int(c["dp"]), ep=int(c["ep"]),
+                    mem_fraction=float(c["mem_fraction"]), port=int(c["port"]), host=c["host"],
+                    api_key=c["api_key"], extra_args=list(c["extra_args"] or []),
+                    num_servers=num_servers, module=server_module, command=server_command,
+                    env=env, log_dir=log_dir,
+                )
+                self.procs = ServerProcesses(spec)
+                urls = self.procs.start()
+            else:
+                urls = list(c["urls"])
+            mk = lambda u: ServerClient(  # noqa: E731
+                u, api_key=c["api_key"], timeout_s=self.request_timeout_s,
+                max_retries=self.max_retries, backoff_s=self.retry_backoff_s,
+            )
+            self.servers = [mk(u) for u in urls]
+            if wait_ready:
+                self.wait_ready()
+            # one URL may be an sglang-router: generation via it, control to its workers
+            self.workers = self.servers
+            if len(self.servers) == 1 and not c["launch"]:
+                workers = self._router_workers(self.servers[0])
+                if workers:
+                    self.workers = [mk(u) for u in workers]
+                    if wait_ready:
+                        wait_until_ready(self.workers, self.ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_config(cls, config, **kw) -> "SGLangEngine":
+        """From the trainer's whole `Config`: model_path defaults to model.hf_dir, shared_dir to
+        <out_dir>/weight_sync, the HF config to hf_dir/config.json or model.hf_config."""
+        s = _cfg_dict(config.rollout.sglang)
+        if s.get("model_path") is None:
+            s["model_path"] = config.model.hf_dir
+        if s.get("shared_dir") is None:
+            s["shared_dir"] = os.path.join(config.out_dir, "weight_sync")
+        if "hf_config" not in kw:
+            hf = None
+            if config.model.hf_dir and os.path.isfile(os.path.join(config.model.hf_dir, "config.json")):
+                with open(os.path.join(config.model.hf_dir, "config.json")) as f:
+                    hf = json.load(f)
+            elif config.model.hf_config:
+                hf = dict(config.model.hf_config, model_type="qwen3_moe",
+                          architectures=["Qwen3MoeForCausalLM"])
+            kw["hf_config"] = hf
+        kw.setdefault("sync_dtype", getattr(config.model, "dtype", None))
+        return cls(s, **kw)
+
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        t = self.ready_timeout_s if timeout_s is None else timeout_s
+        if self.procs is not None:
+            return self.procs.wait_ready(self.servers, t)
+        return wait_until_ready(self.servers, t)
+
+    @staticmethod
+    def _router_workers(server: ServerClient) -> list[str]:
+        for path, key in (("/list_workers", "urls"), ("/workers", "workers")):
+            try:
+                status, data = server.request_once("GET", path, timeout_s=10)
+            except RetryableHTTPError:
+                continue
+            if status != 200:
+                continue
+            try:
+                body = json.loads(data)
+            except ValueError:
+                continue
+            items = body.get(key) if isinstance(body, dict) else None
+            if isinstance(items, list) and items:
+                return [i["url"] if isinstance(i, dict) else str(i) for i in items]
+        return []
+
+    @property
+    def hf_config(self) -> dict | None:
+        if self._hf_config is None and self.model_path:
+            p = os.path.join(self.model_path, "config.json")
+            if os.path.isfile(p):
+                with open(p) as f:
+                    self._hf_config = json.load(f)
+        return self._hf_config
+
+    # ------------------------------------------------------------------ RolloutEngine
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def synced(self) -> bool:
+        """True once update_weights succeeded (responses are version-checked from then on)."""
+        return self._synced
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        *,
+        stop_after_groups: int | None = None,
+    ) -> list[Sample]:
+        self._check_open()
+        if self._inconsistent is not None:
+            raise SGLangError(
+                f"SGLang servers hold partially updated weights after a failed update_weights "
+                f"({self._inconsistent}); send a complete update first"
+            )
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if sampling.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        if stop_after_groups is not None and stop_after_groups < 1:
+            raise ValueError(f"stop_after_groups must be >= 1, got {stop_after_groups}")
+        if not prompts:
+            return []
+        if not self._synced and not self._warned_unsynced:
+            self._warned_unsynced = True
+            warnings.warn(
+                "SGLangEngine.generate before any update_weights: the servers run the weights they "
+                "loaded at start; push the policy first (engine.update_weights(...)) so rollouts "
+                "are on-policy and version-checked",
+                stacklevel=2,
+            )
+        sp = sampling_to_sglang(sampling)
+        cancel = threading.Event()
+        groups: dict[int, list[Sample]] = {}
+        want = len(prompts) if stop_after_groups is None else min(stop_after_groups, len(prompts))
+        pool = ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts)),
+                                  thread_name_prefix="sglang-gen")
+        futs: dict[Future, int] = {}
+        try:
+            for gi, p in enumerate(prompts):
+                futs[pool.submit(self._run_group, gi, [int(t) for t in p], n, sp, cancel)] = gi
+            pending = set(futs)
+            error: BaseException | None = None
+            while pending:
+                done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                for f in done:
+                    if f.cancelled():
+                        continue
+                    exc = f.exception()
+                    if isinstance(exc, _Aborted):
+                        pass
+                    elif exc is not None:
+                        error = error or exc
+                    else:
+                        groups[futs[f]] = f.result()
+                if error is not None or (len(groups) >= want and pending):
+                    if not cancel.is_set():
+                        cancel.set()
+                        for f in pending:
+                            f.cancel()  # not started yet: never sent
+                        pending = {f for f in pending if not f.cancelled()}
+                        self._abort_all()
+                    elif pending and done == set():
+                        self._abort_all()  # keep asking while answers are outstanding
+            if error is not None:
+                raise error
+            self._inc("dropped_groups", len(prompts) - len(groups))
+        finally:
+            cancel.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+        return [s for gi in sorted(groups) for s in groups[gi]]
+
+    def _run_group(self, gi: int, prompt: list[int], n: int, sp: dict, cancel: threading.Event) -> list[Sample]:
+        payload = {
+            "input_ids": [prompt] * n,
+            "sampling_params": sp,
+            "return_logprob": True,
+            "rid": [uuid.uuid4().hex for _ in range(n)],
+        }
+        tried: list[str] = []
+        last: BaseException | None = None
+        attempts = self.max_retries + 1
+        for attempt in range(attempts):
+            if cancel.is_set():
+                raise _Aborted()
+            if attempt:
+                self._inc("retries")
+                time.sleep(self.servers[0].backoff(attempt))
+                if cancel.is_set():
+                    raise _Aborted()
+            server = self._pick_server(avoid=tried[-1] if tried else None)
+            tried.append(server.url)
+            self._inc("requests")
+            try:
+                status, data = server.request_once("POST", "/generate", payload, timeout_s=self.request_timeout_s)
+            except RetryableHTTPError as e:
+                if cancel.is_set():
+                    raise _Aborted() from e
+                last = e
+                continue
+            if status != 200 and cancel.is_set():
+                raise _Aborted()  # whatever an aborted request answers, we no longer need it
+            if status >= 500:
+                last = SGLangServerError(f"HTTP {status}: {data[:300].decode('utf-8', 'replace')}",
+                                         url=server.url, status=status)
+                continue
+            if status != 200:
+                raise SGLangServerError(
+                    f"SGLang server {server.url}: POST /generate returned HTTP {status}: "
+                    f"{data[:300].decode('utf-8', 'replace')}", url=server.url, status=status,
+                )
+            rows = parse_json(data, server.url, "/generate")
+            samples = self._parse_generate(rows, gi, prompt, n, server.url)
+            if any(s.finish_reason == "abort" for s in samples):
+                if cancel.is_set():
+                    raise _Aborted()
+                last = SGLangServerError("the server aborted the request", url=server.url)
+                continue
+            return samples
+        raise SGLangServerError(
+            f"SGLang server {tried[-1]}: POST /generate for prompt {gi} failed after {attempts} "
+            f"attempt(s) (servers tried: {', '.join(dict.fromkeys(tried))}); last error: {last}",
+            url=tried[-1], status=getattr(last, "status", None),
+        ) from last
+
+    def _pick_server(self, avoid: str | None = None) -> ServerClient:
+        servers = self.servers
+        if len(servers) > 1 and avoid is not None:
+            servers = [s for s in servers if s.url != avoid] or self.servers
+        k = next(self._rr)
+        order = servers[k % len(servers):] + servers[: k % len(servers)]
+        return min(order, key=lambda s: s.inflight)
+
+    def _parse_generate(self, rows: Any, gi: int, prompt: list[int], n: int, url: str) -> list[Sample]:
+        def bad(msg: str) -> SGLangProtocolError:
+            return SGLangProtocolError(f"SGLang server {url}: malformed /generate response: {msg}")
+
+        if isinstance(rows, dict) and n == 1:
+            rows = [rows]
+        if not isinstance(rows, list) or len(rows) != n:
+            got = f"a list of {len(rows)}" if isinstance(rows, list) else type(rows).__name__
+            raise bad(f"expected a list of {n} results, got {got}")
+        out = []
+        for r, row in enumerate(rows):
+            if not isinstance(row, dict) or not isinstance(row.get("meta_info"), dict):
+                raise bad(f"result {r} has no meta_info object")
+            meta = row["meta_info"]
+            fr = meta.get("finish_reason")
+            ftype = fr.get("type") if isinstance(fr, dict) else fr
+            if ftype not in FINISH_REASONS:
+                raise bad(f"result {r} finish_reason {fr!r} is not one of {FINISH_REASONS}")
+            triples = meta.get("output_token_logprobs")
+            if triples is None and ftype == "abort":
+                triples = []  # aborted before any logprob was recorded
+            if not isinstance(triples, list):
+                raise bad(f"result {r} lacks meta_info.output_token_logprobs (return_logprob ignored?)")
+            ids, lps = [], []
+            for t in triples:
+                if not isinstance(t, (list, tuple)) or len(t) < 2 or not isinstance(t[1], int) \
+                        or not isinstance(t[0], (int, float)) or isinstance(t[0], bool):
+                    raise bad(f"result {r} output_token_logprobs entry {t!r} is not [logprob, token_id, text]")
+                lps.append(float(t[0]))
+                ids.append(int(t[1]))
+            if ftype != "abort" and not ids:
+                raise bad(f"result {r} finished ({ftype}) with no tokens")
+            version = self._check_version(meta.get("weight_version"), url, len(ids))
+            out.append(Sample(
+                prompt_index=gi, prompt_ids=list(prompt), response_ids=ids, response_logprobs=lps,
+                finish_reason=ftype, weight_version=version, text=row.get("text"),
+                meta={"server": url, "finish_reason": fr, "rid": meta.get("id")},
+            ))
+        return out
+
+    def _check_version(self, reported: Any, url: str, ntok: int) -> int:
+        parsed: int | None
+        if reported is None and self._synced:
+            # an SGLang without weight_version in meta_info: nothing to check against
+            self._inc("unversioned_samples")
+            if not self._warned_unversioned:
+                self._warned_unversioned = True
+                warnings.warn(f"SGLang server {url} reports no meta_info.weight_version (SGLang too old?); "
+                              "stale weights cannot be detected", stacklevel=3)
+            return self._weight_version
+        try:
+            parsed = int(reported)
+        except (TypeError, ValueError):
+            parsed = None
+        if not self._synced:
+            return parsed if parsed is not None else self._weight_version
+        if parsed == self._weight_version:
+            return parsed
+        if self.on_stale == "error":
+            raise SGLangStaleWeightsError(
+                f"SGLang server {url} answered with weight_version={reported!r}, expected "
+                f"{self._weight_version} (the server missed a weight update?)"
+            )
+        self._inc("stale_samples")
+        return parsed if parsed is not None else -1
+
+    def _inc(self, key: str, by: float = 1) -> None:
+        with self._lock:
+            self.metrics[key] += by
+
+    def _abort_all(self) -> None:
+        self._inc("abort_calls")
+
+        def one(s: ServerClient):
+            try:
+                s.request_once("POST", "/abort_request", {"abort_all": True}, timeout_s=10)
+            except RetryableHTTPError:
+                pass
+
+        for s in self.workers:
+            one(s)
+
+    def abort(self) -> None:
+        """Abort every request on every server (public for callers running their own loops)."""
+        self._abort_all()
+
+    # ------------------------------------------------------------------ weights
+    def _make_syncer(self):
+        mode = self.cfg["weight_sync"]
+        bucket = max(1, int(float(self.cfg["bucket_mb"]) * (1 << 20)))
+        timeout = self.request_timeout_s
+        if mode == "disk":
+            shared = self.cfg["shared_dir"]
+            if not shared:
+                raise ValueError("weight_sync=disk needs shared_dir (visible to trainer and servers)")
+            if self.hf_config is None:
+                raise ValueError("weight_sync=disk needs hf_config (or model_path/config.json)")
+            return DiskSync(self.workers, shared_dir=shared, hf_config=self.hf_config,
+                            dtype=self.sync_dtype, copy_from=self.model_path, timeout_s=timeout)
+        ranks = self._ranks_per_server()
+        if mode == "distributed":
+            addr = self._sync_master_address or local_address_towards(self.workers[0].url)
+            port = self._sync_master_port or free_port("0.0.0.0" if addr != "127.0.0.1" else addr)
+            return DistributedSync(
+                self.workers, ranks_per_server=ranks, master_address=addr, master_port=port,
+                backend=self.sync_backend, group_name=self.sync_group_name, bucket_bytes=bucket,
+                dtype=self.sync_dtype, device=self.sync_device, timeout_s=timeout,
+            )
+        return TensorSync(self.workers, ranks_per_server=ranks, bucket_bytes=bucket,
+                          dtype=self.sync_dtype, device=self.sync_device, timeout_s=timeout)
+
+    def _ranks_per_server(self) -> list[int]:
+        """Each server's TP size (its ranks in the weight-update group), from /get_server_info."""
+        out = []
+        for s in self.workers:
+            tp, dp, dp_attn, pp = int(self.cfg["tp"]), int(self.cfg["dp"]), False, 1
+            try:
+                info = s.get("/get_server_info", timeout_s=30, retries=1)
+                if isinstance(info, dict):
+                    tp = int(info.get("tp_size", tp))
+                    dp = int(info.get("dp_size", dp) or 1)
+                    pp = int(info.get("pp_size", 1) or 1)
+                    dp_attn = bool(info.get("enable_dp_attention", False))
+            except SGLangError:
+                pass  # fall back to the config's sizes
+            if pp > 1:
+                raise SGLangError(f"SGLang server {s.url}: weight sync to pipeline-parallel servers is unsupported")
+            if dp > 1 and not dp_attn:
+                raise SGLangError(
+                    f"SGLang server {s.url} runs dp_size={dp} replicas in one server; "
+                    f"weight_sync={self.cfg['weight_sync']} needs one replica per server "
+                    "(launch dp servers with dp=1, behind a router if wanted)"
+                )
+            out.append(tp)
+        return out
+
+    def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+        """Push HF-named full tensors (consumed once) to every server as `version` (default:
+        current + 1; must exceed the current version), then flush their caches."""
+        self._check_open()
+        if version is None:
+            version = self._weight_version + 1
+        version = int(version)
+        if version <= self._weight_version and self._synced:
+            raise ValueError(
+                f"update_weights: version {version} does not exceed the current version "
+                f"{self._weight_version}"
+            )
+        if self._syncer is None:
+            self._syncer = self._make_syncer()
+        t0 = time.perf_counter()
+        self._inconsistent = "update in progress"
+        try:
+            stats = self._syncer.update(named_tensors, version)
+            attempts = 0
+            for s in self.workers:
+                attempts += flush_cache(s, timeout_s=self.request_timeout_s)
+        except BaseException as e:
+            self._inconsistent = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise
+        self._inconsistent = None
+        self._weight_version = version
+        self._synced = True
+        self.metrics["weight_syncs"] += 1
+        self.metrics["flush_attempts"] = attempts
+        self.metrics["last_sync_s"] = time.perf_counter() - t0
+        self.metrics["last_sync_bytes"] = stats.get("bytes", 0)
+
+    def server_weight_versions(self) -> dict[str, str | None]:
+        """GET /get_weight_version of every worker (None where it fails)."""
+        out = {}
+        for s in self.workers:
+            try:
+                r = s.get("/get_weight_version", timeout_s=10, retries=0)
+                out[s.url] = r.get("weight_version") if isinstance(r, dict) else r
+            except SGLangError:
+                out[s.url] = None
+        return out
+
+    # ------------------------------------------------------------------ colocated memory
+    def sleep(self, tags: list[str] | None = None) -> None:
+        """Free GPU memory on every server (weights + KV cache unless `tags` narrows it)."""
+        self._check_open()
+        for s in self.workers:
+            flush_cache(s, timeout_s=self.request_timeout_s)
+            r = s.post("/release_memory_occupation", {"tags": tags}, timeout_s=self.request_timeout_s,
+                       expect_json=False, ok_statuses=(200, 400))
+            check_not_failed(_lenient_json(r), s.url, "/release_memory_occupation")
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what sleep() released (all of it unless `tags`, e.g. ["weights"] before a
+        weight sync, then ["kv_cache"] after it)."""
+        self._check_open()
+        for s in self.workers:
+            r = s.post("/resume_memory_occupation", {"tags": tags}, timeout_s=self.request_timeout_s,
+                       expect_json=False, ok_statuses=(200, 400))
+            check_not_failed(_lenient_json(r), s.url, "/resume_memory_occupation")
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SGLangError("SGLangEngine is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._syncer is not None:
+            try:
+                self._syncer.close()
+            except Exception:
+                pass
+        if self.procs is not None:
+            self.procs.stop()
+
+
+def _lenient_json(text: str) -> Any:
+    try:
+        return json.loads(text) if text.strip() else None
+    except ValueError:
+        return text

@@ -1,0 +1,616 @@
+"""TEST DOUBLE of an SGLang server's HTTP API — not SGLang, never used outside tests.
+
+It speaks the subset of SGLang's native HTTP API that `SGLangEngine` uses, with SGLang's field
+names and shapes (REFERENCE.md, SGLang's docs): ``/generate`` (``input_ids`` single or batched,
+``sampling_params`` dict or list, ``return_logprob``, ``rid``; answers ``text``, ``output_ids``,
+``meta_info`` {``id``, ``finish_reason`` {type, ...}, ``prompt_tokens``, ``completion_tokens``,
+``output_token_logprobs`` [[logprob, token_id, null], ...], ``weight_version``}), ``/health``,
+``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
+``/flush_cache`` (400 while "busy"), ``/abort_request`` ({abort_all} or {rid}),
+``/update_weights_from_disk``, ``/init_weights_update_group`` + ``/update_weights_from_distributed``
+(joins the trainer's group over gloo and receives the broadcasts), ``/destroy_weights_update_group``,
+``/update_weights_from_tensor`` (ForkingPickler/base64 payloads; the in-process double can open
+CPU tensors shared by the same process), ``/release_memory_occupation``,
+``/resume_memory_occupation``, ``/pause_generation``, ``/continue_generation``; and, as a router,
+``/list_workers`` (``router_of=[urls]``: /generate is forwarded round-robin).
+
+Generation is transformers' on a local HF directory through `HFEngine` (so log-probs are
+``log_softmax(logits / T)``, untruncated, as SGLang reports by default); weights are fp32 unless
+``dtype`` says otherwise. Every request is recorded (``double.records``; ``GET /_double/records``
+for a subprocess double); faults are injected through ``double.faults`` (or
+``POST /_double/faults`` {field: value}).
+
+In-process: ``with SGLangDouble(model_dir) as d: d.url``; ``start_double_and_engine(...)``
+yields (double, SGLangEngine) wired together. As a process it takes SGLang's launch arguments
+(``python tests/sglang_double.py --model-path DIR --port P ...``; unknown arguments are ignored),
+which is how `sglang_server.ServerProcesses` is tested.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:  # run as a script: make gspo_megatron importable
+    sys.path.insert(0, _REPO)
+
+
+@dataclass
+class Faults:
+    """Fault injection. Counters are consumed one request at a time (thread-safe)."""
+
+    fault_path: str = "/generate"  # the endpoint the counters below apply to
+    fail_5xx: int = 0  # answer HTTP 500
+    drop: int = 0  # close the connection without an answer
+    malformed: int = 0  # answer 200 with a body that is not JSON
+    missing_fields: int = 0  # answer 200 JSON without meta_info
+    server_abort: int = 0  # /generate: finish_reason abort though nobody asked
+    stale: int = 0  # /generate: report weight_version "stale-0"
+    no_version: int = 0  # /generate: meta_info without weight_version (an older SGLang)
+    delay_s: float = 0.0  # /generate waits this long (abortable) ...
+    delay_after: int = 0  # ... from the (delay_after+1)-th /generate request to arrive on
+    never_ready: bool = False  # /health_generate answers 503 forever
+    flush_busy: int = 0  # /flush_cache answers 400 ("requests pending") this many times
+
+
+@dataclass
+class Record:
+    method: str
+    path: str
+    body: Any
+    t: float = field(default_factory=time.time)
+
+
+class SGLangDouble:
+    """In-process test double of one SGLang server (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str | None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tp_size: int = 1,
+        dp_size: int = 1,
+        api_key: str | None = None,
+        dtype: str = "float32",
+        faults: Faults | None = None,
+        router_of: list[str] | None = None,
+        weight_version: str = "default",
+    ):
+        self.model_path = model_path
+        self.host, self.port = host, port
+        self.tp_size, self.dp_size = tp_size, dp_size
+        self.api_key = api_key
+        self.dtype = dtype
+        self.faults = faults or Faults()
+        self.router_of = list(router_of or [])
+        self.weight_version = weight_version
+        self.records: list[Record] = []
+        self.engine = None  # HFEngine
+        self._lock = threading.Lock()  # generation and weight updates
+        self._meta = threading.Lock()  # counters, records
+        self._abort_epoch = 0
+        self._aborted_rids: set[str] = set()
+        self._answered = 0
+        self._arrived = 0
+        self._groups: dict[str, Any] = {}
+        self.memory_released = False
+        self.httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._rr = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def load(self) -> None:
+        if self.router_of or self.model_path is None or self.engine is not None:
+            return
+        from gspo_megatron.rollout.hf_engine import HFEngine
+
+        self.engine = HFEngine(self.model_path, dtype=self.dtype, max_batch_size=64)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "SGLangDouble":
+        self.load()
+        handler = type("Handler", (_Handler,), {"double": self})
+        self.httpd = ThreadingHTTPServer((self.host, self.port), handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True, name=f"sglang-double-{self.port}")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.httpd = None
+        for pg in self._groups.values():
+            _destroy_group(pg)
+        self._groups.clear()
+
+    def __enter__(self) -> "SGLangDouble":
+        return self.start() if self.httpd is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ introspection
+    def calls(self, path: str) -> list[Any]:
+        with self._meta:
+            return [r.body for r in self.records if r.path == path]
+
+    def take(self, name: str) -> bool:
+        """Consume one unit of fault counter `name`."""
+        with self._meta:
+            v = getattr(self.faults, name)
+            if v > 0:
+                setattr(self.faults, name, v - 1)
+                return True
+            return False
+
+    # ------------------------------------------------------------------ endpoints
+    def generate(self, body: dict) -> tuple[int, Any]:
+        ids = body.get("input_ids")
+        if ids is None:
+            return 400, {"error": {"message": "input_ids is required (the double takes no text)"}}
+        single = bool(ids) and isinstance(ids[0], int)
+        rows = [ids] if single else ids
+        n = len(rows)
+        sps = body.get("sampling_params") or {}
+        sps = sps if isinstance(sps, list) else [sps] * n
+        rids = body.get("rid") or [uuid.uuid4().hex for _ in range(n)]
+        rids = [rids] if isinstance(rids, str) else rids
+        if len(sps) != n or len(rids) != n:
+            return 400, {"error": {"message": "sampling_params / rid lists must match input_ids"}}
+        epoch = self._abort_epoch
+        with self._meta:
+            arrival = self._arrived
+            self._arrived += 1
+        f = self.faults
+        if f.delay_s > 0 and arrival >= f.delay_after:
+            end = time.monotonic() + f.delay_s
+            while time.monotonic() < end and not self._is_aborted(epoch, rids):
+                time.sleep(0.01)
+        if self._is_aborted(epoch, rids) or self.take("server_abort"):
+            out = [self._abort_row(r, rid) for r, rid in zip(rows, rids)]
+        else:
+            out = self._generate_rows(rows, sps, rids, body.get("return_logprob", False))
+            if isinstance(out, tuple):
+                return out
+        if self.take("stale"):
+            for o in out:
+                o["meta_info"]["weight_version"] = "stale-0"
+        if self.take("no_version"):
+            for o in out:
+                o["meta_info"].pop("weight_version", None)
+        with self._meta:
+            self._answered += 1
+        return 200, (out[0] if single else out)
+
+    def _is_aborted(self, epoch: int, rids) -> bool:
+        return self._abort_epoch != epoch or any(r in self._aborted_rids for r in rids)
+
+    def _abort_row(self, prompt, rid) -> dict:
+        return {"text": "", "output_ids": [], "meta_info": {
+            "id": rid, "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+            "prompt_tokens": len(prompt), "completion_tokens": 0, "output_token_logprobs": [],
+            "weight_version": self.weight_version}}
+
+    def _generate_rows(self, rows, sps, rids, return_logprob):
+        from gspo_megatron.rollout.base import SamplingParams
+
+        out: list[dict | None] = [None] * len(rows)
+        by_params: dict[str, list[int]] = {}
+        for i, sp in enumerate(sps):
+            by_params.setdefault(json.dumps(sp, sort_keys=True), []).append(i)
+        for key, idx in by_params.items():
+            sp = json.loads(key)
+            unknown = set(sp) - _SAMPLING_KEYS
+            if unknown:
+                return 400, {"error": {"message": f"unknown sampling params {sorted(unknown)}"}}
+            stop = sp.get("stop") or ()
+            params = SamplingParams(
+                temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
+                top_k=int(sp.get("top_k", -1)), max_new_tokens=int(sp.get("max_new_tokens", 128)),
+                stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
+                stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            )
+            with self._lock:
+                if self.memory_released:
+                    return 400, {"error": {"message": "memory released: resume_memory_occupation first"}}
+                samples = self.engine.generate([rows[i] for i in idx], 1, params)
+                version = self.weight_version
+            for i, s in zip(idx, samples):
+                if s.finish_reason == "stop":
+                    fr = {"type": "stop", "matched": s.response_ids[-1]}
+                else:
+                    fr = {"type": "length", "length": len(s.response_ids)}
+                meta = {"id": rids[i], "finish_reason": fr, "prompt_tokens": len(rows[i]),
+                        "completion_tokens": len(s.response_ids), "cached_tokens": 0,
+                        "weight_version": version}
+                if return_logprob:
+                    meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.response_logprobs, s.response_ids)]
+                out[i] = {"text": s.text or "", "output_ids": list(s.response_ids), "meta_info": meta}
+        return out
+
+    def abort_request(self, body: dict) -> tuple[int, Any]:
+        with self._meta:
+            if body.get("abort_all"):
+                self._abort_epoch += 1
+            elif body.get("rid"):
+                self._aborted_rids.add(body["rid"])
+        return 200, None
+
+    def flush_cache(self) -> tuple[int, str]:
+        if self.take("flush_busy"):
+            return 400, ("Cache not flushed. Please check backend logs for more details. (When there are "
+                         "running or waiting requests, the operation will not be performed.)\n")
+        return 200, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
+
+    def _copy_weights(self, named, complete: bool) -> None:
+        import torch
+
+        from gspo_megatron.rollout.hf_engine import hub_weight_targets
+
+        targets = hub_weight_targets(self.engine.model)
+        seen = set()
+        with torch.no_grad():
+            for name, t in named:
+                tgt = targets.get(name)
+                if tgt is None:
+                    raise ValueError(f"unknown parameter {name}")
+                if tuple(t.shape) != tgt.shape:
+                    raise ValueError(f"{name}: shape {tuple(t.shape)} != {tgt.shape}")
+                tgt.get().copy_(t)
+                seen.add(tgt.key)
+        missing = {t.key for t in targets.values()} - seen
+        if complete and missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[0]}")
+
+    def update_weights_from_disk(self, body: dict) -> tuple[int, Any]:
+        import glob
+
+        from safetensors import safe_open
+
+        path = body.get("model_path")
+        try:
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            if not files:
+                raise FileNotFoundError(f"no safetensors files in {path}")
+
+            def it():
+                for fn in files:
+                    with safe_open(fn, "pt") as fh:
+                        for k in fh.keys():
+                            yield k, fh.get_tensor(k)
+
+            with self._lock:
+                self._copy_weights(it(), complete=True)
+                if body.get("weight_version") is not None:
+                    self.weight_version = str(body["weight_version"])
+                self.model_path = path
+        except Exception as e:
+            return 400, {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
+        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def init_weights_update_group(self, body: dict) -> tuple[int, Any]:
+        from gspo_megatron.rollout.weight_sync import init_weight_update_group
+
+        if self.tp_size != 1:
+            return 400, {"success": False, "message": "the double joins weight-update groups with tp_size=1 only"}
+        name = body["group_name"]
+        try:
+            self._groups[name] = init_weight_update_group(
+                master_address=body["master_address"], master_port=int(body["master_port"]),
+                rank=int(body["rank_offset"]) + 0, world_size=int(body["world_size"]),
+                group_name=name, backend=body.get("backend", "gloo"), timeout_s=60,
+            )
+        except Exception as e:
+            return 400, {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_weights_from_distributed(self, body: dict) -> tuple[int, Any]:
+        import torch
+        import torch.distributed as dist
+
+        pg = self._groups.get(body.get("group_name"))
+        if pg is None:
+            return 400, {"success": False, "message": f"no weight-update group {body.get('group_name')!r}"}
+        try:
+            named = []
+            works = []
+            for name, dt, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                t = torch.empty(shape, dtype=getattr(torch, dt))
+                works.append(dist.broadcast(t, group_src=0, group=pg, async_op=True))
+                named.append((name, t))
+            for w in works:
+                w.wait()
+            with self._lock:
+                self._copy_weights(named, complete=False)
+                if body.get("weight_version") is not None:
+                    self.weight_version = str(body["weight_version"])
+        except Exception as e:
+            return 400, {"success": False, "message": f"Failed to update parameter online: {e}"}
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def destroy_weights_update_group(self, body: dict) -> tuple[int, Any]:
+        pg = self._groups.pop(body.get("group_name"), None)
+        if pg is None:
+            return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+        _destroy_group(pg)
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def update_weights_from_tensor(self, body: dict) -> tuple[int, Any]:
+        from gspo_megatron.rollout.weight_sync import deserialize_named_tensors
+
+        sers = body.get("serialized_named_tensors")
+        if not isinstance(sers, list) or len(sers) != self.tp_size:
+            return 400, {"success": False, "message": f"serialized_named_tensors must have one entry per TP rank ({self.tp_size})"}
+        try:
+            named = deserialize_named_tensors(sers[0])  # this double is TP rank 0
+            with self._lock:
+                self._copy_weights(named, complete=False)
+                if body.get("weight_version") is not None:
+                    self.weight_version = str(body["weight_version"])
+        except Exception as e:
+            return 400, {"success": False, "message": f"Failed to update weights from tensor: {e}"}
+        return 200, {"success": True, "message": "Success"}
+
+    def server_info(self) -> dict:
+        return {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
+                "pp_size": 1, "enable_dp_attention": False, "weight_version": self.weight_version,
+                "version": "test-double"}
+
+    def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        """(status, payload); payload None -> empty body, str -> text, else JSON."""
+        if path == "/_double/records":
+            with self._meta:
+                return 200, [asdict(r) for r in self.records]
+        if path == "/_double/faults":
+            with self._meta:
+                for k, v in (body or {}).items():
+                    setattr(self.faults, k, v)
+                return 200, asdict(self.faults)
+        if path in ("/health", "/health_generate"):
+            if self.faults.never_ready:
+                return 503, {"error": "not ready (test double: never_ready)"}
+            return 200, None
+        if self.router_of:
+            return self._route_router(method, path, body)
+        if path == "/generate":
+            return self.generate(body or {})
+        if path == "/get_model_info":
+            return 200, {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
+        if path in ("/get_server_info", "/server_info"):
+            return 200, self.server_info()
+        if path == "/get_weight_version":
+            return 200, {"weight_version": self.weight_version}
+        if path == "/flush_cache":
+            return self.flush_cache()
+        if path == "/abort_request":
+            return self.abort_request(body or {})
+        if path == "/release_memory_occupation":
+            self.memory_released = True
+            return 200, None
+        if path == "/resume_memory_occupation":
+            self.memory_released = False
+            return 200, None
+        if path in ("/pause_generation", "/continue_generation"):
+            return 200, {"message": "ok"}
+        handler = {
+            "/update_weights_from_disk": self.update_weights_from_disk,
+            "/init_weights_update_group": self.init_weights_update_group,
+            "/update_weights_from_distributed": self.update_weights_from_distributed,
+            "/destroy_weights_update_group": self.destroy_weights_update_group,
+            "/update_weights_from_tensor": self.update_weights_from_tensor,
+        }.get(path)
+        if handler is None:
+            return 404, {"detail": "Not Found"}
+        return handler(body or {})
+
+    def _route_router(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+        if path == "/list_workers":
+            return 200, {"urls": list(self.router_of)}
+        if path == "/generate":
+            from gspo_megatron.rollout.sglang_server import ServerClient
+
+            with self._meta:
+                url = self.router_of[self._rr % len(self.router_of)]
+                self._rr += 1
+            status, data = ServerClient(url, api_key=self.api_key).request_once("POST", path, body)
+            return status, _Raw(data)
+        return 404, {"detail": "Not Found"}
+
+
+class _Raw(bytes):
+    pass
+
+
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "no_stop_trim",
+                  "skip_special_tokens", "min_p", "n", "ignore_eos", "spaces_between_special_tokens"}
+
+
+def _destroy_group(pg) -> None:
+    try:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(pg)
+    except Exception:
+        pass
+
+
+class _Handler(BaseHTTPRequestHandler):
+    double: SGLangDouble
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _handle(self, method: str) -> None:
+        d = self.double
+        path = self.path.split("?", 1)[0]
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            return self._send(400, {"error": "request body is not JSON"})
+        if not path.startswith("/_double/"):
+            with d._meta:
+                d.records.append(Record(method, path, body))
+        if d.api_key and not path.startswith("/_double/") and path not in ("/health", "/health_generate"):
+            if self.headers.get("Authorization") != f"Bearer {d.api_key}":
+                return self._send(401, {"error": "Unauthorized"})
+        if path == d.faults.fault_path:
+            if d.take("drop"):
+                self.close_connection = True
+                try:
+                    self.connection.shutdown(2)
+                except OSError:
+                    pass
+                return
+            if d.take("fail_5xx"):
+                return self._send(500, {"error": {"message": "injected failure (test double)"}})
+            if d.take("malformed"):
+                return self._send(200, "{'this is': not json", ctype="application/json")
+            if d.take("missing_fields"):
+                return self._send(200, [{"text": "x"}])
+        try:
+            status, payload = d.route(method, path, body)
+        except Exception as e:  # a bug in the double: say so as a 500
+            import traceback
+
+            traceback.print_exc()
+            return self._send(500, {"error": {"message": f"test double error: {e}"}})
+        self._send(status, payload)
+
+    def _send(self, status: int, payload: Any, ctype: str | None = None) -> None:
+        if isinstance(payload, _Raw):
+            data, ctype = bytes(payload), ctype or "application/json"
+        elif isinstance(payload, str):
+            data, ctype = payload.encode(), ctype or "text/plain"
+        elif payload is None:
+            data, ctype = b"", ctype or "application/json"
+        else:
+            data, ctype = json.dumps(payload).encode(), "application/json"
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        self.close_connection = True
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+
+# ------------------------------------------------------------------------------ helpers for tests
+@contextlib.contextmanager
+def start_double_and_engine(model_dir: str, *, faults: Faults | None = None, double_kw: dict | None = None,
+                            **engine_kw):
+    """A running in-process double on `model_dir` and an `SGLangEngine` attached to it.
+
+    engine_kw: rollout.sglang fields and SGLangEngine keywords (defaults suited to tests: short
+    timeouts, fast backoff, shared_dir must be given for disk sync)."""
+    from gspo_megatron.rollout.sglang_engine import SGLangEngine
+
+    with SGLangDouble(model_dir, faults=faults, **(double_kw or {})) as d:
+        kw = dict(request_timeout_s=60.0, ready_timeout_s=30.0, max_retries=2, retry_backoff_s=0.02,
+                  concurrency=8, model_path=model_dir)
+        kw.update(engine_kw)
+        eng = SGLangEngine({"urls": [d.url]}, **kw)
+        try:
+            yield d, eng
+        finally:
+            eng.close()
+
+
+def sglang_overrides(*urls: str, weight_sync: str = "disk", **fields) -> list[str]:
+    """Dotted config overrides selecting the SGLang backend on running servers (e.g. doubles):
+    ``load_config(path, [..., *sglang_overrides(double.url)])``. Short timeouts suit tests."""
+    out = ["rollout.backend=sglang", f"rollout.sglang.urls=[{','.join(urls)}]",
+           f"rollout.sglang.weight_sync={weight_sync}", "rollout.sglang.request_timeout_s=60",
+           "rollout.sglang.ready_timeout_s=30", "rollout.sglang.max_retries=2"]
+    out += [f"rollout.sglang.{k}={v}" for k, v in fields.items()]
+    return out
+
+
+def teacher_forced_logprobs(model, prompt: list[int], response: list[int], temperature: float):
+    """log_softmax(logits / T) of `response` given `prompt` (T <= 0: T = 1), fp32."""
+    import torch
+
+    t = temperature if temperature > 0 else 1.0
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt) + list(response)])).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / t, dim=-1)
+    return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+# ------------------------------------------------------------------------------ as a process
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="SGLang HTTP test double (NOT SGLang)")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--tp-size", "--tp", type=int, default=1)
+    ap.add_argument("--dp-size", "--dp", type=int, default=1)
+    ap.add_argument("--ep-size", "--ep", type=int, default=1)
+    ap.add_argument("--mem-fraction-static", type=float, default=None)
+    ap.add_argument("--base-gpu-id", type=int, default=0)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--double-never-ready", action="store_true")
+    ap.add_argument("--double-exit-code", type=int, default=None, help="exit at once with this code")
+    args, unknown = ap.parse_known_args(argv)
+    print(f"[sglang test double] args={vars(args)} ignored={unknown}", flush=True)
+    print(f"[sglang test double] SGLANG_RETURN_ORIGINAL_LOGPROB={os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB')}",
+          flush=True)
+    if args.double_exit_code is not None:
+        print("[sglang test double] exiting as asked", flush=True)
+        return args.double_exit_code
+    if not os.path.isdir(args.model_path):
+        print(f"[sglang test double] model path not found: {args.model_path}", file=sys.stderr, flush=True)
+        return 2
+    import signal
+
+    if not args.double_never_ready:
+        import torch
+
+        torch.set_num_threads(1)
+    d = SGLangDouble(None if args.double_never_ready else args.model_path, host=args.host, port=args.port,
+                     tp_size=args.tp_size, dp_size=args.dp_size, api_key=args.api_key, dtype=args.dtype,
+                     faults=Faults(never_ready=args.double_never_ready))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    d.start()
+    print(f"[sglang test double] serving on {d.url}", flush=True)
+    try:
+        while not stop.wait(0.2):
+            pass
+    finally:
+        d.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,561 @@
+"""SGLangEngine against the SGLang HTTP test double (tests/sglang_double.py) on CPU, plus the
+server-process lifecycle and GPU-only checks against real SGLang (skipped without sglang + CUDA).
+
+What the double-based tests prove: the engine's requests carry SGLang's field names and shapes
+(checked on the recorded requests), its parsing of SGLang-shaped answers yields log-probs equal to
+teacher forcing on the served model, grouping per prompt, the three weight-sync transports really
+replace the served weights (generations / log-probs then equal another model's), versions, cache
+flushes, stale-version detection, retries / clear errors under injected faults, and abort of
+over-sampled groups. Every wait is bounded (request and readiness timeouts; pytest-timeout).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import pytest
+import torch
+
+from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.hf_engine import hub_weight_targets
+from gspo_megatron.rollout.sglang_engine import (
+    SGLangEngine,
+    SGLangProtocolError,
+    SGLangServerError,
+    SGLangStaleWeightsError,
+    sampling_to_sglang,
+)
+from gspo_megatron.rollout.sglang_server import (
+    LaunchSpec,
+    SGLangNotReadyError,
+    ServerClient,
+    ServerProcesses,
+)
+from gspo_megatron.rollout.tokenizer import build_tokenizer
+from gspo_megatron.rollout.weight_sync import iter_buckets
+
+from sglang_double import Faults, SGLangDouble, start_double_and_engine, teacher_forced_logprobs
+
+DOUBLE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_double.py")
+FAST = dict(request_timeout_s=30.0, ready_timeout_s=20.0, max_retries=2, retry_backoff_s=0.01)
+ATOL = 1e-4
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The in-process doubles generate on HTTP handler threads next to the test's own torch work;
+    on a small shared CPU, torch's spinning intra-op pool then slows everything ~10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _config(vocab: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
+        pad_token_id=0, eos_token_id=2, bos_token_id=None, initializer_range=0.3,
+    )
+
+
+def _model(vocab: int, seed: int):
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(_config(vocab)).eval()
+
+
+def hub_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """Every Hub-format (name, tensor) of a transformers model (experts per expert)."""
+    return [(k, t.get().detach().clone()) for k, t in hub_weight_targets(model).items()]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_a(tok):
+    return _model(len(tok), 0)
+
+
+@pytest.fixture(scope="module")
+def model_b(tok):
+    return _model(len(tok), 1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tok, model_a, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_qwen3_moe_a")
+    model_a.save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok.encode("12+34="), tok.encode("reverse 1234567"), tok.encode("9")]
+
+
+def assert_logprobs_match(samples, model, temperature):
+    for s in samples:
+        ref = teacher_forced_logprobs(model, s.prompt_ids, s.response_ids, temperature)
+        torch.testing.assert_close(torch.tensor(s.response_logprobs), ref, atol=ATOL, rtol=0)
+
+
+# ------------------------------------------------------------------------------ generation
+def test_generate_logprobs_grouping_and_request_fields(model_dir, prompts, model_a):
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=8)
+    with start_double_and_engine(model_dir, **FAST) as (dbl, eng):
+        with pytest.warns(UserWarning, match="before any update_weights"):
+            samples = eng.generate(prompts, 3, sp)
+        assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        for s in samples:
+            assert s.prompt_ids == prompts[s.prompt_index]
+            assert 0 < len(s.response_ids) == len(s.response_logprobs) <= 8
+            assert s.finish_reason in ("stop", "length")
+            assert s.meta["server"] == dbl.url
+        # engine log-probs == the served model's teacher-forced log softmax(logits / T), untruncated
+        assert_logprobs_match(samples, dbl.engine.model, 0.7)
+        assert_logprobs_match(samples, model_a, 0.7)
+        # one request per group: n copies of the prompt, SGLang's field names
+        reqs = dbl.calls("/generate")
+        assert len(reqs) == 3
+        for r in reqs:
+            assert r["return_logprob"] is True
+            assert len(r["input_ids"]) == 3 and len(set(map(tuple, r["input_ids"]))) == 1
+            assert len(r["rid"]) == 3 and len(set(r["rid"])) == 3
+            assert r["sampling_params"] == {
+                "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_new_tokens": 8,
+                "no_stop_trim": True, "skip_special_tokens": True,
+            }
+
+        # greedy: argmax tokens, log-probs at T = 1; a stop token ends the response (included)
+        g = eng.generate(prompts[:1], 2, SamplingParams(temperature=0.0, max_new_tokens=6))
+        assert g[0].response_ids == g[1].response_ids
+        assert_logprobs_match(g, model_a, 1.0)
+        stop_tok = g[0].response_ids[2]
+        first = g[0].response_ids.index(stop_tok)
+        st = eng.generate(prompts[:1], 1, SamplingParams(temperature=0.0, max_new_tokens=6,
+                                                          stop_token_ids=(stop_tok,)))
+        assert st[0].response_ids == g[0].response_ids[: first + 1] and st[0].finish_reason == "stop"
+        assert dbl.calls("/generate")[-1]["sampling_params"]["stop_token_ids"] == [stop_tok]
+
+
+def test_sampling_translation():
+    assert sampling_to_sglang(SamplingParams(temperature=0.0, top_k=-1))["temperature"] == 0.0
+    assert sampling_to_sglang(SamplingParams(temperature=1.3, top_k=1))["temperature"] == 0.0  # greedy
+    d = sampling_to_sglang(SamplingParams(stop=("\n\n",), stop_token_ids=(5, 6), top_k=-1))
+    assert d["stop"] == ["\n\n"] and d["stop_token_ids"] == [5, 6] and d["top_k"] == -1
+
+
+# ------------------------------------------------------------------------------ weight sync
+def test_disk_sync_two_servers_versions_flush_and_stale(model_dir, prompts, model_a, model_b, tmp_path):
+    shared = str(tmp_path / "sync")
+    sp = SamplingParams(temperature=0.9, max_new_tokens=6)
+    with SGLangDouble(model_dir) as d1, SGLangDouble(model_dir) as d2:
+        eng = SGLangEngine({"urls": [d1.url, d2.url], "shared_dir": shared}, model_path=model_dir, **FAST)
+        try:
+            eng.update_weights(iter(hub_tensors(model_b)), version=1)  # a one-shot iterator
+            assert eng.weight_version == 1 and d1.weight_version == d2.weight_version == "1"
+            for d in (d1, d2):
+                (req,) = d.calls("/update_weights_from_disk")
+                assert req == {"model_path": os.path.join(shared, "v00000001"), "weight_version": "1",
+                               "flush_cache": False}
+                paths = [r.path for r in d.records]
+                assert paths.index("/flush_cache") > paths.index("/update_weights_from_disk")
+            assert os.listdir(shared) == ["v00000001"]
+            assert os.path.isfile(os.path.join(shared, "v00000001", "config.json"))
+            out = eng.generate(prompts, 2, sp)
+            assert {s.weight_version for s in out} == {1}
+            assert {s.meta["server"] for s in out} == {d1.url, d2.url}  # spread over both servers
+            assert_logprobs_match(out, model_b, 0.9)  # the servers now serve model B
+
+            # second update: version + 1, flush retried while "requests are pending", old dir pruned
+            d1.faults.flush_busy = 2
+            eng.update_weights(hub_tensors(model_a), version=eng.weight_version + 1)
+            assert eng.weight_version == 2 and d1.weight_version == "2"
+            assert len(d1.calls("/flush_cache")) == 4  # 3 tries for the busy one + 1 (first update)
+            assert os.listdir(shared) == ["v00000002"]
+            out = eng.generate(prompts, 1, sp)
+            assert_logprobs_match(out, model_a, 0.9)
+            with pytest.raises(ValueError, match="does not exceed"):
+                eng.update_weights(hub_tensors(model_a), version=2)
+            assert eng.server_weight_versions() == {d1.url: "2", d2.url: "2"}
+
+            # a response from weights other than the last pushed ones is detected
+            d2.faults.stale = 1
+            d1.faults.stale = 1
+            with pytest.raises(SGLangStaleWeightsError, match=r"weight_version='stale-0', expected 2"):
+                eng.generate(prompts[:1], 1, sp)
+            eng.on_stale = "count"
+            d1.faults.stale = d2.faults.stale = 5
+            out = eng.generate(prompts[:2], 1, sp)
+            assert eng.metrics["stale_samples"] == 2 and {s.weight_version for s in out} == {-1}
+            d1.faults.stale = d2.faults.stale = 0
+            d1.faults.no_version = d2.faults.no_version = 2  # an SGLang without the field: warned
+            with pytest.warns(UserWarning, match="no meta_info.weight_version"):
+                eng.generate(prompts[:2], 1, sp)
+            assert eng.metrics["unversioned_samples"] == 2
+
+            # a failed update leaves the engine refusing to generate until a complete one lands
+            with pytest.raises(SGLangServerError, match="lacks .* parameters"):
+                eng.update_weights(hub_tensors(model_a)[:5], version=3)
+            with pytest.raises(Exception, match="partially updated"):
+                eng.generate(prompts[:1], 1, sp)
+            eng.update_weights(hub_tensors(model_a), version=4)
+            eng.on_stale = "error"
+            eng.generate(prompts[:1], 1, sp)
+        finally:
+            eng.close()
+
+
+def test_tensor_sync_and_sleep_wake(model_dir, prompts, model_b):
+    """update_weights_from_tensor: one serialized entry per TP rank (the double claims TP=2 and
+    opens entry 0: in-process, ForkingPickler's CPU shared memory works)."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=5)
+    with start_double_and_engine(model_dir, double_kw={"tp_size": 2}, weight_sync="tensor",
+                                 bucket_mb=0.05, **FAST) as (dbl, eng):
+        eng.sleep()
+        assert dbl.memory_released
+        eng.wake()
+        assert not dbl.memory_released
+        eng.update_weights(hub_tensors(model_b), version=7)
+        reqs = dbl.calls("/update_weights_from_tensor")
+        assert len(reqs) > 1  # several buckets
+        for r in reqs:
+            assert len(r["serialized_named_tensors"]) == 2 and r["load_format"] is None
+            assert r["flush_cache"] is False and r["weight_version"] == "7"
+        assert dbl.weight_version == "7" and eng.weight_version == 7
+        assert_logprobs_match(eng.generate(prompts, 2, sp), model_b, 1.0)
+        assert [r.path for r in dbl.records].count("/release_memory_occupation") == 1
+
+
+def test_iter_buckets():
+    ts = [(f"t{i}", torch.ones(i + 1, dtype=torch.float32)) for i in range(6)]  # 4..24 bytes
+    buckets = list(iter_buckets(iter(ts), 24, dtype=torch.bfloat16))
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in ts]
+    assert all(sum(t.numel() * 2 for _, t in b) <= 24 for b in buckets)
+    assert all(t.dtype == torch.bfloat16 for b in buckets for _, t in b)
+    big = list(iter_buckets([("a", torch.ones(100)), ("b", torch.ones(1))], 16))
+    assert [[n for n, _ in b] for b in big] == [["a"], ["b"]]  # an oversized tensor is its own bucket
+    with pytest.raises(ValueError, match="twice"):
+        list(iter_buckets([("a", torch.ones(1)), ("a", torch.ones(1))], 16))
+
+
+def test_launch_and_distributed_sync_over_gloo(model_dir, prompts, model_a, model_b, tmp_path):
+    """Launch the double as a server process (the command line SGLang gets), sync weights with
+    weight_sync=distributed: the double joins the trainer's gloo group as rank 1 and receives each
+    bucket's broadcast; then it serves model B. close() stops the process."""
+    sp = SamplingParams(temperature=0.8, max_new_tokens=6)
+    port = _free_port()
+    eng = SGLangEngine(
+        {"launch": True, "model_path": model_dir, "port": port, "weight_sync": "distributed",
+         "bucket_mb": 0.05, "api_key": "k3y", "extra_args": ["--dtype", "float32"]},
+        server_command=[sys.executable, DOUBLE_SCRIPT], log_dir=str(tmp_path / "logs"),
+        server_env={"OMP_NUM_THREADS": "1"}, **dict(FAST, ready_timeout_s=90.0),
+    )
+    proc = eng.procs.procs[0]
+    try:
+        assert eng.servers[0].url == f"http://127.0.0.1:{port}"
+        with pytest.warns(UserWarning):
+            assert_logprobs_match(eng.generate(prompts[:2], 2, sp), model_a, 0.8)
+        eng.update_weights(hub_tensors(model_b), version=1)
+        assert_logprobs_match(eng.generate(prompts, 2, sp), model_b, 0.8)
+        eng.update_weights(hub_tensors(model_a), version=2)  # the group is reused
+        out = eng.generate(prompts[:1], 2, sp)
+        assert_logprobs_match(out, model_a, 0.8)
+        assert {s.weight_version for s in out} == {2}
+        recs = ServerClient(eng.servers[0].url, api_key="k3y").get("/_double/records")
+        inits = [r["body"] for r in recs if r["path"] == "/init_weights_update_group"]
+        assert len(inits) == 1
+        assert inits[0]["rank_offset"] == 1 and inits[0]["world_size"] == 2
+        assert inits[0]["backend"] == "gloo" and inits[0]["group_name"] == "gspo_weight_sync"
+        upd = [r["body"] for r in recs if r["path"] == "/update_weights_from_distributed"]
+        assert len(upd) > 2 and {u["weight_version"] for u in upd} == {"1", "2"}
+        names = [n for u in upd if u["weight_version"] == "1" for n in u["names"]]
+        assert sorted(names) == sorted(n for n, _ in hub_tensors(model_b))
+        assert all(set(u["dtypes"]) == {"float32"} and len(u["shapes"]) == len(u["names"]) for u in upd)
+        with open(eng.procs.log_paths[0]) as f:
+            log = f.read()
+        assert "--tp-size 1" in log and "--api-key k3y" in log and "--dtype float32" in log
+    finally:
+        eng.close()
+    assert proc.poll() is not None  # stopped by close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+# ------------------------------------------------------------------------------ faults
+def test_server_down_at_start_times_out_clearly():
+    url = f"http://127.0.0.1:{_free_port()}"  # nobody listens
+    t0 = time.monotonic()
+    with pytest.raises(SGLangNotReadyError, match=rf"{url} not ready after 1.5 s"):
+        SGLangEngine({"urls": [url]}, **dict(FAST, ready_timeout_s=1.5))
+    assert time.monotonic() - t0 < 10
+
+
+def test_never_ready_server_reports_its_status(model_dir):
+    with SGLangDouble(None, faults=Faults(never_ready=True)) as d:
+        with pytest.raises(SGLangNotReadyError, match=r"not ready after 1 s .*HTTP 503"):
+            SGLangEngine({"urls": [d.url]}, **dict(FAST, ready_timeout_s=1.0))
+
+
+def test_5xx_and_dropped_connections_are_retried_then_fail_naming_the_server(model_dir, prompts):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4)
+    with start_double_and_engine(model_dir, **FAST) as (dbl, eng):
+        eng._warned_unsynced = True  # no weight push in this test
+        dbl.faults.fail_5xx = 1
+        dbl.faults.drop = 1
+        out = eng.generate(prompts, 2, sp)  # 3 groups; two failures retried
+        assert len(out) == 6 and eng.metrics["retries"] == 2
+        dbl.faults.server_abort = 1  # an abort nobody asked for is retried too
+        assert len(eng.generate(prompts[:1], 2, sp)) == 2
+        assert eng.metrics["retries"] == 3
+
+        dbl.faults.fail_5xx = 100
+        with pytest.raises(SGLangServerError, match=rf"{dbl.url}.*after 3 attempt.*HTTP 500"):
+            eng.generate(prompts[:1], 1, sp)
+        dbl.faults.fail_5xx = 0
+        dbl.faults.drop = 100
+        with pytest.raises(SGLangServerError, match=rf"{dbl.url}.*after 3 attempt.*RemoteDisconnected"):
+            eng.generate(prompts[:1], 1, sp)
+        dbl.faults.drop = 0
+
+        dbl.faults.malformed = 1
+        with pytest.raises(SGLangProtocolError, match=rf"{dbl.url}.*malformed JSON"):
+            eng.generate(prompts[:1], 1, sp)
+        dbl.faults.missing_fields = 1
+        with pytest.raises(SGLangProtocolError, match="malformed /generate response: expected a list of 2"):
+            eng.generate(prompts[:1], 2, sp)
+
+        # a request slower than request_timeout_s times out (bounded), then fails clearly
+        eng.request_timeout_s = 0.3
+        dbl.faults.delay_s, dbl.faults.delay_after = 3.0, 0
+        t0 = time.monotonic()
+        with pytest.raises(SGLangServerError, match=rf"{dbl.url}.*timed out"):
+            eng.generate(prompts[:1], 1, sp)
+        assert time.monotonic() - t0 < 5
+        dbl.faults.delay_s = 0.0
+        eng.request_timeout_s = 30.0
+        assert len(eng.generate(prompts[:1], 1, sp)) == 1  # healthy again
+
+
+def test_abort_over_sampled_groups(model_dir, tok):
+    """stop_after_groups=2 of 6: the first two requests are fast, the rest would take 60 s; the
+    engine aborts them (abort_all) and returns the two complete groups quickly."""
+    ps = [tok.encode(f"{i}+{i}=") for i in range(6)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4)
+    with start_double_and_engine(model_dir, faults=Faults(delay_s=60.0, delay_after=2),
+                                 **dict(FAST, concurrency=8)) as (dbl, eng):
+        eng._warned_unsynced = True
+        t0 = time.monotonic()
+        out = eng.generate(ps, 2, sp, stop_after_groups=2)
+        assert time.monotonic() - t0 < 20
+        idx = sorted({s.prompt_index for s in out})
+        assert len(idx) == 2 and len(out) == 4
+        assert [s.prompt_index for s in out] == sorted(s.prompt_index for s in out)
+        assert all(s.finish_reason != "abort" for s in out)
+        assert {"abort_all": True} in dbl.calls("/abort_request")
+        assert eng.metrics["dropped_groups"] == 4
+        dbl.faults.delay_s = 0.0
+        assert len(eng.generate(ps[:2], 1, sp)) == 2  # later rollouts are unaffected
+
+
+def test_api_key_and_router(model_dir, prompts, model_b, tmp_path):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4)
+    with SGLangDouble(model_dir, api_key="s3cret") as w1, SGLangDouble(model_dir, api_key="s3cret") as w2, \
+            SGLangDouble(None, router_of=[w1.url, w2.url], api_key="s3cret") as router:
+        no_key = SGLangEngine({"urls": [w1.url]}, **FAST)
+        no_key._warned_unsynced = True
+        with pytest.raises(SGLangServerError, match="HTTP 401"):  # not retried: a client error
+            no_key.generate(prompts[:1], 1, sp)
+        assert len(w1.calls("/generate")) == 1
+        no_key.close()
+        w1.records.clear()
+        eng = SGLangEngine({"urls": [router.url], "api_key": "s3cret", "shared_dir": str(tmp_path / "s")},
+                           model_path=model_dir, **FAST)
+        try:
+            assert [w.url for w in eng.workers] == [w1.url, w2.url]
+            eng.update_weights(hub_tensors(model_b), version=1)  # to the workers, not the router
+            assert w1.weight_version == w2.weight_version == "1"
+            out = eng.generate(prompts, 2, sp)  # through the router
+            assert len(router.calls("/generate")) == 3
+            assert len(w1.calls("/generate")) + len(w2.calls("/generate")) == 3
+            assert_logprobs_match(out, model_b, 1.0)
+            eng.abort()
+            assert w1.calls("/abort_request") and w2.calls("/abort_request")
+        finally:
+            eng.close()
+
+
+def test_from_trainer_config(model_dir, prompts, tmp_path):
+    """SGLangEngine.from_config(Config): model_path <- model.hf_dir, shared_dir <- out_dir, HF config
+    <- hf_dir/config.json; the overrides helper is what a trainer-level test passes."""
+    from gspo_megatron.config import load_config
+
+    from sglang_double import sglang_overrides
+
+    with SGLangDouble(model_dir) as d:
+        cfg = load_config(None, [f"model.hf_dir={model_dir}", "model.dtype=float32",
+                                 f"out_dir={tmp_path / 'run'}", *sglang_overrides(d.url)])
+        eng = SGLangEngine.from_config(cfg, retry_backoff_s=0.01)
+        try:
+            assert eng.cfg["shared_dir"] == os.path.join(str(tmp_path / "run"), "weight_sync")
+            assert eng.model_path == model_dir and eng.hf_config["model_type"] == "qwen3_moe"
+            eng.update_weights(hub_tensors(d.engine.model), version=1)
+            assert os.listdir(eng.cfg["shared_dir"]) == ["v00000001"]
+            assert len(eng.generate(prompts[:1], 2, SamplingParams(max_new_tokens=3))) == 2
+        finally:
+            eng.close()
+
+
+# ------------------------------------------------------------------------------ processes
+def test_launch_command_line():
+    spec = LaunchSpec(model_path="/m", tp=2, dp=1, ep=2, mem_fraction=0.6, port=31000, api_key="k",
+                      extra_args=["--enable-memory-saver"], num_servers=2)
+    assert spec.argv(1) == [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
+        "--port", "31001", "--tp-size", "2", "--dp-size", "1", "--ep-size", "2",
+        "--mem-fraction-static", "0.6", "--base-gpu-id", "2", "--api-key", "k", "--enable-memory-saver",
+    ]
+    assert spec.url(1) == "http://127.0.0.1:31001"
+    one = LaunchSpec(model_path="/m", command=["python", "x.py"])
+    assert one.argv(0)[:2] == ["python", "x.py"] and "--base-gpu-id" not in one.argv(0)
+    assert LaunchSpec(model_path="/m", host="0.0.0.0").url(0) == "http://127.0.0.1:30000"
+
+
+def test_stop_kills_a_server_that_ignores_sigterm(tmp_path):
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+    procs = ServerProcesses(LaunchSpec(model_path="/m", command=[sys.executable, "-c", code],
+                                       log_dir=str(tmp_path)))
+    procs.start()
+    deadline = time.monotonic() + 20
+    while "\nup\n" not in open(procs.log_paths[0]).read() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    procs.stop(grace_s=0.5)
+    assert procs.procs[0].returncode == -9 and time.monotonic() - t0 < 10
+
+
+def test_launched_server_that_dies_or_never_gets_ready(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # must not reach the servers
+    base = dict(model_path=str(tmp_path), command=[sys.executable, DOUBLE_SCRIPT], log_dir=str(tmp_path / "logs"))
+    dying = ServerProcesses(LaunchSpec(port=_free_port(), extra_args=["--double-exit-code", "3"], **base))
+    dying.start()
+    t0 = time.monotonic()
+    with pytest.raises(SGLangNotReadyError, match=r"exited with code 3 before becoming ready(.|\n)*exiting as asked"):
+        dying.wait_ready([ServerClient(u) for u in dying.urls], timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    dying.stop()
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB=None" in open(dying.log_paths[0]).read()
+
+    port = _free_port()
+    with pytest.raises(SGLangNotReadyError, match=rf"127.0.0.1:{port} not ready after 3 s"):
+        _never_ready_engine(tmp_path, port)
+
+
+def _never_ready_engine(tmp_path, port):
+    """An engine whose launched server never gets healthy: the constructor fails after the
+    readiness timeout and stops the process it started."""
+    started = []
+    orig = ServerProcesses.start
+
+    def spy(self):
+        urls = orig(self)
+        started.append(self)
+        return urls
+
+    ServerProcesses.start = spy
+    try:
+        SGLangEngine({"launch": True, "model_path": str(tmp_path), "port": port,
+                      "extra_args": ["--double-never-ready"]},
+                     server_command=[sys.executable, DOUBLE_SCRIPT], log_dir=str(tmp_path / "logs2"),
+                     **dict(FAST, ready_timeout_s=3.0))
+    finally:
+        ServerProcesses.start = orig
+        for g in started:
+            assert all(p.poll() is not None for p in g.procs)  # stopped on the failed start
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ real SGLang (GPU)
+def _real_sglang_available() -> bool:
+    try:
+        import sglang  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+gpu = pytest.mark.skipif(not _real_sglang_available(), reason="needs sglang and CUDA")
+
+
+@gpu
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["disk", "distributed", "tensor"])
+def test_real_sglang_logprobs_and_weight_sync(mode, tmp_path, tok):
+    """Real SGLang on a tiny random Qwen3-MoE: engine log-probs vs transformers teacher forcing
+    (tempered, untruncated; bf16 tolerance), then a weight sync to another random model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, bos_token_id=None)
+    torch.manual_seed(0)
+    a = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    torch.manual_seed(1)
+    b = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    d = tmp_path / "a"
+    a.save_pretrained(str(d))
+    tok.save_pretrained(str(d))
+    import importlib.util
+
+    extra = ["--dtype", "bfloat16", "--disable-cuda-graph", "--skip-server-warmup", "--skip-tokenizer-init"]
+    memory_saver = importlib.util.find_spec("torch_memory_saver") is not None
+    if mode == "tensor" and memory_saver:
+        extra.append("--enable-memory-saver")
+    eng = SGLangEngine({"launch": True, "model_path": str(d), "port": _free_port(), "weight_sync": mode,
+                        "mem_fraction": 0.3, "shared_dir": str(tmp_path / "sync"), "extra_args": extra,
+                        "ready_timeout_s": 600})
+    try:
+        ps = [tok.encode("12+34="), tok.encode("hello")]
+        sp = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=8)
+        a.cuda()
+        b.cuda()
+
+        def check(model):
+            for s in eng.generate(ps, 2, sp):
+                ids = torch.tensor([s.prompt_ids + s.response_ids], device="cuda")
+                with torch.no_grad():
+                    logits = model(ids).logits[0].float()
+                ref = torch.log_softmax(logits[len(s.prompt_ids) - 1 : -1] / 0.8, -1)
+                ref = ref.gather(1, torch.tensor(s.response_ids, device="cuda")[:, None])[:, 0].cpu()
+                assert (torch.tensor(s.response_logprobs) - ref).abs().mean() < 0.05
+
+        with pytest.warns(UserWarning):
+            check(a)
+        if mode == "tensor" and memory_saver:
+            eng.sleep()
+            eng.wake()
+        eng.update_weights(((k, t.to("cuda")) for k, t in hub_tensors(b)), version=1)
+        check(b)
+        assert eng.server_weight_versions() == {eng.workers[0].url: "1"}
+    finally:
+        eng.close()
