@@ -9,6 +9,7 @@ import importlib
 
 _EXPORTS = {
     "RolloutEngine": "base", "Sample": "base", "SamplingParams": "base", "FINISH_REASONS": "base",
+    "SGLangEngine": "sglang_engine",
     "HFEngine": "hf_engine", "WeightUpdateError": "hf_engine", "hub_weight_targets": "hf_engine",
     "build_tokenizer": "tokenizer",
     "TASKS": "tasks", "SyntheticTask": "tasks", "task_reward": "tasks",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -49,9 +49,12 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompts: list[list[int]], n: int, sampling: SamplingParams
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams, *, seed: int | None = None
     ) -> list[Sample]:
-        """n samples per prompt, returned grouped: prompt 0's n samples, then prompt 1's, ..."""
+        """n samples per prompt, returned grouped: prompt 0's n samples, then prompt 1's, ...
+
+        `seed` makes sampling reproducible where the engine can (the in-process engine does; the
+        trainer passes a per-step seed so that a resumed run draws the same samples)."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
@@ -73,6 +76,3 @@ class RolloutEngine(abc.ABC):
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def iter_named(named_tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from named_tensors

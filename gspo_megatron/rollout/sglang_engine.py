@@ -357,6 +357,8 @@ class SGLangEngine(RolloutEngine):
         sampling: SamplingParams,
         *,
         stop_after_groups: int | None = None,
+        seed: int | None = None,  # accepted for the RolloutEngine contract; SGLang servers sample
+        # with their own generators (per-request seeds are not reproducible across server layouts)
     ) -> list[Sample]:
         self._check_open()
         if self._inconsistent is not None:

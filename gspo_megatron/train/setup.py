@@ -196,7 +196,7 @@ def _make_hf_engine(cfg, hf_config, tokenizer, dtype):
 def _make_sglang_engine(cfg, hf_config, tokenizer, dtype):
     from gspo_megatron.rollout.sglang_engine import SGLangEngine
 
-    return SGLangEngine.from_config(cfg, hf_config=hf_config, tokenizer=tokenizer)
+    return SGLangEngine.from_config(cfg)
 
 
 ENGINES = {"hf": _make_hf_engine, "sglang": _make_sglang_engine}
