@@ -30,10 +30,12 @@ def make_samples(model, seed=3):
     return samples
 
 
-def reference_loss_and_grads(model, samples, eps_low, eps_high):
-    from gspo_megatron.algorithms import gspo_loss
+KL_COEF = 0.1
+REF_SHIFT = 0.05  # π_ref = π_old - 0.05 per token: a non-zero KL with a non-trivial gradient
 
-    from megatron_utils import hf_mean_nll_grads  # noqa: F401  (same naming of expert grads)
+
+def reference_loss_and_grads(model, samples, eps_low, eps_high, kl=False):
+    from gspo_megatron.algorithms import gspo_loss
 
     model.zero_grad()
     seqs = [x.prompt_ids + x.response_ids for x in samples]
@@ -51,7 +53,8 @@ def reference_loss_and_grads(model, samples, eps_low, eps_high):
         mask[i, :r] = True
     lp = torch.stack([torch.nn.functional.pad(r, (0, T - len(r))) for r in rows])
     adv = torch.tensor([x.advantage for x in samples])
-    loss, metrics = gspo_loss(lp, old, adv, mask, eps_low=eps_low, eps_high=eps_high)
+    kw = dict(ref_log_probs=old - REF_SHIFT, kl_coef=KL_COEF) if kl else {}
+    loss, metrics = gspo_loss(lp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, **kw)
     loss.backward()
     grads = {}
     for name, p in model.named_parameters():
@@ -69,7 +72,7 @@ def reference_loss_and_grads(model, samples, eps_low, eps_high):
     return float(loss.detach()), float(metrics["clip_frac"]), grads
 
 
-def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps):
+def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from gspo_megatron.config import ParallelConfig
@@ -92,7 +95,10 @@ def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps):
                             multiple=pad_multiple(par))
     for mb in mbs:
         mb.old_logprobs = mb.engine_logprobs
-    step = policy_loss_step(ctx, arch.vocab_size, LossSettings("gspo", eps[0], eps[1]))
+        if kl:
+            mb.ref_logprobs = mb.engine_logprobs - REF_SHIFT
+    settings = LossSettings("gspo", eps[0], eps[1], kl_coef=KL_COEF if kl else 0.0)
+    step = policy_loss_step(ctx, arch.vocab_size, settings)
     reports = get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
         seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=mbs[0].tokens.shape[0],
@@ -141,3 +147,19 @@ def test_gspo_step_matches_single_process_reference(setup, world, layout, budget
     assert worst[0] <= RTOL, f"relative gradient difference {worst[0]:.2e} at {worst[1]}"
     if eps[0] < 0.01:
         assert 0 < ref_clip < 1  # tight clipping is active on some sequences, not all
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,layout", [(1, {}), (2, dict(tp=2, sequence_parallel=True))], ids=["tp1", "tp2-sp"])
+def test_kl_penalty_reaches_the_gradient(setup, world, layout):
+    """kl_coef is honoured for GSPO (a known peer pitfall is to ignore it silently)."""
+    hf_dir, model, samples = setup
+    ref_loss, _, ref_grads = reference_loss_and_grads(model, samples, 3e-4, 4e-4, kl=True)
+    plain_loss, _, _ = reference_loss_and_grads(model, samples, 3e-4, 4e-4)
+    assert abs(ref_loss - plain_loss) > 1e-4  # the KL term changes the objective
+    tot, grads, _ = run_distributed(_rank_train, world, hf_dir, layout, samples, 10_000, (3e-4, 4e-4), True,
+                                    timeout=280)[0]
+    assert tot["loss"] / tot["sequences"] == pytest.approx(ref_loss, rel=1e-4)
+    worst = max((grads[k] - ref_grads[k]).abs().max().item() / (ref_grads[k].abs().max().item() + 1e-12)
+                for k in ref_grads)
+    assert worst <= RTOL

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from gspo_megatron.algorithms import group_advantages
 from gspo_megatron.model.export import iter_hf_tensors
-from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
 from gspo_megatron.rollout.base import Sample, SamplingParams
 from gspo_megatron.train import checkpoint
 from gspo_megatron.train.batch import TrainSample, plan_minibatch, split_minibatches

@@ -207,7 +207,6 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     from gspo_megatron.model.hf_io import HFCheckpointReader
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import init_parallel
-    from gspo_megatron.train.batch import MicroBatch  # noqa: F401  (import check before heavy work)
     from gspo_megatron.train.optim import build_optimizer
     from gspo_megatron.train.scoring import pad_multiple
 
@@ -234,7 +233,6 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
         from converters.mcore import load_mcore_into_model
 
         load_mcore_into_model(chunks, cfg.model.load)
-    reference = None
     if cfg.loss.kl_coef > 0:
         ref_chunks, _ = build_policy(ctx, arch, dtype=dtype)
         for src, dst in zip(chunks, ref_chunks):
