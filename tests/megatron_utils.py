@@ -51,20 +51,25 @@ def hf_mean_nll_grads(model, seqs) -> dict[str, torch.Tensor]:
     n = sum(len(x) for x in lps)
     loss = -sum(x.sum() for x in lps) / n
     loss.backward()
+    grads = hub_named_grads(model)
+    model.zero_grad()
+    return grads
+
+
+def hub_named_grads(model) -> dict[str, torch.Tensor]:
+    """Gradients under Hub names: transformers 5 fuses experts in memory ([E, 2I, H] gate_up with
+    gate first, [E, H, I] down); checkpoints and our exporter name them per expert."""
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad.detach().clone()
         if name.endswith("mlp.experts.gate_up_proj"):
             base = name[: -len("gate_up_proj")]
             for e in range(g.shape[0]):
-                gate, up = g[e].chunk(2, 0)
-                grads[f"{base}{e}.gate_proj.weight"] = gate
-                grads[f"{base}{e}.up_proj.weight"] = up
+                grads[f"{base}{e}.gate_proj.weight"], grads[f"{base}{e}.up_proj.weight"] = g[e].chunk(2, 0)
         elif name.endswith("mlp.experts.down_proj"):
             base = name[: -len("down_proj")]
             for e in range(g.shape[0]):
                 grads[f"{base}{e}.down_proj.weight"] = g[e]
         else:
             grads[name] = g
-    model.zero_grad()
     return grads

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_utils import hf_token_logprobs, make_tiny_hf, random_sequences
+from megatron_utils import hf_token_logprobs, hub_named_grads, make_tiny_hf, random_sequences
 
 RTOL = 2e-4  # relative to each gradient tensor's scale, fp32
 
@@ -56,19 +56,7 @@ def reference_loss_and_grads(model, samples, eps_low, eps_high, kl=False):
     kw = dict(ref_log_probs=old - REF_SHIFT, kl_coef=KL_COEF) if kl else {}
     loss, metrics = gspo_loss(lp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, **kw)
     loss.backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for e in range(g.shape[0]):
-                grads[f"{base}{e}.gate_proj.weight"], grads[f"{base}{e}.up_proj.weight"] = g[e].chunk(2, 0)
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(g.shape[0]):
-                grads[f"{base}{e}.down_proj.weight"] = g[e]
-        else:
-            grads[name] = g
+    grads = hub_named_grads(model)
     return float(loss.detach()), float(metrics["clip_frac"]), grads
 
 
