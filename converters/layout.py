@@ -1,0 +1,168 @@
+"""Where each HF tensor lives in a Megatron `torch_dist` checkpoint, derived from `model/mapping.py`.
+
+torch_dist stores every parameter as one *global* tensor under a key that Megatron's
+`sharded_state_dict()` chooses:
+
+  * decoder parameters are stacked over layers: the key drops the layer index
+    (`decoder.layers.{layer}.X` -> `decoder.layers.X`) and the global shape gains a leading
+    [num_layers] axis;
+  * expert parameters are stacked over layers and experts: SequentialMLP's
+    `mlp.experts.local_experts.{expert}.X` and TEGroupedMLP's `mlp.experts.X{expert}` both become
+    `mlp.experts.experts.X`, with a leading [num_layers, num_experts];
+  * norms use Transformer Engine's names whatever the spec: the input norm is
+    `self_attention.linear_qkv.layer_norm_weight` (Megatron's local spec maps it there itself) and
+    the MoE pre-MLP norm is `pre_mlp_layernorm.weight` (see `canonical_key` for the local-spec quirk);
+  * the per-layer/per-expert slice is the "full" Megatron tensor of `mapping.hf_to_full` (QKV
+    grouped per query group, fc1 = [gate; up]); vocab tensors are stored with exactly the HF
+    vocabulary's rows (loaders zero the padding rows a layout needs; Megatron marks these tensors
+    `allow_shape_mismatch`), so the checkpoint does not depend on the TP size it was written for.
+
+`tests/test_converters.py` checks these keys and shapes against the `sharded_state_dict()` of
+models built at several layouts, so this module and Megatron cannot drift apart silently.
+Nothing here names an HF tensor: the HF side is entirely `mapping.RULES`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from gspo_megatron.model import mapping
+from gspo_megatron.model.mapping import HF_RULES, RULES, Rule
+from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+
+# Megatron-Core 0.16.1's local (non-TE) layer spec maps `pre_mlp_layernorm.` to
+# `mlp.linear_fc1.layer_norm_` for every layer, although in an MoE layer there is no linear_fc1 to
+# fuse into and the TE spec keeps `pre_mlp_layernorm.weight`. Checkpoints use the TE name, so they
+# load on GPU (TE spec) and CPU (local spec) alike; `canonical_key` undoes the local spec's rename.
+LOCAL_SPEC_KEY_QUIRKS = {
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
+}
+
+
+def dist_key(rule: Rule) -> str:
+    """The torch_dist key of the global tensor holding `rule`'s parameter for all layers/experts."""
+    k = rule.mcore.replace("decoder.layers.{layer}.", "decoder.layers.")
+    k = k.replace("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # SequentialMLP
+    k = re.sub(r"mlp\.experts\.(linear_fc[12]\.weight)\{expert\}$", r"mlp.experts.experts.\1", k)  # TEGroupedMLP
+    k = k.replace("decoder.layers.input_layernorm.", "decoder.layers.self_attention.linear_qkv.layer_norm_")
+    if "{" in k:
+        raise AssertionError(f"layout: cannot derive a torch_dist key from {rule.mcore!r}")
+    return k
+
+
+def _check_rules() -> None:
+    # The local- and TE-spec variants of one HF tensor must share a key, or the spec would leak
+    # into the checkpoint format.
+    by_hf: dict[tuple, str] = {}
+    for r in RULES:
+        k = dist_key(r)
+        if by_hf.setdefault(r.hf, k) != k:
+            raise AssertionError(f"layout: {r.mcore!r} and its sibling rule map to different keys")
+
+
+_check_rules()
+
+
+def canonical_key(state_dict_name: str, sharded_key: str) -> str:
+    """The checkpoint key for a ShardedTensor of Megatron's `sharded_state_dict()`."""
+    fixed = LOCAL_SPEC_KEY_QUIRKS.get(sharded_key)
+    if fixed is not None and state_dict_name.endswith("pre_mlp_layernorm.weight"):
+        return fixed
+    return sharded_key
+
+
+def prepend_dims(rule: Rule, arch: Qwen3MoeArch) -> tuple[int, ...]:
+    if rule.kind.is_expert:
+        return (arch.num_layers, arch.num_experts)
+    if rule.per_layer:
+        return (arch.num_layers,)
+    return ()
+
+
+def full_shape(rule: Rule, arch: Qwen3MoeArch) -> tuple[int, ...]:
+    """Shape of one full Megatron tensor (one layer / one expert), vocab unpadded."""
+    if rule.kind is mapping.Kind.VOCAB:  # lm_head has no entry in hf_shapes when tied
+        metas = [torch.empty(arch.vocab_size, arch.hidden_size, device="meta")]
+    else:
+        shapes = mapping.hf_shapes(arch)
+        metas = [torch.empty(shapes[n], device="meta") for n in rule.hf_names(0, 0)]
+    return tuple(mapping.hf_to_full(rule, metas, arch, padded_vocab=0).shape)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One chunk of the checkpoint: one full Megatron tensor (a layer's, or an expert's)."""
+
+    rule: Rule  # an HF_RULES entry
+    layer: int | None  # global layer
+    expert: int | None  # global expert
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return self.sizes[(self.layer is not None) + (self.expert is not None):]
+
+    def hf_names(self) -> tuple[str, ...]:
+        return self.rule.hf_names(self.layer, self.expert)
+
+    def nbytes(self, element_size: int) -> int:
+        n = element_size
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+def _rules_in_order(arch: Qwen3MoeArch) -> list[Rule]:
+    rules = []
+    for r in HF_RULES:
+        if r.hf == ("lm_head.weight",) and arch.tie_word_embeddings:
+            continue  # tied: Megatron's output layer reads the embedding's key
+        rules.append(r)
+    return rules
+
+
+def plan_items(arch: Qwen3MoeArch) -> list[Item]:
+    """Every chunk of a converted checkpoint, in HF order (embedding, layer by layer, head)."""
+    rules = _rules_in_order(arch)
+    head = [r for r in rules if not r.per_layer and r.hf == ("model.embed_tokens.weight",)]
+    tail = [r for r in rules if not r.per_layer and r not in head]
+    per_layer = [r for r in rules if r.per_layer]
+    dense = [r for r in per_layer if not r.kind.is_expert]
+    experts = [r for r in per_layer if r.kind.is_expert]
+    items: list[Item] = []
+    shapes = {r: (prepend_dims(r, arch), full_shape(r, arch)) for r in rules}
+
+    def add(rule, layer, expert):
+        pre, full = shapes[rule]
+        idx = tuple(i for i in (layer, expert) if i is not None)
+        items.append(Item(rule, layer, expert, dist_key(rule), pre + full, idx + (0,) * len(full),
+                          (1,) * len(idx) + full))
+
+    for r in head:
+        add(r, None, None)
+    for layer in range(arch.num_layers):
+        for r in dense:
+            add(r, layer, None)
+        for e in range(arch.num_experts):
+            for r in experts:
+                add(r, layer, e)
+    for r in tail:
+        add(r, None, None)
+    return items
+
+
+def expected_keys(arch: Qwen3MoeArch) -> dict[str, tuple[int, ...]]:
+    """torch_dist key -> global shape (vocab rows = HF vocab) of a Qwen3-MoE checkpoint."""
+    out: dict[str, tuple[int, ...]] = {}
+    for r in _rules_in_order(arch):
+        out[dist_key(r)] = prepend_dims(r, arch) + full_shape(r, arch)
+    return out
+
+
+def is_vocab_key(key: str) -> bool:
+    return any(dist_key(r) == key for r in HF_RULES if r.kind is mapping.Kind.VOCAB)
