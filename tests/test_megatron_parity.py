@@ -91,6 +91,7 @@ LAYOUTS = [
     pytest.param(2, dict(pp=2), id="pp2"),
     pytest.param(4, dict(tp=2, ep=2, sequence_parallel=True), id="tp2xep2"),
     pytest.param(4, dict(pp=2, ep=2), id="pp2xep2"),
+    pytest.param(2, dict(tp=2, etp=2, sequence_parallel=True), id="tp2-etp2"),
 ]
 
 

@@ -156,6 +156,15 @@ def transformer_config(
         # The alltoall dispatcher's uneven all-gather over the expert-TP group is unsupported by
         # gloo; the allgather dispatcher is exact there too.
         dispatcher = "alltoall" if (use_te or parallel.etp == 1) else "allgather"
+    # Pipeline stages exchange activations whose shape changes per microbatch (padded batches of
+    # varying length): Megatron then sends shapes first. It refuses that mode with the allgather
+    # dispatcher, which is why expert-TP > 1 with PP > 1 is GPU-only (alltoall on NCCL).
+    variable_seq_lengths = parallel.pp > 1
+    if variable_seq_lengths and dispatcher == "allgather":
+        raise ModelConfigError(
+            "parallel.etp > 1 together with parallel.pp > 1 needs the alltoall MoE dispatcher, which "
+            "gloo (CPU) cannot run with expert-TP; use etp=1 or pp=1 on CPU"
+        )
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -205,7 +214,7 @@ def transformer_config(
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
-        variable_seq_lengths=True,
+        variable_seq_lengths=variable_seq_lengths,
     )
 
 
@@ -277,6 +286,10 @@ def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.fl
     Returns (chunks, transformer_config). One chunk per rank (no virtual pipeline stages yet).
     """
     use_te = ctx.device.type == "cuda" and te_available()
+    if arch.tie_word_embeddings and ctx.parallel.pp > 1 and ctx.device.type == "cpu":
+        # Megatron moves the last stage's copy of the shared embedding with `.cuda()`.
+        raise ModelConfigError("tie_word_embeddings with parallel.pp > 1 is GPU-only (Megatron syncs the "
+                               "shared embedding with .cuda()); use pp=1 on CPU")
     config = transformer_config(arch, ctx.parallel, dtype=dtype, use_te=use_te, recompute=recompute)
     model = build_gpt_model(arch, config, pre_process=ctx.is_first_stage, post_process=ctx.is_last_stage, use_te=use_te)
     mark_expert_params(model)

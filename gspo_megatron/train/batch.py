@@ -87,10 +87,12 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def collate(samples: list[TrainSample], multiple: int, pad_id: int = 0, rows: int | None = None) -> MicroBatch:
-    """Right-padded microbatch; `rows` > len(samples) adds filler rows (all-zero mask)."""
+def collate(samples: list[TrainSample], multiple: int, pad_id: int = 0, rows: int | None = None,
+            s_len: int | None = None) -> MicroBatch:
+    """Right-padded microbatch; `rows` > len(samples) adds filler rows (all-zero mask), `s_len`
+    pads further to a given length."""
     rows = rows or max(1, len(samples))
-    s_len = _round_up(max([x.length for x in samples] + [2]), multiple)
+    s_len = max(s_len or 0, _round_up(max([x.length for x in samples] + [2]), multiple))
     tokens = torch.full((rows, s_len), pad_id, dtype=torch.long)
     mask = torch.zeros(rows, s_len, dtype=torch.bool)
     adv = torch.zeros(rows, dtype=torch.float32)
@@ -107,24 +109,33 @@ def collate(samples: list[TrainSample], multiple: int, pad_id: int = 0, rows: in
     return MicroBatch(tokens, mask, adv, eng, n)
 
 
-def plan_indices(lengths: list[int], *, dp: int, dp_rank: int, token_budget: int, multiple: int) -> list[list[int]]:
-    """Sample indices of this DP rank's microbatches.
+def plan_microbatches(
+    samples: list[TrainSample], *, dp: int, dp_rank: int, token_budget: int, multiple: int, pad_id: int = 0
+) -> tuple[list[list[int]], list[MicroBatch]]:
+    """Sample indices and collated microbatches of this DP rank.
 
-    Every DP rank gets the same number of microbatches (empty ones become filler microbatches with
-    an empty mask), since expert-parallel collectives span DP ranks and need every rank in each
-    forward pass.
+    Every DP rank gets the same number of microbatches, and the k-th microbatch has the same
+    [b, s] shape on every DP rank (filler rows / microbatches with an empty mask): expert-parallel
+    collectives span DP ranks, need every rank in each forward pass, and Megatron's allgather
+    dispatcher (used for expert-TP > 1) needs equal token counts across them.
     """
+    lengths = [x.length for x in samples]
     plans = [pack_microbatches(lengths, s, token_budget, multiple) for s in balance_dp(lengths, dp)]
     n_micro = max(1, max(len(p) for p in plans))
-    return plans[dp_rank] + [[] for _ in range(n_micro - len(plans[dp_rank]))]
+    plans = [p + [[] for _ in range(n_micro - len(p))] for p in plans]
+    mbs = []
+    for k, group in enumerate(plans[dp_rank]):
+        rows = max(1, max(len(p[k]) for p in plans))
+        s_len = max(_round_up(max([lengths[i] for i in p[k]] + [2]), multiple) for p in plans)
+        mbs.append(collate([samples[i] for i in group], multiple, pad_id, rows=rows, s_len=s_len))
+    return plans[dp_rank], mbs
 
 
 def plan_minibatch(
     samples: list[TrainSample], *, dp: int, dp_rank: int, token_budget: int, multiple: int, pad_id: int = 0
 ) -> tuple[list[MicroBatch], int]:
     """This DP rank's microbatches for one minibatch, and the minibatch's global sequence count."""
-    mine = plan_indices([x.length for x in samples], dp=dp, dp_rank=dp_rank, token_budget=token_budget,
-                        multiple=multiple)
-    mbs = [collate([samples[i] for i in g], multiple, pad_id) for g in mine]
+    _, mbs = plan_microbatches(samples, dp=dp, dp_rank=dp_rank, token_budget=token_budget, multiple=multiple,
+                               pad_id=pad_id)
     global_sequences = sum(1 for x in samples if x.response_ids)
     return mbs, global_sequences

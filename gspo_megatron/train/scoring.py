@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.train.batch import TrainSample, collate, plan_indices
+from gspo_megatron.train.batch import TrainSample, plan_microbatches
 from gspo_megatron.train.loss import fill_logprobs_step
 
 
@@ -38,9 +38,8 @@ def score_sequences(
 
     multiple = pad_multiple(ctx.parallel)
     samples = [TrainSample(list(s[:1]), list(s[1:]), 0.0) for s in sequences]
-    groups = plan_indices([x.length for x in samples], dp=ctx.dp, dp_rank=ctx.dp_rank,
-                          token_budget=micro_batch_tokens, multiple=multiple)
-    mbs = [collate([samples[i] for i in g], multiple) for g in groups]
+    groups, mbs = plan_microbatches(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=micro_batch_tokens,
+                                    multiple=multiple)
     for m in models:
         m.eval()
     with torch.no_grad():
