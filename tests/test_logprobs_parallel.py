@@ -144,6 +144,11 @@ def test_bf16_inputs():
     for got, want in ((hq.grad, h64.grad), (wq.grad, w64.grad)):
         rel = (got.double() - want).norm() / want.norm()
         assert rel < 1e-2, rel  # bf16 rounding of the per-block gradients only
+    # small blocks: the bf16 hidden-grad product is also split over token rows (scratch <= block)
+    hs, ws = hb.clone().requires_grad_(True), wb.clone().requires_grad_(True)
+    (fused_vocab_parallel_log_probs(hs, ws, targets, temperature=0.9, chunk_size=8) * g_lp).sum().backward()
+    assert (hs.grad.double() - h64.grad).norm() / h64.grad.norm() < 1e-2
+    torch.testing.assert_close(ws.grad, wq.grad, rtol=1e-2, atol=1e-3)
 
 
 def test_argument_checks():

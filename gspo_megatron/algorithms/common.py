@@ -1,0 +1,129 @@
+"""Shared pieces of the loss math: bounds, option parsing, masking, metric reductions."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+#: Bound on every log-ratio before ``exp`` (sequence log-ratio of GSPO, token log-ratios of GRPO,
+#: the reference-KL and TIS log-ratios). exp(20) ~ 4.9e8 keeps float32 finite even after
+#: multiplying by advantages and summing; a sequence whose mean log-ratio reaches it is ~8 orders
+#: of magnitude off-policy, far outside any clip range. Beyond the bound the gradient is zero
+#: (``torch.clamp``'s gradient), which is the intended behaviour for such outliers.
+MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class LossOptions:
+    """Keyword options shared by the losses (all off by default)."""
+
+    ref_log_probs: torch.Tensor | None = None  # [B, T] reference policy log-probs (for KL)
+    kl_coef: float = 0.0
+    entropy: torch.Tensor | None = None  # [B, T] per-token entropy of pi_theta (differentiable)
+    entropy_coef: float = 0.0
+    engine_log_probs: torch.Tensor | None = None  # [B, T] rollout engine's log-probs (for TIS)
+    tis_cap: float | None = None
+    num_sequences: Any = None  # global normaliser (int / float / 0-dim tensor)
+    # Globally (CP-)reduced per-sequence quantities for the token-level losses, each [B]:
+    logratio_sum: torch.Tensor | None = None
+    token_count: torch.Tensor | None = None
+    tis_logratio_sum: torch.Tensor | None = None
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any], allowed: tuple[str, ...], loss: str) -> "LossOptions":
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise TypeError(f"{loss}: unknown option(s) {unknown}; allowed: {sorted(allowed)}")
+        opts = cls(**options)
+        opts.validate(loss)
+        return opts
+
+    def validate(self, loss: str) -> None:
+        # Never silently ignore a coefficient whose input is missing (a known pitfall in peers).
+        if self.kl_coef and self.ref_log_probs is None:
+            raise ValueError(f"{loss}: kl_coef={self.kl_coef} needs ref_log_probs")
+        if self.entropy_coef and self.entropy is None:
+            raise ValueError(f"{loss}: entropy_coef={self.entropy_coef} needs entropy")
+        if self.tis_cap is not None:
+            if self.engine_log_probs is None and self.tis_logratio_sum is None:
+                raise ValueError(f"{loss}: tis_cap needs engine_log_probs")
+            if not self.tis_cap > 0:
+                raise ValueError(f"{loss}: tis_cap must be > 0, got {self.tis_cap}")
+
+
+GSPO_OPTIONS = (
+    "ref_log_probs", "kl_coef", "entropy", "entropy_coef", "engine_log_probs", "tis_cap",
+    "num_sequences",
+)
+GSPO_TOKEN_OPTIONS = GSPO_OPTIONS + ("logratio_sum", "token_count", "tis_logratio_sum")
+GRPO_OPTIONS = GSPO_OPTIONS + ("token_count",)
+
+
+def check_eps(eps_low: float, eps_high: float) -> None:
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
+    if not eps_high >= 0.0:
+        raise ValueError(f"eps_high must be >= 0, got {eps_high}")
+
+
+def float_dtype(t: torch.Tensor) -> torch.dtype:
+    """Compute dtype: at least float32 (bf16/fp16 inputs are upcast), float64 stays float64."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def check_bt(name: str, t: torch.Tensor | None, shape: torch.Size) -> None:
+    if t is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``mask`` else 0 - a select, so inf/NaN under the mask never leak (value or grad)."""
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator ``exp(d) - d - 1`` of KL(pi || ref) with ``d = log ref - log pi``
+    for samples of pi; non-negative; ``d`` clamped to +-MAX_LOG_RATIO."""
+    d = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(d) - d - 1.0
+
+
+def tis_weight_from_log(log_w: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(exp(log_w), cap), detached. The upper clamp at log(cap) is exact (exp is monotonic)."""
+    hi = min(math.log(cap), MAX_LOG_RATIO)
+    return torch.exp(log_w.detach().clamp(-MAX_LOG_RATIO, hi))
+
+
+def normaliser(num_sequences, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The denominator of the sequence mean: ``num_sequences`` if given, else the number of
+    sequences with at least one loss token; never below 1 (an empty batch gives loss 0, not NaN)."""
+    if num_sequences is None:
+        n = valid.sum()
+    else:
+        n = torch.as_tensor(num_sequences, device=valid.device)
+    return n.to(dtype).clamp_min(1.0)
+
+
+def vmean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over ``valid`` entries; 0 when there are none."""
+    x = x.to(torch.float32) if not x.is_floating_point() else x
+    return masked(x, valid).sum() / valid.sum().clamp_min(1)
+
+
+def vmin(x: torch.Tensor, valid: torch.Tensor, empty: float = 1.0) -> torch.Tensor:
+    """Min of ``x`` over ``valid`` entries; ``empty`` when there are none (no host sync)."""
+    return _vext(x, valid, empty, torch.amin, math.inf)
+
+
+def vmax(x: torch.Tensor, valid: torch.Tensor, empty: float = 1.0) -> torch.Tensor:
+    """Max of ``x`` over ``valid`` entries; ``empty`` when there are none (no host sync)."""
+    return _vext(x, valid, empty, torch.amax, -math.inf)
+
+
+def _vext(x, valid, empty, op, fill):
+    fallback = torch.tensor(empty, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return fallback
+    return torch.where(valid.any(), op(torch.where(valid, x, torch.full_like(x, fill))), fallback)

@@ -1,0 +1,133 @@
+"""GRPO / PPO-clip token-level baseline.
+
+``r_t = pi_theta(y_t) / pi_old(y_t)`` per token (log-ratio clamped to +-MAX_LOG_RATIO before
+exp), ``l_i = -(1/|y_i|) sum_t min(r_t A_i,t, clip(r_t, 1 - eps_low, 1 + eps_high) A_i,t)``,
+``loss = sum_i l_i / num_sequences`` - the same sequence-mean-of-token-means aggregation as GSPO,
+so the two losses differ only in where the ratio and clip live. Default clip range 0.2 / 0.27
+(PPO's 0.2 with a slightly raised upper bound, "clip-higher"). Truncated importance sampling is
+token-level here: ``w_t = min(pi_old(y_t) / pi_engine(y_t), tis_cap)``, detached.
+
+Empty sequences and ``num_sequences`` behave as in GSPO (excluded from the default denominator;
+pass the minibatch-global count for micro-batch / DP splitting). Under context parallelism pass
+``token_count`` = the global |y_i| [B] (e.g. from the rollout lengths or a CP all-reduce); each CP
+rank then returns its share of the loss and the shares (and gradients) sum to the full values.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import (
+    GRPO_OPTIONS,
+    MAX_LOG_RATIO,
+    LossOptions,
+    check_bt,
+    check_eps,
+    float_dtype,
+    k3,
+    masked,
+    normaliser,
+    tis_weight_from_log,
+    vmax,
+    vmean,
+    vmin,
+)
+
+__all__ = ["grpo_loss"]
+
+
+def grpo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.27,
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level PPO-clip loss.
+
+    Args:
+        log_probs, old_log_probs, loss_mask: [B, T] (as :func:`gspo_loss`).
+        advantages: [B] or [B, T].
+        eps_low, eps_high: token-ratio clip range.
+    Options: ref_log_probs + kl_coef, entropy + entropy_coef, engine_log_probs + tis_cap
+        (token-level), num_sequences, token_count ([B] global |y_i| under CP).
+
+    Returns:
+        (loss, metrics): token-level ``clip_frac`` (fraction of loss tokens clipped on the
+        gradient-zeroing side), ``ratio_mean``/``ratio_min``/``ratio_max`` over loss tokens,
+        ``approx_kl`` (token mean of k3 = r - 1 - log r), ``pg_loss``, ``sequences``,
+        ``tokens``, and when enabled ``kl_ref``, ``entropy``, ``engine_log_ratio``,
+        ``tis_weight_mean``, ``tis_clip_frac``.
+    """
+    opts = LossOptions.parse(options, GRPO_OPTIONS, "grpo_loss")
+    check_eps(eps_low, eps_high)
+    if log_probs.dim() != 2:
+        raise ValueError(f"log_probs must be [B, T], got {tuple(log_probs.shape)}")
+    shape = log_probs.shape
+    check_bt("old_log_probs", old_log_probs, shape)
+    check_bt("loss_mask", loss_mask, shape)
+    for name in ("ref_log_probs", "entropy", "engine_log_probs"):
+        check_bt(name, getattr(opts, name), shape)
+    check_bt("token_count", opts.token_count, shape[:1])
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [B] or [B, T], got {tuple(advantages.shape)}")
+
+    dtype = float_dtype(log_probs)
+    mask = loss_mask.bool()
+    lp = masked(log_probs.to(dtype), mask)
+    old = masked(old_log_probs.detach().to(dtype), mask)
+    adv = advantages.detach().to(dtype)
+    adv_t = adv[:, None].expand(shape) if adv.dim() == 1 else adv
+    count = (opts.token_count if opts.token_count is not None else mask.sum(-1)).detach().to(dtype)
+    valid = count > 0
+    n = count.clamp_min(1.0)
+
+    log_r = (lp - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    r = torch.exp(log_r)
+    surrogate = torch.minimum(r * adv_t, r.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_t)
+    pg_tok = -surrogate
+    w = tis_log = None
+    if opts.engine_log_probs is not None:
+        tis_log = old - masked(opts.engine_log_probs.detach().to(dtype), mask)
+    if opts.tis_cap is not None:
+        w = tis_weight_from_log(tis_log, opts.tis_cap)
+        pg_tok = pg_tok * w
+    tok = pg_tok
+    kl_tok = ent_tok = None
+    if opts.ref_log_probs is not None:
+        kl_tok = k3(masked(opts.ref_log_probs.detach().to(dtype), mask) - lp)
+        if opts.kl_coef:
+            tok = tok + opts.kl_coef * kl_tok
+    if opts.entropy is not None:
+        ent_tok = masked(opts.entropy.to(dtype), mask)
+        if opts.entropy_coef:
+            tok = tok - opts.entropy_coef * ent_tok
+    per_seq = masked(tok, mask).sum(-1) / n
+    denom = normaliser(opts.num_sequences, valid, dtype)
+    loss = masked(per_seq, valid).sum() / denom
+
+    with torch.no_grad():
+        r_d, log_r_d = r.detach(), log_r.detach()
+        clipped = ((adv_t > 0) & (r_d > 1.0 + eps_high)) | ((adv_t < 0) & (r_d < 1.0 - eps_low))
+        metrics = {
+            "clip_frac": vmean(clipped, mask),
+            "ratio_mean": vmean(r_d, mask),
+            "ratio_min": vmin(r_d, mask),
+            "ratio_max": vmax(r_d, mask),
+            "approx_kl": vmean(r_d - 1.0 - log_r_d, mask),
+            "pg_loss": masked(masked(pg_tok.detach(), mask).sum(-1) / n, valid).sum() / denom,
+            "sequences": valid.sum().to(dtype),
+            "tokens": mask.sum().to(dtype),
+        }
+        if kl_tok is not None:
+            metrics["kl_ref"] = vmean(masked(kl_tok.detach(), mask).sum(-1) / n, valid)
+        if ent_tok is not None:
+            metrics["entropy"] = vmean(ent_tok.detach().sum(-1) / n, valid)
+        if tis_log is not None:
+            metrics["engine_log_ratio"] = vmean(tis_log, mask)
+        if w is not None:
+            metrics["tis_weight_mean"] = vmean(w, mask)
+            metrics["tis_clip_frac"] = vmean(w >= opts.tis_cap * (1 - 1e-6), mask)
+    return loss, metrics
