@@ -142,10 +142,10 @@ def test_train_sbatch_render(path, tmp_path):
 def test_train_sbatch_env_knobs(tmp_path):
     (cmd,) = render(os.path.join(ROOT, "launch", "slurm", "train.sbatch"), [preset("tiny_cpu")],
                     nodes=["n1"], tmp_path=tmp_path,
-                    env={"GPUS_PER_NODE": "4", "MASTER_PORT": "23456", "LOG_DIR": "/tmp/L",
+                    env={"GPUS_PER_NODE": "4", "MASTER_PORT": "23456", "LOG_DIR": str(tmp_path / "L"),
                          "CONTAINER_IMAGE": "nvcr.io#nvidia/pytorch:25.01-py3"})
     assert opt(cmd, "--nproc-per-node") == "4" and opt(cmd, "--gpus-per-node") == "4"
-    assert opt(cmd, "--rdzv-endpoint") == "n1:23456" and opt(cmd, "--output") == "/tmp/L/train-node%n.log"
+    assert opt(cmd, "--rdzv-endpoint") == "n1:23456" and opt(cmd, "--output") == str(tmp_path / "L" / "train-node%n.log")
     assert opt(cmd, "--container-image") == "nvcr.io#nvidia/pytorch:25.01-py3"
     assert cmd[cmd.index("-m") - 1] == "python3"  # no host venv inside a container
     render(os.path.join(ROOT, "launch", "slurm", "train.sbatch"), ["missing.yaml"], nodes=["n1"],
