@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from typing import Iterable
 
 import torch
+
+from gspo_megatron.fsutil import discard, make_tmp, publish
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
 
@@ -95,9 +96,8 @@ def save_hf_checkpoint(
     `copy_from`: a directory whose generation_config.json and tokenizer files are carried over.
     """
     out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = make_tmp(out_dir)
     try:
         writer = HFShardWriter(tmp, parse_size(max_shard_size), dtype)
         it = named_tensors
@@ -117,17 +117,9 @@ def save_hf_checkpoint(
             json.dump(cfg, f, indent=2)
         if copy_from:
             copy_side_files(copy_from, tmp)
-        if os.path.exists(out_dir):
-            # Replace an older export (e.g. the previous weight-sync version) as one step.
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.rmdir(old)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        publish(tmp, out_dir, overwrite=True)  # replaces an older export as one step
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
     return writer.total_bytes
 
