@@ -127,3 +127,24 @@ def _vext(x, valid, empty, op, fill):
     if x.numel() == 0:
         return fallback
     return torch.where(valid.any(), op(torch.where(valid, x, torch.full_like(x, fill))), fallback)
+
+
+def token_loss_with_penalties(pg_tok, lp, mask, n, valid, opts: "LossOptions", dtype):
+    """Token-level losses' shared tail: add the k3 KL and entropy terms per token, take each
+    sequence's token mean (divided by ``n`` = |y_i|) and sum over sequences / the normaliser.
+
+    Returns (loss, denom, kl_tok or None, ent_tok or None); the per-token terms feed the metrics.
+    """
+    tok = pg_tok
+    kl_tok = ent_tok = None
+    if opts.ref_log_probs is not None:
+        kl_tok = k3(masked(opts.ref_log_probs.detach().to(dtype), mask) - lp)
+        if opts.kl_coef:
+            tok = tok + opts.kl_coef * kl_tok
+    if opts.entropy is not None:
+        ent_tok = masked(opts.entropy.to(dtype), mask)
+        if opts.entropy_coef:
+            tok = tok - opts.entropy_coef * ent_tok
+    per_seq = masked(tok, mask).sum(-1) / n
+    denom = normaliser(opts.num_sequences, valid, dtype)
+    return masked(per_seq, valid).sum() / denom, denom, kl_tok, ent_tok

@@ -77,6 +77,7 @@ from .common import (
     masked,
     normaliser,
     tis_weight_from_log,
+    token_loss_with_penalties,
     vmax,
     vmean,
     vmin,
@@ -412,19 +413,7 @@ def gspo_token_loss(
     if opts.tis_cap is not None:
         w = tis_weight_from_log(tis_sum / n, opts.tis_cap)
         pg_tok = pg_tok * w[:, None]
-    tok = pg_tok
-    kl_tok = ent_tok = None
-    if opts.ref_log_probs is not None:
-        kl_tok = k3(masked(opts.ref_log_probs.detach().to(dtype), mask) - lp)
-        if opts.kl_coef:
-            tok = tok + opts.kl_coef * kl_tok
-    if opts.entropy is not None:
-        ent_tok = masked(opts.entropy.to(dtype), mask)
-        if opts.entropy_coef:
-            tok = tok - opts.entropy_coef * ent_tok
-    per_seq = masked(tok, mask).sum(-1) / n
-    denom = normaliser(opts.num_sequences, valid, dtype)
-    loss = masked(per_seq, valid).sum() / denom
+    loss, denom, kl_tok, ent_tok = token_loss_with_penalties(pg_tok, lp, mask, n, valid, opts, dtype)
 
     with torch.no_grad():
         s_d = s_seq

@@ -44,6 +44,17 @@ class Sample:
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
+def check_generate_args(prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
+    """Argument checks every engine's generate() applies before doing any work."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+
+
 class RolloutEngine(abc.ABC):
     """Generates samples and receives policy weights (HF names, full unsharded tensors)."""
 

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from .base import NamedTensors, RolloutEngine, Sample, SamplingParams
+from .base import NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
 
 
 class WeightUpdateError(ValueError):
@@ -209,13 +209,7 @@ class HFEngine(RolloutEngine):
                 f"HFEngine weights are partially updated after a failed update_weights "
                 f"({self._weights_inconsistent}); send a complete update first"
             )
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if sampling.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
+        check_generate_args(prompts, n, sampling)
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (pass tokenizer= to HFEngine)")
         if seed is None and self.seed is not None:

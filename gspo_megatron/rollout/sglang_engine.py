@@ -80,7 +80,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams
+from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
 from .sglang_server import (
     LaunchSpec,
     RetryableHTTPError,
@@ -366,13 +366,7 @@ class SGLangEngine(RolloutEngine):
                 f"SGLang servers hold partially updated weights after a failed update_weights "
                 f"({self._inconsistent}); send a complete update first"
             )
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if sampling.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
+        check_generate_args(prompts, n, sampling)
         if stop_after_groups is not None and stop_after_groups < 1:
             raise ValueError(f"stop_after_groups must be >= 1, got {stop_after_groups}")
         if not prompts:
