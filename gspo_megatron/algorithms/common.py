@@ -148,3 +148,18 @@ def token_loss_with_penalties(pg_tok, lp, mask, n, valid, opts: "LossOptions", d
     per_seq = masked(tok, mask).sum(-1) / n
     denom = normaliser(opts.num_sequences, valid, dtype)
     return masked(per_seq, valid).sum() / denom, denom, kl_tok, ent_tok
+
+
+def token_loss_metrics(pg_tok, kl_tok, ent_tok, mask, n, valid, denom, dtype) -> dict:
+    """Metrics the token-level losses share (detached): pg_loss with the loss's normalisation,
+    counts, and the per-sequence-mean KL / entropy when those terms are present."""
+    out = {
+        "pg_loss": masked(masked(pg_tok.detach(), mask).sum(-1) / n, valid).sum() / denom,
+        "sequences": valid.sum().to(dtype),
+        "tokens": mask.sum().to(dtype),
+    }
+    if kl_tok is not None:
+        out["kl_ref"] = vmean(masked(kl_tok.detach(), mask).sum(-1) / n, valid)
+    if ent_tok is not None:
+        out["entropy"] = vmean(ent_tok.detach().sum(-1) / n, valid)
+    return out

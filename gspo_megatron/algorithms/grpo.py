@@ -25,6 +25,7 @@ from .common import (
     float_dtype,
     masked,
     tis_weight_from_log,
+    token_loss_metrics,
     token_loss_with_penalties,
     vmax,
     vmean,
@@ -104,14 +105,8 @@ def grpo_loss(
             "ratio_min": vmin(r_d, mask),
             "ratio_max": vmax(r_d, mask),
             "approx_kl": vmean(r_d - 1.0 - log_r_d, mask),
-            "pg_loss": masked(masked(pg_tok.detach(), mask).sum(-1) / n, valid).sum() / denom,
-            "sequences": valid.sum().to(dtype),
-            "tokens": mask.sum().to(dtype),
+            **token_loss_metrics(pg_tok, kl_tok, ent_tok, mask, n, valid, denom, dtype),
         }
-        if kl_tok is not None:
-            metrics["kl_ref"] = vmean(masked(kl_tok.detach(), mask).sum(-1) / n, valid)
-        if ent_tok is not None:
-            metrics["entropy"] = vmean(ent_tok.detach().sum(-1) / n, valid)
         if tis_log is not None:
             metrics["engine_log_ratio"] = vmean(tis_log, mask)
         if w is not None:

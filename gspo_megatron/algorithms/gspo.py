@@ -77,6 +77,7 @@ from .common import (
     masked,
     normaliser,
     tis_weight_from_log,
+    token_loss_metrics,
     token_loss_with_penalties,
     vmax,
     vmean,
@@ -373,7 +374,6 @@ def gspo_token_loss(
     if log_probs.dim() != 2:
         raise ValueError(f"log_probs must be [B, T], got {tuple(log_probs.shape)}")
     shape = log_probs.shape
-    B = shape[0]
     for name in ("ref_log_probs", "entropy", "engine_log_probs"):
         check_bt(name, getattr(opts, name), shape)
     check_bt("old_log_probs", old_log_probs, shape)
@@ -425,14 +425,8 @@ def gspo_token_loss(
             "ratio_min": vmin(s_d, valid),
             "ratio_max": vmax(s_d, valid),
             "approx_kl": vmean(s_d - 1.0 - log_s, valid),
-            "pg_loss": masked(masked(pg_tok.detach(), mask).sum(-1) / n, valid).sum() / denom,
-            "sequences": valid.sum().to(dtype),
-            "tokens": mask.sum().to(dtype),
+            **token_loss_metrics(pg_tok, kl_tok, ent_tok, mask, n, valid, denom, dtype),
         }
-        if kl_tok is not None:
-            metrics["kl_ref"] = vmean(masked(kl_tok.detach(), mask).sum(-1) / n, valid)
-        if ent_tok is not None:
-            metrics["entropy"] = vmean(ent_tok.detach().sum(-1) / n, valid)
         if tis_sum is not None:
             metrics["engine_log_ratio"] = vmean(tis_sum / n, valid)
         if w is not None:
