@@ -3,9 +3,10 @@
 Every rank runs the same loop over export items, derived from the architecture and layout alone, so
 point-to-point transfers line up without exchanging names. Per item, only the ranks that hold the
 first replica take part (dp = cp = 0; expert-dp = 0): TP shards are sent to the TP group's root
-and received straight into slices of the full tensor; experts are sent to the EP group's root one
-at a time (after an expert-TP gather when etp > 1). Each stage's root (tp = dp = cp = 0) then
-converts to HF tensors with the shared mapping and sends them to global rank 0 when it is not on
+and received straight into slices of the full tensor; experts are sent to the EP group's root
+(after an expert-TP gather when etp > 1). All transfers of an item are posted at once (isend /
+irecv), so they stream back to back instead of paying a round trip each. Each stage's root
+(tp = dp = cp = 0) then converts to HF tensors with the shared mapping and sends them to global rank 0 when it is not on
 stage 0. Only global rank 0 yields tensors; every other rank must still exhaust the iterator.
 
 Point to point rather than all-gather: only the root needs the full tensor (an all-gather makes
@@ -62,16 +63,28 @@ def _gather_to_root(rule: Rule, local: torch.Tensor, group, my_rank: int, size: 
         # shards are contiguous row blocks of the full tensor: receive in place
         full = torch.empty((local.shape[0] * size, *local.shape[1:]), dtype=local.dtype, device=local.device)
         n = local.shape[0]
-        full[:n].copy_(local)
-        for r in range(1, size):
-            dist.recv(full[r * n : (r + 1) * n], src=dist.get_global_rank(group, r))
+        _recv_all([(full[r * n : (r + 1) * n], dist.get_global_rank(group, r)) for r in range(1, size)],
+                  overlap=lambda: full[:n].copy_(local))
         return full
-    pieces = [local]
-    for r in range(1, size):
-        buf = torch.empty_like(local)
-        dist.recv(buf, src=dist.get_global_rank(group, r))
-        pieces.append(buf)
+    pieces = [local] + [torch.empty_like(local) for _ in range(1, size)]
+    _recv_all([(pieces[r], dist.get_global_rank(group, r)) for r in range(1, size)])
     return mapping.unshard(rule, pieces)
+
+
+def _recv_all(bufs: list[tuple[torch.Tensor, int]], overlap: Callable[[], object] | None = None) -> None:
+    """Post every receive at once (peers' sends then stream back to back instead of one round
+    trip per message), run ``overlap`` while they are in flight, then wait for all."""
+    works = [dist.irecv(buf, src=src) for buf, src in bufs]
+    if overlap is not None:
+        overlap()
+    for w in works:
+        w.wait()
+
+
+def _send_all(tensors: list[torch.Tensor], dst: int) -> None:
+    works = [dist.isend(t.contiguous(), dst=dst) for t in tensors]
+    for w in works:
+        w.wait()
 
 
 def param_tensor(p: torch.nn.Parameter) -> torch.Tensor:
@@ -144,8 +157,7 @@ def iter_hf_tensors(
             for name, t in tensors:
                 yield name, (t.to(dtype) if dtype is not None else t).contiguous()
         elif stage_root and item.stage == ctx.pp_rank and item.stage != 0:
-            for _, t in tensors:
-                dist.send(t.contiguous(), dst=0)
+            _send_all([t for _, t in tensors], dst=0)
 
 
 def _gather_experts(item, index, ctx, arch, n_local, tensor_of):
@@ -164,18 +176,14 @@ def _gather_experts(item, index, ctx, arch, n_local, tensor_of):
     if etp_rank != 0:
         return None
     if ep_rank != 0:
-        root = dist.get_global_rank(ctx.ep_group, 0)
-        for t in fulls:
-            dist.send(t.contiguous(), dst=root)
+        _send_all(fulls, dst=dist.get_global_rank(ctx.ep_group, 0))
         return None
+    remote = {(src_ep, e): torch.empty_like(fulls[e]) for src_ep in range(1, par.ep) for e in range(n_local)}
+    _recv_all([(buf, dist.get_global_rank(ctx.ep_group, src_ep)) for (src_ep, _), buf in remote.items()])
     out = []
     for src_ep in range(par.ep):
         for e_local in range(n_local):
-            if src_ep == 0:
-                t = fulls[e_local]
-            else:
-                t = torch.empty_like(fulls[e_local])
-                dist.recv(t, src=dist.get_global_rank(ctx.ep_group, src_ep))
+            t = fulls[e_local] if src_ep == 0 else remote[(src_ep, e_local)]
             e = src_ep * n_local + e_local  # Megatron: contiguous expert blocks per EP rank
             out += list(zip(item.rule.hf_names(item.layer, e), mapping.full_to_hf(rule, t, arch)))
     return out
@@ -191,10 +199,7 @@ def _dtype_hint(chunks, tensor_of) -> torch.dtype:
 def _recv_item(item, arch, src, dtype_hint, device):
     shapes = mapping.hf_shapes(arch)
     experts = range(arch.num_experts) if item.rule.kind.is_expert else [None]
-    out = []
-    for e in experts:
-        for name in item.rule.hf_names(item.layer, e):
-            buf = torch.empty(shapes[name], dtype=dtype_hint, device=device)
-            dist.recv(buf, src=src)
-            out.append((name, buf))
+    out = [(name, torch.empty(shapes[name], dtype=dtype_hint, device=device))
+           for e in experts for name in item.rule.hf_names(item.layer, e)]
+    _recv_all([(buf, src) for _, buf in out])
     return out
