@@ -83,7 +83,7 @@ def _run(rank, layout, args):
     bucket_bytes = int(args.bucket_mb * (1 << 20))
 
     def one_pass():
-        stream = iter_hf_tensors(chunks, ctx, arch)
+        stream = iter_hf_tensors(chunks, ctx, arch, dtype=cast if args.cast_at_source else None)
         if rank != 0:
             drain(stream)
             return 0, 0
@@ -194,6 +194,9 @@ def main(argv=None):
     ap.add_argument("--moe-inter", type=int, default=512)
     ap.add_argument("--dtype", default="float32", help="parameter dtype of the model")
     ap.add_argument("--cast", default=None, help="cast exported tensors (e.g. bfloat16) in the buckets")
+    ap.add_argument("--cast-at-source", action="store_true",
+                    help="with --cast: cast on each shard's rank before the transfers "
+                         "(iter_hf_tensors(dtype=...)) instead of in the buckets on rank 0")
     ap.add_argument("--bucket-mb", type=float, default=512)
     ap.add_argument("--layouts", default="tp2,ep2")
     ap.add_argument("--profile", action="store_true")
@@ -202,7 +205,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     layouts = {"tp2": dict(tp=2, ep=1), "ep2": dict(tp=1, ep=2)}
     print(f"model: vocab={args.vocab} hidden={args.hidden} layers={args.layers} experts={args.experts} "
-          f"moe_inter={args.moe_inter} dtype={args.dtype} cast={args.cast} bucket={args.bucket_mb} MiB; "
+          f"moe_inter={args.moe_inter} dtype={args.dtype} cast={args.cast}{' at source' if args.cast_at_source else ''} bucket={args.bucket_mb} MiB; "
           "2 gloo processes x 1 thread")
     print(f"{'layout':12s} {'HF bytes':>10s} {'buckets':>8s} {'export s':>9s} {'export GB/s':>12s} "
           f"{'memcpy GB/s':>12s} {'ratio':>7s} {'median':>7s} {'fresh memcpy':>13s} {'ratio':>7s}")

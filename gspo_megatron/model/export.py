@@ -124,7 +124,17 @@ def iter_hf_tensors(
     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = param_tensor,
     dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, full tensor) on global rank 0, on the model's device; nothing elsewhere."""
+    """Yield (hf_name, full tensor) on global rank 0, on the model's device; nothing elsewhere.
+
+    ``dtype`` casts floating tensors on the rank that holds each shard, before any transfer: the
+    casts run in parallel and a narrower dtype moves fewer bytes (casting the gathered tensors
+    on rank 0 ran at ~13% of memcpy in bench_weight_sync against ~50% without a cast)."""
+    if dtype is not None:
+        base = tensor_of
+
+        def tensor_of(p, _base=base):
+            t = _base(p)
+            return t.to(dtype) if t.is_floating_point() else t
     index = _LocalIndex(chunks)
     par = ctx.parallel
     pp = par.pp
@@ -155,7 +165,7 @@ def iter_hf_tensors(
             if item.stage != 0:
                 tensors = _recv_item(item, arch, stage_src[item.stage], dtype_hint=hint, device=ctx.device)
             for name, t in tensors:
-                yield name, (t.to(dtype) if dtype is not None else t).contiguous()
+                yield name, t.contiguous()
         elif stage_root and item.stage == ctx.pp_rank and item.stage != 0:
             _send_all([t for _, t in tensors], dst=0)
 
