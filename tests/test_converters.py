@@ -208,6 +208,8 @@ def _rank_load_layouts(rank, world, jobs, seqs):
         model = wrap_ddp(chunks, tcfg) if ddp else chunks
         load_mcore_into_model(model, ckpt)
         exported = dict(iter_hf_tensors(model, ctx, arch))
+        # weight sync to a bf16 engine: cast on each shard's rank before the transfers
+        exported16 = dict(iter_hf_tensors(model, ctx, arch, dtype=torch.bfloat16))
         lps = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size, micro_batch_tokens=48) \
             if dtype == torch.float32 else None
         if rank == 0:
@@ -218,6 +220,8 @@ def _rank_load_layouts(rank, world, jobs, seqs):
                 ref.pop("lm_head.weight", None)
             bad = sorted(set(ref) ^ set(exported)) + [k for k in ref if k in exported and not torch.equal(
                 ref[k].to(dtype).view(torch.uint8), exported[k].view(torch.uint8))]
+            bad += [f"{k} (bf16)" for k in ref if k not in exported16 or not torch.equal(
+                ref[k].to(dtype).to(torch.bfloat16).view(torch.uint8), exported16[k].view(torch.uint8))]
             results[name] = (bad, lps)
         ps.destroy_model_parallel()
     return results if rank == 0 else None
