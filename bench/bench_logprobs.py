@@ -13,6 +13,11 @@ Implementations (all compute log softmax(logits)[target] and its gradient):
             copy of bf16 logits.
   chunked   gspo_megatron.parallel.logprobs.vocab_parallel_log_probs (token chunks, not in place).
   fused     gspo_megatron.parallel.logprobs.fused_vocab_parallel_log_probs (hidden section only).
+  mm3, mm4  hidden section only, reference points rather than implementations: the bare matmuls
+            (bf16/fp32 as the inputs, no softmax, no autograd) that an unfused method (mm3:
+            logits, grad of the weight, grad of the hidden) and an exact fused method that keeps
+            no logits for backward (mm4: the same plus recomputing the logits) cannot avoid.
+            mm4 / megatron is the floor of the fused ratio on this machine.
 
 Two sections:
   logits    inputs: the logits shard [N, V/tp] (leaf); output-layer matmul not included.
@@ -51,7 +56,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-METHODS = ("naive", "megatron", "chunked", "fused")
+METHODS = ("naive", "megatron", "chunked", "fused", "mm3", "mm4")
+MATMUL_ONLY = ("mm3", "mm4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MiB = 1024 * 1024
 
@@ -113,6 +119,8 @@ def _estimate_gib(section, method, n, v_local, h, tp, nbytes):
         "megatron": lg * (f32 if nbytes != f32 else 0) + lg * nbytes,
         "chunked": lg * nbytes * 2,
         "fused": (n * h + v_local * h) * nbytes * 2,
+        "mm3": lg * nbytes,
+        "mm4": lg * nbytes,
     }[method]
     if section == "hidden" and method != "fused":
         est += lg * nbytes
@@ -164,7 +172,7 @@ def _run(rank, world, cfg):
             required = (n * h + vl * h) * nbytes
         methods = []
         for method in cfg["methods"]:
-            if section == "logits" and method == "fused":
+            if section == "logits" and method in ("fused", *MATMUL_ONLY):
                 continue
             est = _estimate_gib(section, method, n, vl, h, world, nbytes)
             if est > cfg["max_gib"]:
@@ -177,6 +185,15 @@ def _run(rank, world, cfg):
                 with torch.no_grad():
                     inputs["logits"].normal_().mul_(3)  # megatron overwrote it; same storage
             t0 = time.perf_counter()
+            if method in MATMUL_ONLY:
+                with torch.no_grad():
+                    hid, w = inputs["hidden"], inputs["weight"]
+                    for _ in range(1 + (method == "mm4")):
+                        x = hid @ w.t()
+                    x.t() @ hid  # grad of the weight
+                    x @ w  # grad of the hidden
+                    del x
+                return time.perf_counter() - t0
             if section == "logits":
                 lp = _logp(method, inputs["logits"], targets, group, world)
             else:

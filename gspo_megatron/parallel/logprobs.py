@@ -334,11 +334,15 @@ class _FusedVocabParallelLogProbs(torch.autograd.Function):
                 if g.dtype == grad_h.dtype:
                     grad_h.addmm_(g, w_blk)
                 else:  # model-dtype product, float32 accumulation; scratch no larger than a block
+                    # The product is widened into the free "x" buffer before the add: an add
+                    # of mixed dtypes (float32 += bf16) is ~5x slower on CPU than copy + add,
+                    # and at full size that was the whole gap between this path and its matmuls.
                     hd = hidden.shape[1]
                     step = max(1, min(n, bufs.numel // hd))
                     for r0 in range(0, n, step):
                         r1 = min(n, r0 + step)
-                        grad_h[r0:r1] += torch.mm(g[r0:r1], w_blk, out=bufs.get("gh", r1 - r0, hd, weight.dtype))
+                        prod = torch.mm(g[r0:r1], w_blk, out=bufs.get("gh", r1 - r0, hd, weight.dtype))
+                        grad_h[r0:r1] += bufs.get("x", r1 - r0, hd, cdt).copy_(prod)
         del bufs
         if need_h:
             grad_h = grad_h.to(hidden.dtype)
