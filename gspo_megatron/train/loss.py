@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from gspo_megatron.algorithms import gspo_loss_from_stats, gspo_sequence_stats, gspo_token_loss, grpo_loss
-from gspo_megatron.parallel.logprobs import vocab_parallel_log_probs
+from gspo_megatron.parallel.fused_head import head_weight
+from gspo_megatron.parallel.logprobs import fused_vocab_parallel_log_probs, vocab_parallel_log_probs
 from gspo_megatron.parallel.seq_reduce import cp_all_reduce_sum
 from gspo_megatron.train.batch import MicroBatch
 
@@ -76,6 +77,18 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
 
 
+def token_logprobs(ctx, model, output, tokens, vocab_size: int, temperature: float = 1.0,
+                   entropy: bool = False):
+    """log p(token t+1 | <= t) [b, s] (and entropy) from the last stage's output: the logits
+    shard, or the final hidden states when the model has the hidden head (model.fused_logprobs)."""
+    kw = dict(group=ctx.tp_group, temperature=temperature, vocab_size=vocab_size, return_entropy=entropy)
+    targets = torch.roll(tokens, -1, 1)
+    weight = head_weight(model)
+    if weight is None:
+        return vocab_parallel_log_probs(output, targets, **kw)
+    return fused_vocab_parallel_log_probs(output, weight, targets, **kw)
+
+
 def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
     """forward_step for one GSPO/GRPO update over MicroBatches carrying old (and ref) log-probs."""
     loss_impl = LOSSES[settings.type]
@@ -85,11 +98,8 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
         tokens = mb.tokens.to(ctx.device)
         output = model(tokens, _positions(tokens), None)
 
-        def loss_func(logits):
-            lp, ent = vocab_parallel_log_probs(
-                logits, torch.roll(tokens, -1, 1), group=ctx.tp_group, temperature=settings.temperature,
-                vocab_size=vocab_size, return_entropy=True,
-            )
+        def loss_func(output):
+            lp, ent = token_logprobs(ctx, model, output, tokens, vocab_size, settings.temperature, entropy=True)
             ent = ent if settings.entropy_coef else ent.detach()
             stats = gspo_sequence_stats(
                 lp, mb.old_logprobs, mb.loss_mask, ref_log_probs=mb.ref_logprobs, entropy=ent,
@@ -118,9 +128,8 @@ def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str):
         tokens = mb.tokens.to(ctx.device)
         output = model(tokens, _positions(tokens), None)
 
-        def loss_func(logits):
-            lp = vocab_parallel_log_probs(logits, torch.roll(tokens, -1, 1), group=ctx.tp_group,
-                                          temperature=temperature, vocab_size=vocab_size)
+        def loss_func(output):
+            lp = token_logprobs(ctx, model, output, tokens, vocab_size, temperature)
             setattr(mb, attr, lp.detach().float())
             return torch.zeros((), device=tokens.device), {}
 
@@ -137,8 +146,8 @@ def sft_loss_step(ctx, vocab_size: int):
         tokens = mb.tokens.to(ctx.device)
         output = model(tokens, _positions(tokens), None)
 
-        def loss_func(logits):
-            lp = vocab_parallel_log_probs(logits, torch.roll(tokens, -1, 1), group=ctx.tp_group, vocab_size=vocab_size)
+        def loss_func(output):
+            lp = token_logprobs(ctx, model, output, tokens, vocab_size)
             mask = mb.loss_mask
             nll = -(lp * mask).sum()
             n = int(mask.sum())

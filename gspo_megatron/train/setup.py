@@ -228,13 +228,16 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     # ---- heavy work ------------------------------------------------------------------------
     ctx = init_parallel(cfg.parallel, seed=cfg.model.init_seed, model_dims=None)
     chunks, tconfig = build_policy(ctx, arch, reader=reader, dtype=dtype,
-                                   recompute=cfg.train.recompute == "full")
+                                   recompute=cfg.train.recompute == "full",
+                                   fused_logprobs=cfg.model.fused_logprobs)
+    if cfg.model.fused_logprobs:
+        log.info("token log-probs: fused from the final hidden states (no [tokens, vocab/tp] logits)")
     if cfg.model.load:
         from converters.mcore import load_mcore_into_model
 
         load_mcore_into_model(chunks, cfg.model.load)
     if cfg.loss.kl_coef > 0:
-        ref_chunks, _ = build_policy(ctx, arch, dtype=dtype)
+        ref_chunks, _ = build_policy(ctx, arch, dtype=dtype, fused_logprobs=cfg.model.fused_logprobs)
         for src, dst in zip(chunks, ref_chunks):
             dst.load_state_dict(src.state_dict())
     model = wrap_ddp(chunks, tconfig, grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32)
