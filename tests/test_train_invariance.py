@@ -60,7 +60,7 @@ def reference_loss_and_grads(model, samples, eps_low, eps_high, kl=False):
     return float(loss.detach()), float(metrics["clip_frac"]), grads
 
 
-def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=False):
+def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=False, fused=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from gspo_megatron.config import ParallelConfig
@@ -77,7 +77,7 @@ def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=Fals
     par = ParallelConfig(**layout)
     arch = Qwen3MoeArch.from_hf_dir(hf_dir)
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
-    chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir)
+    chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir, fused_logprobs=fused)
     model = wrap_ddp(chunks, tcfg)
     mbs, _ = plan_minibatch(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=token_budget,
                             multiple=pad_multiple(par))
@@ -151,3 +151,24 @@ def test_kl_penalty_reaches_the_gradient(setup, world, layout):
     worst = max((grads[k] - ref_grads[k]).abs().max().item() / (ref_grads[k].abs().max().item() + 1e-12)
                 for k in ref_grads)
     assert worst <= RTOL
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,layout,budget", [
+    pytest.param(1, dict(), 40, id="tp1-many-micro"),
+    pytest.param(2, dict(tp=2, sequence_parallel=True), 10_000, id="tp2-sp"),
+    pytest.param(2, dict(pp=2), 40, id="pp2"),
+    pytest.param(2, dict(ep=2), 40, id="ep2"),
+])
+def test_fused_logprob_head_matches_reference(setup, world, layout, budget):
+    """model.fused_logprobs: the last stage returns hidden states and the loss uses the fused
+    hidden -> log-prob path; loss and every gradient (output layer and the layers below, whose
+    hidden gradient the TP region wrapper must reduce) equal the reference."""
+    hf_dir, model, samples = setup
+    ref_loss, _, ref_grads = reference_loss_and_grads(model, samples, 3e-4, 4e-4)
+    tot, grads, _ = run_distributed(_rank_train, world, hf_dir, layout, samples, budget, (3e-4, 4e-4), False, True,
+                                    timeout=280)[0]
+    assert tot["loss"] / tot["sequences"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    worst = max(((grads[k] - ref_grads[k]).abs().max().item() / (ref_grads[k].abs().max().item() + 1e-12), k)
+                for k in ref_grads)
+    assert worst[0] <= RTOL, f"relative gradient difference {worst[0]:.2e} at {worst[1]}"

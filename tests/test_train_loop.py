@@ -126,6 +126,33 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rb]
 
 
+@pytest.mark.timeout(600)
+def test_fused_logprobs_trains_like_the_logits_head(tmp_path):
+    """model.fused_logprobs=true end to end (SFT warm-up, old log-probs, GSPO updates, HF export)
+    at the demo's TP2+SP: same losses as the logits head up to float32 rounding."""
+    steps = ["train.max_steps=2", "checkpoint.interval=0"]
+    plain = run_train(tmp_path / "plain", *SMALL, *steps)
+    fused = run_train(tmp_path / "fused", *SMALL, *steps, "model.fused_logprobs=true")
+    note = "token log-probs: fused from the final hidden states"
+    assert note in fused.stderr and note not in plain.stderr
+
+    def rows(d):
+        with open(d / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f]
+
+    a, b = rows(tmp_path / "plain"), rows(tmp_path / "fused")
+    sft_a = [r["nll"] for r in a if r.get("phase") == "sft"]
+    sft_b = [r["nll"] for r in b if r.get("phase") == "sft"]
+    assert sft_a and sft_b == pytest.approx(sft_a, rel=1e-5)
+    ga, gb = [r for r in a if r.get("phase") == "gspo"], [r for r in b if r.get("phase") == "gspo"]
+    assert len(ga) == len(gb) == 2
+    for x, y in zip(ga, gb):
+        assert y["reward_mean"] == x["reward_mean"]
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-7)
+    ha, hb = _hf_tensors(tmp_path / "plain" / "hf"), _hf_tensors(tmp_path / "fused" / "hf")
+    assert max((ha[k] - hb[k]).abs().max().item() for k in ha) < 1e-4
+
+
 def _train_fails(tmp_path, *overrides):
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY,
