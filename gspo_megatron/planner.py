@@ -43,7 +43,9 @@ Memory per GPU (bytes; b = bytes of model.dtype, 4 for float32):
       selective recompute drops the norm outputs, attention output and SwiGLU output;
       full recompute keeps only each layer's input (H [/TP with SP]) plus one layer's tensors;
       microbatches in flight: PP on stage 0 under 1F1B (worst stage), 1 with PP = 1;
-      last stage adds fp32 logits and their softmax/gradient: 2 * 4 * T * V_padded/TP.
+      last stage adds fp32 logits and their softmax/gradient: 2 * 4 * T * V_padded/TP;
+      with model.fused_logprobs instead the gathered hidden states and their fp32 gradient
+      accumulator, (b + 4) * T * H, plus three fp32 vocab blocks of at most 2^22 elements.
   reference_model (only when loss.kl_coef > 0) = params_rank * b: a resident frozen copy.
   Not counted: CUDA context and NCCL buffers (~1-3 GiB), allocator fragmentation, colocated
   SGLang engines.
@@ -211,7 +213,11 @@ def memory_per_stage(cfg: Config, d: dict, world_size: int, stage: dict) -> dict
         act = one_mb * in_flight + max((full for full, _ in per_layer), default=0)
     else:
         act = sum(full for full, _ in per_layer) * in_flight
-    if stage["output_layer"]:
+    if stage["output_layer"] and cfg.model.fused_logprobs:
+        from gspo_megatron.parallel.logprobs import DEFAULT_CHUNK_ELEMENTS
+
+        act += (b + 4) * T * d["hidden_size"] + 3 * 4 * DEFAULT_CHUNK_ELEMENTS
+    elif stage["output_layer"]:
         act += 2 * 4 * T * padded_vocab(d["vocab_size"], p.tp) / p.tp
     weights = (dense + expert) * b
     out = {
@@ -344,7 +350,8 @@ def plan(config: Config, world_size: int) -> dict:
             "DP*CP (dense) / expert-DP (experts) with the distributed optimizer",
             "activations: flash attention, balanced MoE routing without capacity factor, "
             "T = micro_batch_tokens/CP per microbatch, PP-s microbatches in flight on stage s "
-            "(1F1B), fp32 logits + softmax on the last stage",
+            "(1F1B), " + ("fused log-probs (hidden states + fp32 blocks, no logits)"
+                          if config.model.fused_logprobs else "fp32 logits + softmax") + " on the last stage",
             "not counted: CUDA context, NCCL buffers, fragmentation, colocated SGLang",
         ],
     }

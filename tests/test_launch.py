@@ -287,6 +287,17 @@ def test_plan_30b_layout():
     assert pl8["stages"][0]["params"] == stage["params"]
 
 
+def test_plan_fused_logprobs_drops_the_logits_term():
+    cfg = load_config(preset("qwen3_30b_a3b"), [])
+    fused = load_config(preset("qwen3_30b_a3b"), ["model.fused_logprobs=true"])
+    a = planner.plan(cfg, 16)["stages"][0]["memory_gib"]["activations"]
+    b = planner.plan(fused, 16)["stages"][0]["memory_gib"]["activations"]
+    T, H, Vp = cfg.train.micro_batch_tokens, 2048, 152064
+    logits = 2 * 4 * T * Vp / 2  # fp32 logits + softmax/grad on a TP2 rank
+    fused_terms = (2 + 4) * T * H + 3 * 4 * 2**22
+    assert (a - b) * 2**30 == pytest.approx(logits - fused_terms, rel=1e-9)
+
+
 def test_plan_235b_pipeline_and_tp8_vocab():
     cfg = load_config(preset("qwen3_235b_a22b"), [])
     pl = planner.plan(cfg, 128)
