@@ -206,7 +206,7 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     from gspo_megatron.model.factory import build_policy, parse_dtype
     from gspo_megatron.model.hf_io import HFCheckpointReader
     from gspo_megatron.parallel.ddp import wrap_ddp
-    from gspo_megatron.parallel.state import init_parallel
+    from gspo_megatron.parallel.state import init_parallel, resolve_device
     from gspo_megatron.train.optim import build_optimizer
     from gspo_megatron.train.scoring import pad_multiple
 
@@ -215,6 +215,9 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     arch = Qwen3MoeArch.from_hf_dict(hf_config, source="model.hf_dir" if cfg.model.hf_dir else "model.hf_config")
     cfg.validate_world(world_size, hf_config)
     dtype = parse_dtype(cfg.model.dtype)
+    if dtype != torch.float32 and resolve_device(cfg.parallel.device).type == "cpu":
+        raise InputError(f"model.dtype={cfg.model.dtype} needs a GPU: Megatron-Core's mixed-precision optimizer "
+                         "(fp32 master weights) takes CUDA tensors only; use model.dtype=float32 on CPU")
     reader = None
     if cfg.model.hf_dir:
         reader = HFCheckpointReader(cfg.model.hf_dir)
