@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
@@ -127,6 +127,47 @@ def _vext(x, valid, empty, op, fill):
     if x.numel() == 0:
         return fallback
     return torch.where(valid.any(), op(torch.where(valid, x, torch.full_like(x, fill))), fallback)
+
+
+class TokenInputs(NamedTuple):
+    """The [B, T] inputs of a token-level loss, masked and in the compute dtype."""
+
+    dtype: torch.dtype
+    mask: torch.Tensor  # [B, T] bool
+    lp: torch.Tensor  # [B, T] log pi_theta (carries the gradient), 0 off the mask
+    old: torch.Tensor  # [B, T] log pi_old (detached), 0 off the mask
+    adv_t: torch.Tensor  # [B, T] advantages (detached), broadcast from [B] if needed
+    count: torch.Tensor  # [B] |y_i| (token_count option, else the local mask count)
+    valid: torch.Tensor  # [B] bool: the sequence has loss tokens
+    n: torch.Tensor  # [B] count clamped to >= 1 (a safe divisor)
+
+
+def token_inputs(log_probs, old_log_probs, advantages, loss_mask, opts: "LossOptions",
+                 seq_options: tuple[str, ...]) -> TokenInputs:
+    """Shape checks and the shared preparation of GRPO and GSPO-token. ``seq_options`` names the
+    [B] options the loss accepts (their shapes are checked here)."""
+    if log_probs.dim() != 2:
+        raise ValueError(f"log_probs must be [B, T], got {tuple(log_probs.shape)}")
+    shape = log_probs.shape
+    check_bt("old_log_probs", old_log_probs, shape)
+    check_bt("loss_mask", loss_mask, shape)
+    for name in ("ref_log_probs", "entropy", "engine_log_probs"):
+        check_bt(name, getattr(opts, name), shape)
+    for name in seq_options:
+        check_bt(name, getattr(opts, name), shape[:1])
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [B] or [B, T], got {tuple(advantages.shape)}")
+    dtype = float_dtype(log_probs)
+    mask = loss_mask.bool()
+    adv = advantages.detach().to(dtype)
+    count = (opts.token_count if opts.token_count is not None else mask.sum(-1)).detach().to(dtype)
+    return TokenInputs(
+        dtype=dtype, mask=mask,
+        lp=masked(log_probs.to(dtype), mask),
+        old=masked(old_log_probs.detach().to(dtype), mask),
+        adv_t=adv[:, None].expand(shape) if adv.dim() == 1 else adv,
+        count=count, valid=count > 0, n=count.clamp_min(1.0),
+    )
 
 
 def token_loss_with_penalties(pg_tok, lp, mask, n, valid, opts: "LossOptions", dtype):

@@ -20,11 +20,10 @@ from .common import (
     GRPO_OPTIONS,
     MAX_LOG_RATIO,
     LossOptions,
-    check_bt,
     check_eps,
-    float_dtype,
     masked,
     tis_weight_from_log,
+    token_inputs,
     token_loss_metrics,
     token_loss_with_penalties,
     vmax,
@@ -63,26 +62,8 @@ def grpo_loss(
     """
     opts = LossOptions.parse(options, GRPO_OPTIONS, "grpo_loss")
     check_eps(eps_low, eps_high)
-    if log_probs.dim() != 2:
-        raise ValueError(f"log_probs must be [B, T], got {tuple(log_probs.shape)}")
-    shape = log_probs.shape
-    check_bt("old_log_probs", old_log_probs, shape)
-    check_bt("loss_mask", loss_mask, shape)
-    for name in ("ref_log_probs", "entropy", "engine_log_probs"):
-        check_bt(name, getattr(opts, name), shape)
-    check_bt("token_count", opts.token_count, shape[:1])
-    if advantages.shape not in (shape[:1], shape):
-        raise ValueError(f"advantages must be [B] or [B, T], got {tuple(advantages.shape)}")
-
-    dtype = float_dtype(log_probs)
-    mask = loss_mask.bool()
-    lp = masked(log_probs.to(dtype), mask)
-    old = masked(old_log_probs.detach().to(dtype), mask)
-    adv = advantages.detach().to(dtype)
-    adv_t = adv[:, None].expand(shape) if adv.dim() == 1 else adv
-    count = (opts.token_count if opts.token_count is not None else mask.sum(-1)).detach().to(dtype)
-    valid = count > 0
-    n = count.clamp_min(1.0)
+    dtype, mask, lp, old, adv_t, count, valid, n = token_inputs(
+        log_probs, old_log_probs, advantages, loss_mask, opts, ("token_count",))
 
     log_r = (lp - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     r = torch.exp(log_r)
