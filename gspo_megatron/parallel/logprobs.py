@@ -349,11 +349,21 @@ class _FusedVocabParallelLogProbs(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 
-def _check_common(targets, lead_shape, temperature):
-    if tuple(targets.shape) != tuple(lead_shape):
-        raise ValueError(f"targets shape {tuple(targets.shape)} != leading shape {tuple(lead_shape)}")
+def _apply(fn, x, extra, targets, group, temperature, vocab_start, vocab_size, chunk_size, return_entropy):
+    """Check, flatten ``x`` [..., D] to [N, D], run the autograd function, restore the leading
+    shape of ``targets``."""
+    if tuple(targets.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"targets shape {tuple(targets.shape)} != leading shape {tuple(x.shape[:-1])}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    lead = targets.shape
+    logp, ent = fn.apply(
+        x.reshape(-1, x.shape[-1]), *extra, targets.reshape(-1).long(), group, vocab_start, vocab_size,
+        float(temperature), chunk_size, bool(return_entropy),
+    )
+    if return_entropy:
+        return logp.view(lead), ent.view(lead)
+    return logp.view(lead)
 
 
 def vocab_parallel_log_probs(
@@ -385,16 +395,8 @@ def vocab_parallel_log_probs(
         differentiable
         w.r.t. ``logits`` (the gradient has ``logits``' dtype and shape).
     """
-    _check_common(targets, logits.shape[:-1], temperature)
-    lead = targets.shape
-    logits2d = logits.reshape(-1, logits.shape[-1])
-    logp, ent = _VocabParallelLogProbs.apply(
-        logits2d, targets.reshape(-1).long(), group, vocab_start, vocab_size, float(temperature),
-        chunk_size, bool(return_entropy),
-    )
-    if return_entropy:
-        return logp.view(lead), ent.view(lead)
-    return logp.view(lead)
+    return _apply(_VocabParallelLogProbs, logits, (), targets, group, temperature, vocab_start, vocab_size,
+                  chunk_size, return_entropy)
 
 
 def fused_vocab_parallel_log_probs(
@@ -430,15 +432,7 @@ def fused_vocab_parallel_log_probs(
         log_probs [...] float32, or (log_probs, entropy). Gradients flow to ``hidden`` (partial
         over TP, see above) and to ``weight`` (complete for this shard).
     """
-    _check_common(targets, hidden.shape[:-1], temperature)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V/tp, {hidden.shape[-1]}], got {tuple(weight.shape)}")
-    lead = targets.shape
-    h2d = hidden.reshape(-1, hidden.shape[-1])
-    logp, ent = _FusedVocabParallelLogProbs.apply(
-        h2d, weight, targets.reshape(-1).long(), group, vocab_start, vocab_size, float(temperature),
-        chunk_size, bool(return_entropy),
-    )
-    if return_entropy:
-        return logp.view(lead), ent.view(lead)
-    return logp.view(lead)
+    return _apply(_FusedVocabParallelLogProbs, hidden, (weight,), targets, group, temperature, vocab_start,
+                  vocab_size, chunk_size, return_entropy)
