@@ -170,6 +170,23 @@ def token_inputs(log_probs, old_log_probs, advantages, loss_mask, opts: "LossOpt
     )
 
 
+def clip_fraction(ratio, adv, where, eps_low: float, eps_high: float) -> torch.Tensor:
+    """Fraction of the ``where`` entries clipped on the side that zeroes their gradient:
+    A > 0 and ratio > 1 + eps_high, or A < 0 and ratio < 1 - eps_low."""
+    clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+    return vmean(clipped, where)
+
+
+def ratio_metrics(ratio, log_ratio, where) -> dict[str, torch.Tensor]:
+    """ratio_mean / ratio_min / ratio_max and approx_kl (k3 = r - 1 - log r) over ``where``."""
+    return {
+        "ratio_mean": vmean(ratio, where),
+        "ratio_min": vmin(ratio, where),
+        "ratio_max": vmax(ratio, where),
+        "approx_kl": vmean(ratio - 1.0 - log_ratio, where),
+    }
+
+
 def token_loss_with_penalties(pg_tok, lp, mask, n, valid, opts: "LossOptions", dtype):
     """Token-level losses' shared tail: add the k3 KL and entropy terms per token, take each
     sequence's token mean (divided by ``n`` = |y_i|) and sum over sequences / the normaliser.

@@ -21,14 +21,14 @@ from .common import (
     MAX_LOG_RATIO,
     LossOptions,
     check_eps,
+    clip_fraction,
     masked,
+    ratio_metrics,
     tis_weight_from_log,
     token_inputs,
     token_loss_metrics,
     token_loss_with_penalties,
-    vmax,
     vmean,
-    vmin,
 )
 
 __all__ = ["grpo_loss"]
@@ -79,13 +79,9 @@ def grpo_loss(
 
     with torch.no_grad():
         r_d, log_r_d = r.detach(), log_r.detach()
-        clipped = ((adv_t > 0) & (r_d > 1.0 + eps_high)) | ((adv_t < 0) & (r_d < 1.0 - eps_low))
         metrics = {
-            "clip_frac": vmean(clipped, mask),
-            "ratio_mean": vmean(r_d, mask),
-            "ratio_min": vmin(r_d, mask),
-            "ratio_max": vmax(r_d, mask),
-            "approx_kl": vmean(r_d - 1.0 - log_r_d, mask),
+            "clip_frac": clip_fraction(r_d, adv_t, mask, eps_low, eps_high),
+            **ratio_metrics(r_d, log_r_d, mask),
             **token_loss_metrics(pg_tok, kl_tok, ent_tok, mask, n, valid, denom, dtype),
         }
         if tis_log is not None:

@@ -72,17 +72,17 @@ from .common import (
     LossOptions,
     check_bt,
     check_eps,
+    clip_fraction,
     float_dtype,
     k3,
     masked,
     normaliser,
+    ratio_metrics,
     tis_weight_from_log,
     token_inputs,
     token_loss_metrics,
     token_loss_with_penalties,
-    vmax,
     vmean,
-    vmin,
 )
 
 __all__ = [
@@ -262,13 +262,9 @@ def gspo_loss_from_stats(
 
     with torch.no_grad():
         s_d, log_s_d = s.detach(), log_s.detach()
-        clipped = ((adv > 0) & (s_d > 1.0 + eps_high)) | ((adv < 0) & (s_d < 1.0 - eps_low))
         metrics = {
-            "clip_frac": vmean(clipped, valid),
-            "ratio_mean": vmean(s_d, valid),
-            "ratio_min": vmin(s_d, valid),
-            "ratio_max": vmax(s_d, valid),
-            "approx_kl": vmean(s_d - 1.0 - log_s_d, valid),
+            "clip_frac": clip_fraction(s_d, adv, valid, eps_low, eps_high),
+            **ratio_metrics(s_d, log_s_d, valid),
             "pg_loss": masked(pg.detach(), valid).sum() / denom,
             "sequences": valid.sum().to(dtype),
         }
@@ -398,15 +394,9 @@ def gspo_token_loss(
     loss, denom, kl_tok, ent_tok = token_loss_with_penalties(pg_tok, lp, mask, n, valid, opts, dtype)
 
     with torch.no_grad():
-        s_d = s_seq
-        clipped_tok = ((adv_t > 0) & (s_tok.detach() > 1.0 + eps_high)) | (
-            (adv_t < 0) & (s_tok.detach() < 1.0 - eps_low))
         metrics = {
-            "clip_frac": vmean(clipped_tok, mask),
-            "ratio_mean": vmean(s_d, valid),
-            "ratio_min": vmin(s_d, valid),
-            "ratio_max": vmax(s_d, valid),
-            "approx_kl": vmean(s_d - 1.0 - log_s, valid),
+            "clip_frac": clip_fraction(s_tok.detach(), adv_t, mask, eps_low, eps_high),
+            **ratio_metrics(s_seq, log_s, valid),
             **token_loss_metrics(pg_tok, kl_tok, ent_tok, mask, n, valid, denom, dtype),
         }
         if tis_sum is not None:
