@@ -35,7 +35,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -503,6 +503,8 @@ def save_mcore_checkpoint(
     *,
     side_files_from: str | None = None,
     extra_sharded_state: dict | None = None,
+    model_state: dict | None = None,
+    write_rank_files: Callable[[str], None] | None = None,
     overwrite: bool = True,
     thread_count: int = 2,
 ) -> None:
@@ -514,7 +516,11 @@ def save_mcore_checkpoint(
     existing `ckpt_dir` when `overwrite`). `hf_config`: the HF config dict, or an HF checkpoint
     directory (its config.json plus generation/tokenizer files are stored). `extra_sharded_state`:
     more sharded state to put in the same checkpoint under its own top-level keys (e.g.
-    {"optimizer": optimizer.sharded_state_dict(...)}); load it back with `load_mcore_into_model`.
+    {"optimizer": optimizer.sharded_state_dict(...)}); plain values in it (not sharded) go to
+    Megatron's common.pt, written by rank 0. `model_state`: the model's sharded state dict when
+    the caller already built it (an optimizer's sharded state refers to its tensors).
+    `write_rank_files(tmp_dir)`: called on every rank after the tensors are written and before
+    the directory is published, for per-rank side files. Load it back with `load_mcore_into_model`.
     Vocab tensors are saved with the padded rows of the saving layout; loaders accept any padding.
     """
     from megatron.core import dist_checkpointing
@@ -522,7 +528,7 @@ def save_mcore_checkpoint(
     cfg, side = _hf_config_dict(hf_config)
     side = side_files_from or side
     Qwen3MoeArch.from_hf_dict(cfg, source="save_mcore_checkpoint(hf_config=...)")
-    sd = model_sharded_state_dict(chunks)
+    sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks))
     for k, v in (extra_sharded_state or {}).items():
         if k in sd:
             raise ValueError(f"save_mcore_checkpoint: extra_sharded_state key {k!r} clashes with the model's")
@@ -532,6 +538,8 @@ def save_mcore_checkpoint(
     tmp = atomic.make_tmp_collective(out)
     try:
         dist_checkpointing.save(sd, tmp, sharded_strategy=_SyncTorchDistSave(thread_count))
+        if write_rank_files is not None:
+            write_rank_files(tmp)
         if rank == 0:
             _write_hf_config(tmp, cfg, side)
         _barrier()
@@ -549,6 +557,7 @@ def load_mcore_into_model(
     ckpt_dir: str,
     *,
     extra_sharded_state: dict | None = None,
+    model_state: dict | None = None,
 ) -> dict:
     """Fill this rank's already-built model chunks from a torch_dist checkpoint, at whatever
     TP/PP/EP/ETP layout they were built with (the checkpoint stores global tensors; each rank reads
@@ -556,6 +565,12 @@ def load_mcore_into_model(
     chunks may be wrapped in Megatron DDP. Keys and global shapes are checked against the
     checkpoint first, so a wrong checkpoint fails with a CheckpointError naming the tensor.
     Returns the loaded `extra_sharded_state` entries (e.g. the optimizer's), {} when none.
+    `model_state`: the model's sharded state dict when the caller already built it.
+
+    Only tensors are read from the data files: a ShardedObject (pickled bytes, which PyTorch's DCP
+    planner unpickles with weights_only=False, torch/distributed/checkpoint/default_planner.py
+    load_bytes) in the requested state is refused. Megatron's common.pt is read with torch.load's
+    default, weights_only=True (dist_checkpointing/strategies/common.py, load_common).
 
     After loading into a model whose optimizer keeps fp32 main parameters, call the optimizer's
     `reload_model_params()` so they follow.
@@ -565,9 +580,10 @@ def load_mcore_into_model(
     check_mcore_dir(ckpt_dir)
     reader = DcpReader(ckpt_dir)
     reader.check_files()
-    sd = model_sharded_state_dict(chunks)
+    sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks))
     _check_model_against(sd, reader)
     extra = dict(extra_sharded_state or {})
+    _refuse_sharded_objects(extra)
     for k in extra:
         if k in sd:
             raise ValueError(f"load_mcore_into_model: extra_sharded_state key {k!r} clashes with the model's")
@@ -591,6 +607,15 @@ def load_mcore_into_model(
             with torch.no_grad():
                 p.copy_(got[name])
     return {k: loaded[k] for k in extra}
+
+
+def _refuse_sharded_objects(sd: dict) -> None:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    for v in nested_values(sd):
+        if isinstance(v, ShardedObject):
+            raise CheckpointError(f"refusing to load {v.key!r}: a pickled object (only tensors are loaded)")
 
 
 def _unwrap_checkpoint_exception(e: BaseException) -> BaseException:

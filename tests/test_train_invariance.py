@@ -92,7 +92,7 @@ def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=Fals
         seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=mbs[0].tokens.shape[0],
         forward_only=False)
     reporter = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0
-    tot = reduce_report(reports, reporter, ("loss", "sequences", "clip_frac"))
+    tot = reduce_report(reports, reporter, ("loss", "sequences", "clip_frac"), ctx.device)
     grads = dict(iter_hf_tensors(model, ctx, arch, tensor_of=grad_tensor))
     n_micro = len(mbs)
     destroy_parallel()

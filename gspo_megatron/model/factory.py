@@ -16,7 +16,7 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
-def build_policy(ctx, arch: Qwen3MoeArch, *, hf_dir: str | None = None, dtype=torch.float32, recompute=False,
+def build_policy(ctx, arch: Qwen3MoeArch, *, hf_dir: str | None = None, dtype=torch.float32, recompute="none",
                  reader: HFCheckpointReader | None = None, fused_logprobs: bool = False):
     """Model chunks for this rank; loaded from `hf_dir` when given (else Megatron's random init).
 

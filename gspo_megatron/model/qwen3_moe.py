@@ -142,13 +142,18 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     use_te: bool = False,
     dispatcher: str | None = None,
-    recompute: bool = False,
+    recompute: str = "none",
 ):
     """Megatron TransformerConfig for `arch` under `parallel` (a gspo_megatron.config.ParallelConfig).
 
     RL-specific choices: no auxiliary load-balancing loss (the policy gradient is the only
     objective, as RL peers do), fp32 routing (router decisions are sensitive to rounding, and
     train/inference routing mismatch is what GSPO's sequence ratio has to absorb), no dropout.
+
+    ``recompute`` (train.recompute): "full" recomputes each layer from its input (uniform, one
+    layer per checkpoint); "selective" recomputes core attention and the two RMSNorms, plus the
+    experts' SwiGLU ("moe_act") where Megatron allows it — with grouped-GEMM experts (the TE spec,
+    GPU); TransformerConfig refuses moe_act otherwise (transformer_config.py, __post_init__).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -211,9 +216,7 @@ def transformer_config(
         apply_rope_fusion=use_te,
         masked_softmax_fusion=use_te,
         gradient_accumulation_fusion=False,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        **recompute_settings(recompute, grouped_experts=use_te),
         variable_seq_lengths=variable_seq_lengths,
     )
 
@@ -280,7 +283,19 @@ def build_gpt_model(arch: Qwen3MoeArch, config, *, pre_process: bool, post_proce
     )
 
 
-def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.float32, recompute: bool = False):
+def recompute_settings(recompute: str, *, grouped_experts: bool) -> dict:
+    """TransformerConfig fields for train.recompute = none | selective | full."""
+    if recompute == "none":
+        return {}
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        modules = ["core_attn", "layernorm"] + (["moe_act"] if grouped_experts else [])
+        return dict(recompute_granularity="selective", recompute_modules=modules)
+    raise ValueError(f"train.recompute must be none, selective or full, got {recompute!r}")
+
+
+def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.float32, recompute: str = "none"):
     """This rank's model chunk(s) for the layout in `ctx` (a parallel.state.ParallelContext).
 
     Returns (chunks, transformer_config). One chunk per rank (no virtual pipeline stages yet).

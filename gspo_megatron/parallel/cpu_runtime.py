@@ -54,6 +54,7 @@ PROXIED_MODULES: dict[str, str] = {
     "megatron.core.distributed.distributed_data_parallel": "torch.cuda.Stream for overlapped grad reduction",
     "megatron.core.optimizer.clip_grads": 'norm buffers on device="cuda"',
     "megatron.core.optimizer.optimizer": 'found_inf / scale tensors on device="cuda"',
+    "megatron.core.optimizer.distrib_optimizer": "placeholder Adam state on torch.cuda.current_device() (load_state_dict)",
     "megatron.core.utils": "GlobalMemoryBuffer (attention matmul buffer) on torch.cuda.current_device()",
 }
 
@@ -93,6 +94,34 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32 (imported by optimizer.optimizer)",
         "asserts param.grad.type() == 'torch.cuda.FloatTensor' before scaling",
         "same scaling for CPU float32 grads (the norm itself is still Megatron's get_grad_norm_fp32)",
+    ),
+    Assumption(
+        "cuda-tensor-methods",
+        "the methods in CUDA_TENSOR_METHOD_USERS: Float16OptimizerWithFloat16Params.__init__, "
+        "DistributedOptimizer.__init__ (_build_model_and_main_param_groups), "
+        "DistributedOptimizer.get_parameter_state_dp_zero (fully_reshardable checkpoints)",
+        "sort parameters into 16-bit / fp32 groups by param.type() in {'torch.cuda.BFloat16Tensor', "
+        "'torch.cuda.HalfTensor', 'torch.cuda.FloatTensor'} (a CPU tensor is a TypeError); move the "
+        "optimizer-state shard to CUDA with .cuda() before the DP all-gather of a checkpoint save",
+        "run those methods with Tensor.type() answering the CUDA name and Tensor.cuda() returning the "
+        "tensor for CPU tensors (only inside them; the all-gather itself is gloo's)",
+    ),
+    Assumption(
+        "torch-adam-distopt-load",
+        "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer: sharded_state_dict(is_loading=True) "
+        "and _set_main_param_and_optimizer_states, over torch's Adam (HAVE_APEX_OR_TE False: no TE/apex, "
+        "as on every CPU machine)",
+        "(1) sharded_state_dict(is_loading=True) calls load_state_dict(state_dict()), and state_dict() "
+        "asserts every Adam state already holds a 'step': a never-stepped optimizer (any resume) fails; "
+        "(2) loading a fully_reshardable checkpoint copies every key of the live Adam state, 'step' "
+        "included, from saved tensors that have no 'step' (KeyError); (3) load_state_dict gives every "
+        "parameter's state the same 'step' tensor object, and torch's Adam increments each parameter's "
+        "step in place, so after a resume the step grows by the number of parameters per update "
+        "(wrong bias correction)",
+        "(1) before a load, a never-stepped DistributedOptimizer gets Megatron's own "
+        "_init_optimizer_states_with_dummy_values() (every value it touches is then loaded); (2) the copy "
+        "skips 'step', which load_state_dict restores from the saved param groups; (3) after "
+        "load_state_dict each state gets its own copy of the step tensor",
     ),
 )
 
@@ -282,6 +311,83 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
             g.mul_(clip_coeff)
 
 
+@contextlib.contextmanager
+def _cuda_tensor_methods():
+    """Inside the block, for CPU tensors: `t.type()` (no arguments) answers 'torch.cuda.<T>' — the
+    names Megatron's optimizers compare against — and `t.cuda()` returns the tensor itself (the
+    collective that follows runs on gloo). `t.type(dtype)` (a conversion) is untouched."""
+    real_type, real_cuda = torch.Tensor.type, torch.Tensor.cuda
+
+    def type_(self, *args, **kwargs):
+        name = real_type(self, *args, **kwargs)
+        if not args and not kwargs and self.device.type == "cpu" and name.startswith("torch."):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    def cuda_(self, *args, **kwargs):
+        return self if self.device.type == "cpu" else real_cuda(self, *args, **kwargs)
+
+    torch.Tensor.type, torch.Tensor.cuda = type_, cuda_
+    try:
+        yield
+    finally:
+        torch.Tensor.type, torch.Tensor.cuda = real_type, real_cuda
+
+
+def _with_cuda_tensor_methods(method: Callable) -> Callable:
+    def wrapper(self, *args, **kwargs):
+        with _cuda_tensor_methods():
+            return method(self, *args, **kwargs)
+
+    wrapper.__wrapped__ = method
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+def _distopt_sharded_state_dict(method: Callable) -> Callable:
+    def wrapper(self, model_sharded_state_dict=None, is_loading: bool = False, *args, **kwargs):
+        if is_loading and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return method(self, {} if model_sharded_state_dict is None else model_sharded_state_dict,
+                      is_loading, *args, **kwargs)
+
+    wrapper.__wrapped__ = method
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+def _distopt_load_state_dict(method: Callable) -> Callable:
+    def wrapper(self, state_dict):
+        out = method(self, state_dict)
+        for st in self.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+        return out
+
+    wrapper.__wrapped__ = method
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+def _set_main_param_and_optimizer_states(self, model_param, tensors):
+    # Megatron's version without precision-aware optimizer, minus the 'step' key (see
+    # ASSUMPTIONS, torch-adam-distopt-load): copy the saved main param and moments in place.
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    dst = {"param": main_param, **self.optimizer.state[main_param]}
+    for key, t in dst.items():
+        if key != "step":
+            t.copy_(tensors[key])
+
+
+# Megatron methods that run under _cuda_tensor_methods() on CPU: (module, class, method).
+CUDA_TENSOR_METHOD_USERS = (
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "get_parameter_state_dp_zero"),
+)
+
+
 # --------------------------------------------------------------------------------------------
 # Activation
 
@@ -341,6 +447,16 @@ def activate(device: str | torch.device | None = None) -> bool:
 
     _set(clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
     _set(moptimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
+    for modname, clsname, meth in CUDA_TENSOR_METHOD_USERS:
+        cls = getattr(importlib.import_module(modname), clsname)
+        _set(cls, meth, _with_cuda_tensor_methods(getattr(cls, meth)))
+    from megatron.core.optimizer import distrib_optimizer
+
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        cls = distrib_optimizer.DistributedOptimizer
+        _set(cls, "sharded_state_dict", _distopt_sharded_state_dict(cls.sharded_state_dict))
+        _set(cls, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
+        _set(cls, "load_state_dict", _distopt_load_state_dict(cls.load_state_dict))
 
     tracker = CpuRNGStatesTracker()
     _set(mrandom, "_CUDA_RNG_STATE_TRACKER", tracker)

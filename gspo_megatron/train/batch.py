@@ -45,6 +45,15 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def to_(self, device: torch.device) -> "MicroBatch":
+        """Move every tensor field to `device` in place (the rank's device: these tensors meet
+        the model's log-probs in the loss); returns self. No copy when already there."""
+        for name in ("tokens", "loss_mask", "advantages", "engine_logprobs", "old_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
+
 
 def split_minibatches(n: int, k: int) -> list[range]:
     """k contiguous, near-equal minibatches of n samples (samples are pre-shuffled by the caller)."""

@@ -94,15 +94,21 @@ def push_weights(parts: RunParts, version: int) -> float:
 
 def sft_warmup(parts: RunParts, writer: MetricsWriter | None) -> None:
     """Brief supervised warm start on the task's demonstrations (RL normally starts from an SFT
-    model; a random-init demo model would otherwise see reward 0 everywhere)."""
+    model; a random-init demo model would otherwise see reward 0 everywhere).
+
+    It steps the run's own optimizer at train.sft_lr: with 16-bit parameters the fp32 master
+    weights live in the optimizer, so a second optimizer would keep its own masters and the first
+    GSPO step would write the main optimizer's stale ones back over the warm start (and double
+    optimizer memory). Afterwards Adam's moments are cleared (GSPO starts with fresh statistics,
+    the masters keep the warmed-up weights) and the scheduler's LR is restored."""
     cfg, ctx = parts.cfg, parts.ctx
     steps = cfg.train.sft_warmup_steps
     if steps <= 0:
         return
-    from gspo_megatron.train.optim import build_optimizer
+    from gspo_megatron.train.optim import reset_optimizer_state, set_lr
 
-    opt, _ = build_optimizer(cfg.optimizer, parts.model, ctx, lr=cfg.train.sft_lr, total_steps=steps,
-                             dtype=parts.dtype)
+    opt = parts.optimizer
+    set_lr(opt, cfg.train.sft_lr)
     batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     rng = random.Random(cfg.train.seed + 7919)
     for s in range(steps):
@@ -111,12 +117,13 @@ def sft_warmup(parts: RunParts, writer: MetricsWriter | None) -> None:
         mbs, _ = plan_minibatch(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=cfg.train.micro_batch_tokens,
                                 multiple=parts.seq_multiple, pad_id=parts.pad_id)
         reports, _ = _optimizer_step(parts, opt, None, sft_loss_step(ctx, parts.arch.vocab_size), mbs)
-        tot = reduce_report(reports, _reporter(parts), ("nll_sum", "tokens"))
+        tot = reduce_report(reports, _reporter(parts), ("nll_sum", "tokens"), ctx.device)
         if writer is not None and (s % 10 == 0 or s == steps - 1):
             row = {"step": 0, "phase": "sft", "sft_step": s + 1, "nll": tot["nll_sum"] / max(tot["tokens"], 1)}
             writer.write(row)
             log.info("supervised warm start %d/%d: token NLL %.3f", s + 1, steps, row["nll"])
-    del opt
+    reset_optimizer_state(opt)
+    parts.scheduler.step(increment=0)  # back to the GSPO schedule's LR (its step count is unchanged)
 
 
 def _broadcast(obj):
@@ -203,7 +210,7 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
     for mbs in minibatches:
         reports, gn = _optimizer_step(parts, parts.optimizer, parts.scheduler, step_fn, mbs)
         grad_norms.append(float(gn))
-        tot = reduce_report(reports, _reporter(parts), keys)
+        tot = reduce_report(reports, _reporter(parts), keys, ctx.device)
         n = max(tot["sequences"], 1.0)
         # per-minibatch loss (sum of sequence losses / sequences), averaged over minibatches below
         totals["loss"] += tot["loss"] / n
@@ -239,7 +246,7 @@ def train(cfg, *, world_size: int) -> dict:
     state = LoopState()
     resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, cfg.out_dir)
     if resume_from:
-        state = LoopState(**checkpoint.load(resume_from, parts.model, parts.optimizer, parts.scheduler, ctx))
+        state = LoopState(**parts.load_checkpoint(resume_from))
         parts.prompts.load_state_dict(state.data)
         if ctx.rank == 0:
             log.info("resumed from %s at step %d", resume_from, state.step)
@@ -287,10 +294,8 @@ def train(cfg, *, world_size: int) -> dict:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row.get('clip_frac', 0):.2f}")
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and state.step < cfg.train.max_steps:
-                checkpoint.save(cfg.out_dir, state.step, parts.model, parts.optimizer, parts.scheduler,
-                                state.to_dict(), ctx, cfg.checkpoint.keep_last)
-        checkpoint.save(cfg.out_dir, state.step, parts.model, parts.optimizer, parts.scheduler, state.to_dict(), ctx,
-                        cfg.checkpoint.keep_last)
+                parts.save_checkpoint(state.step, state.to_dict())
+        parts.save_checkpoint(state.step, state.to_dict())
         if cfg.checkpoint.export_hf:
             parts.export_hf(os.path.join(cfg.out_dir, "hf"))
         if ctx.rank == 0:

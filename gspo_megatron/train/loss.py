@@ -94,8 +94,8 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
     loss_impl = LOSSES[settings.type]
 
     def forward_step(data_iterator, model):
-        mb: MicroBatch = next(data_iterator)
-        tokens = mb.tokens.to(ctx.device)
+        mb: MicroBatch = next(data_iterator).to_(ctx.device)
+        tokens = mb.tokens
         output = model(tokens, _positions(tokens), None)
 
         def loss_func(output):
@@ -111,8 +111,8 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
             n = mb.num_sequences
             report = {k: metrics[k].detach() * n for k in WEIGHTED_METRICS if k in metrics}
             report["loss"] = loss.detach()
-            report["sequences"] = torch.tensor(float(n))
-            count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int)
+            report["sequences"] = torch.tensor(float(n), device=ctx.device)
+            count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int, device=ctx.device)
             return loss, count, report
 
         return output, loss_func
@@ -124,8 +124,8 @@ def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str):
     """Forward-only step storing token log-probs [b, s] on each MicroBatch as `attr` (last stage)."""
 
     def forward_step(data_iterator, model):
-        mb: MicroBatch = next(data_iterator)
-        tokens = mb.tokens.to(ctx.device)
+        mb: MicroBatch = next(data_iterator).to_(ctx.device)
+        tokens = mb.tokens
         output = model(tokens, _positions(tokens), None)
 
         def loss_func(output):
@@ -142,8 +142,8 @@ def sft_loss_step(ctx, vocab_size: int):
     """Supervised warm start: token NLL on the loss mask; count = tokens (per-token mean)."""
 
     def forward_step(data_iterator, model):
-        mb: MicroBatch = next(data_iterator)
-        tokens = mb.tokens.to(ctx.device)
+        mb: MicroBatch = next(data_iterator).to_(ctx.device)
+        tokens = mb.tokens
         output = model(tokens, _positions(tokens), None)
 
         def loss_func(output):
@@ -151,8 +151,8 @@ def sft_loss_step(ctx, vocab_size: int):
             mask = mb.loss_mask
             nll = -(lp * mask).sum()
             n = int(mask.sum())
-            count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int)
-            return nll, count, {"nll_sum": nll.detach(), "tokens": torch.tensor(float(n))}
+            count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int, device=ctx.device)
+            return nll, count, {"nll_sum": nll.detach(), "tokens": torch.tensor(float(n), device=ctx.device)}
 
         return output, loss_func
 

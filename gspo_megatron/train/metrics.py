@@ -11,13 +11,15 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
-def reduce_report(reports: list[dict], reporter: bool, keys: tuple[str, ...]) -> dict[str, float]:
+def reduce_report(reports: list[dict], reporter: bool, keys: tuple[str, ...],
+                  device: torch.device | str = "cpu") -> dict[str, float]:
     """Sum microbatch reports over this rank's microbatches and over all reporting ranks.
 
     Only one rank per (DP shard) reports (last PP stage, TP rank 0, CP rank 0); the others add
-    zeros. Collective over the world group: every rank must call it with the same `keys`.
+    zeros. Collective over the world group: every rank must call it with the same `keys`, and
+    `device` must be the rank's device (NCCL takes CUDA tensors only).
     """
-    vec = torch.zeros(len(keys), dtype=torch.float64)
+    vec = torch.zeros(len(keys), dtype=torch.float64, device=device)
     if reporter:
         for r in reports:
             for i, k in enumerate(keys):

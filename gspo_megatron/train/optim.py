@@ -8,18 +8,22 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(opt_cfg, model, ctx, *, lr: float | None = None, total_steps: int = 1, dtype=torch.float32):
+def build_optimizer(opt_cfg, model, *, total_steps: int = 1, dtype=torch.float32):
     """Megatron's optimizer (Adam, grad clipping, fp32 master weights for 16-bit params) and its
-    OptimizerParamScheduler. On CPU the distributed optimizer is replaced by the plain one: its
-    buffers assume CUDA (see parallel/cpu_runtime.py); gradients are still DP-reduced by DDP."""
+    OptimizerParamScheduler, over the DDP-wrapped chunks `model`.
+
+    Whether it is the distributed optimizer (fp32 masters and Adam moments sharded over DP,
+    gradients reduce-scattered, parameters all-gathered) is read from the DDP wrap, not from
+    `opt_cfg`: Megatron's DDP must have been built with the same flag (it pads buckets to a
+    multiple of DP and allocates the parameter buffer the optimizer shards; DistributedOptimizer
+    asserts the padding and start_param_sync asserts the flag), so one value decides both — the
+    one setup.py passes to wrap_ddp from optimizer.use_distributed_optimizer. On CPU it runs
+    through parallel/cpu_runtime.py (gloo)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    distributed = opt_cfg.use_distributed_optimizer
-    if distributed and ctx.device.type == "cpu":
-        log.info("optimizer.use_distributed_optimizer ignored on CPU (Megatron's needs CUDA)")
-        distributed = False
-    lr = opt_cfg.lr if lr is None else lr
+    distributed = uses_distributed_optimizer(model)
+    lr = opt_cfg.lr
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -49,3 +53,40 @@ def build_optimizer(opt_cfg, model, ctx, *, lr: float | None = None, total_steps
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def uses_distributed_optimizer(model) -> bool:
+    flags = {m.ddp_config.use_distributed_optimizer for m in model}
+    if len(flags) != 1:
+        raise ValueError("model chunks were wrapped with different use_distributed_optimizer settings")
+    return flags.pop()
+
+
+def inner_optimizers(optimizer) -> list:
+    """Megatron optimizers under `optimizer` (a ChainedOptimizer holds one for dense and one for
+    expert parameters)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def reset_optimizer_state(optimizer) -> None:
+    """Adam as if it had never stepped — moments and step counts zeroed in place (what Adam
+    initialises them to) — while the fp32 master weights are kept. In place rather than
+    `state.clear()`: Megatron's DistributedOptimizer.state_dict() over torch's Adam asserts that
+    every state holds a step (distrib_optimizer.py, state_dict: `assert len(steps) == 1`)."""
+    for opt in inner_optimizers(optimizer):
+        for st in opt.optimizer.state.values():
+            for k, v in st.items():
+                if torch.is_tensor(v) and k != "master_param":
+                    v.zero_()
+                elif k == "step":
+                    st[k] = 0
+        for g in opt.optimizer.param_groups:
+            if "step" in g:
+                g["step"] = 0
+
+
+
+def set_lr(optimizer, lr: float) -> None:
+    """A fixed learning rate for every group until the scheduler's next step()."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr

@@ -141,6 +141,27 @@ class RunParts:
     pad_id: int
     stop_ids: list[int]
 
+    def export_config(self) -> dict:
+        """config.json of the policy as an HF model (exports and checkpoints carry it)."""
+        cfg = {**self.hf_config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+        if self.tokenizer.eos_token_id is not None:
+            cfg.setdefault("eos_token_id", self.tokenizer.eos_token_id)
+            cfg.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        return cfg
+
+    def save_checkpoint(self, step: int, loop_state: dict) -> str:
+        """Collective: model, optimizer, scheduler, RNG and loop state at <out_dir>/checkpoints."""
+        from gspo_megatron.train import checkpoint
+
+        return checkpoint.save(self.cfg.out_dir, step, self.model, self.optimizer, self.scheduler, loop_state,
+                               self.ctx, hf_config=self.export_config(), keep_last=self.cfg.checkpoint.keep_last,
+                               tokenizer=None if self.cfg.model.hf_dir else self.tokenizer)
+
+    def load_checkpoint(self, path: str) -> dict:
+        from gspo_megatron.train import checkpoint
+
+        return checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.ctx, seed=self.cfg.train.seed)
+
     def export_hf(self, out_dir: str) -> None:
         """Final policy as an HF checkpoint (collective; rank 0 writes)."""
         from gspo_megatron.model.export import iter_hf_tensors
@@ -148,11 +169,7 @@ class RunParts:
 
         stream = iter_hf_tensors(self.model, self.ctx, self.arch)
         if self.ctx.rank == 0:
-            cfg = {**self.hf_config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
-            if self.tokenizer.eos_token_id is not None:
-                cfg.setdefault("eos_token_id", self.tokenizer.eos_token_id)
-                cfg.setdefault("pad_token_id", self.tokenizer.pad_token_id)
-            save_hf_checkpoint(stream, out_dir, cfg, dtype=self.dtype, copy_from=self.cfg.model.hf_dir)
+            save_hf_checkpoint(stream, out_dir, self.export_config(), dtype=self.dtype, copy_from=self.cfg.model.hf_dir)
             if not self.cfg.model.hf_dir:
                 self.tokenizer.save_pretrained(out_dir)
             log.info("exported the policy to %s", out_dir)
@@ -215,9 +232,6 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     arch = Qwen3MoeArch.from_hf_dict(hf_config, source="model.hf_dir" if cfg.model.hf_dir else "model.hf_config")
     cfg.validate_world(world_size, hf_config)
     dtype = parse_dtype(cfg.model.dtype)
-    if dtype != torch.float32 and resolve_device(cfg.parallel.device).type == "cpu":
-        raise InputError(f"model.dtype={cfg.model.dtype} needs a GPU: Megatron-Core's mixed-precision optimizer "
-                         "(fp32 master weights) takes CUDA tensors only; use model.dtype=float32 on CPU")
     reader = None
     if cfg.model.hf_dir:
         reader = HFCheckpointReader(cfg.model.hf_dir)
@@ -231,7 +245,7 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     # ---- heavy work ------------------------------------------------------------------------
     ctx = init_parallel(cfg.parallel, seed=cfg.model.init_seed, model_dims=None)
     chunks, tconfig = build_policy(ctx, arch, reader=reader, dtype=dtype,
-                                   recompute=cfg.train.recompute == "full",
+                                   recompute=cfg.train.recompute,
                                    fused_logprobs=cfg.model.fused_logprobs)
     if cfg.model.fused_logprobs:
         log.info("token log-probs: fused from the final hidden states (no [tokens, vocab/tp] logits)")
@@ -243,9 +257,10 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
         ref_chunks, _ = build_policy(ctx, arch, dtype=dtype, fused_logprobs=cfg.model.fused_logprobs)
         for src, dst in zip(chunks, ref_chunks):
             dst.load_state_dict(src.state_dict())
-    model = wrap_ddp(chunks, tconfig, grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32)
+    model = wrap_ddp(chunks, tconfig, grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32,
+                     use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
     total_updates = cfg.train.max_steps * cfg.train.minibatches_per_step
-    optimizer, scheduler = build_optimizer(cfg.optimizer, model, ctx, total_steps=total_updates, dtype=dtype)
+    optimizer, scheduler = build_optimizer(cfg.optimizer, model, total_steps=total_updates, dtype=dtype)
     from gspo_megatron.parallel.state import seed_rng
 
     seed_rng(ctx, cfg.train.seed)
