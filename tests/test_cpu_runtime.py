@@ -210,7 +210,119 @@ def test_every_assumption_is_pinned_here():
               "cuda-streams": "test_proxy_redirects_only_cuda_devices",
               "cuda-rng-tracker": "rng_without", "te-general-gemm": "test_te_general_gemm_is_unbound_without_te",
               "a2a-split-sizes": "test_split_sizes_stay_tensors_in_megatron_helper",
-              "clip-grad-dtype-assert": "test_megatron_clip_grad_asserts_cuda_and_cpu_replacement_scales"}
+              "clip-grad-dtype-assert": "test_megatron_clip_grad_asserts_cuda_and_cpu_replacement_scales",
+              "cuda-tensor-methods": "test_megatron_optimizers_compare_cuda_type_names",
+              "torch-adam-distopt-load": "test_distributed_optimizer_torch_adam_load_gaps_are_still_there",
+              "recompute-cuda-rng": "test_activation_recompute_saves_the_cuda_generator",
+              "te-fp8-recompute-names": "test_checkpoint_without_output_asks_te_for_fp8"}
     assert {a.key for a in cpu_runtime.ASSUMPTIONS} == set(pinned)
     for needle in pinned.values():
         assert needle in src
+
+
+def test_megatron_optimizers_compare_cuda_type_names():
+    """Megatron sorts parameters by CUDA type names and moves checkpoint shards with .cuda(); the
+    runtime answers both for CPU tensors inside those methods only, and the optimizer builds."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    for modname, clsname, meth in cpu_runtime.CUDA_TENSOR_METHOD_USERS:
+        src = inspect.getsource(getattr(getattr(importlib.import_module(modname), clsname), meth))
+        assert "torch.cuda.BFloat16Tensor" in src or ".cuda()" in src, (clsname, meth)
+    x = torch.ones(2, dtype=torch.bfloat16)
+    with cpu_runtime._cuda_tensor_methods():
+        assert x.type() == "torch.cuda.BFloat16Tensor" and x.cuda() is x
+        assert x.type(torch.float32).dtype == torch.float32  # conversions untouched
+    assert x.type() == "torch.BFloat16Tensor"
+    try:
+        cpu_runtime.activate("cpu")
+        p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        opt = Float16OptimizerWithFloat16Params(torch.optim.Adam([p]), OptimizerConfig(bf16=True), None,
+                                                lambda *a: None)
+        master = opt.fp32_from_float16_groups[0][0]
+        assert master.dtype == torch.float32 and master.device.type == "cpu"
+    finally:
+        cpu_runtime.deactivate()
+    assert torch.Tensor.type.__name__ == "type" and x.type() == "torch.BFloat16Tensor"
+
+
+def test_distributed_optimizer_torch_adam_load_gaps_are_still_there():
+    """Without TE/apex Megatron's DistributedOptimizer runs over torch's Adam, whose checkpoint path
+    has three gaps the runtime covers (see ASSUMPTIONS); the resume tests show the covered path."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    assert distrib_optimizer.HAVE_APEX_OR_TE is False  # no TE/apex on CPU machines
+    cls = distrib_optimizer.DistributedOptimizer
+    assert "assert len(steps) == 1" in inspect.getsource(cls.state_dict)
+    assert "dst_tensors[key].copy_(tensors[key])" in inspect.getsource(cls._set_main_param_and_optimizer_states)
+    assert 's["step"] = step' in inspect.getsource(cls.load_state_dict)  # one tensor for every state
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    cpu_runtime._init_adam_state(adam)
+    ref = torch.optim.Adam([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    for o in (adam, ref):  # a step from the initialised state equals a step from an empty one
+        o.param_groups[0]["params"][0].grad = torch.tensor([1.0, -2.0, 3.0])
+        o.step()
+    torch.testing.assert_close(adam.param_groups[0]["params"][0], ref.param_groups[0]["params"][0], rtol=0, atol=0)
+    assert float(next(iter(adam.state.values()))["step"]) == 1.0
+
+
+def test_activation_recompute_saves_the_cuda_generator():
+    """Megatron's CheckpointFunction saves the CUDA generator (fails on CPU torch); the runtime's
+    stand-ins leave the CPU generator, which the same functions save and restore, in charge
+    (train.recompute=full|selective end to end: tests/test_train_invariance.py)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    assert "torch.cuda.random.get_rng_state" in inspect.getsource(mrandom._get_cuda_rng_state)
+    assert "_get_cuda_rng_state(" in inspect.getsource(mrandom._get_all_rng_states)
+    with pytest.raises((AssertionError, RuntimeError)):
+        mrandom._get_cuda_rng_state()
+    try:
+        cpu_runtime.activate("cpu")
+        cpu_runtime.seed_model_parallel_rng(3, 0, 0, 0)
+        states = mrandom._get_all_rng_states()
+        a = torch.rand(4)
+        mrandom._set_all_rng_states(*states)
+        torch.testing.assert_close(torch.rand(4), a, rtol=0, atol=0)
+    finally:
+        cpu_runtime.deactivate()
+
+
+def test_checkpoint_without_output_asks_te_for_fp8():
+    """Selective recompute of norms/activations (CheckpointWithoutOutput) asks TE's FP8 state even
+    with fp8 off; without TE the name is unbound. The runtime binds a no-FP8 stand-in."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    if mrandom.HAVE_TE:
+        pytest.skip("Transformer Engine installed: the name is bound")
+    assert mrandom.CheckpointWithoutOutput().fp8 is True  # default fp8=False -> "is not None"
+    assert not hasattr(mrandom, "FP8GlobalStateManager")
+    x = torch.randn(3, requires_grad=True)
+
+    def run():
+        ck = mrandom.CheckpointWithoutOutput()
+        y = ck.checkpoint(torch.sin, x)
+        z = y * 2
+        ck.discard_output_and_register_recompute(z)
+        z.sum().backward()
+        return x.grad.clone()
+
+    try:
+        cpu_runtime.activate("cpu")
+        stand_in = mrandom.FP8GlobalStateManager
+        del mrandom.FP8GlobalStateManager  # the runtime minus this one entry
+        with pytest.raises(NameError):
+            run()
+        x.grad = None
+        mrandom.FP8GlobalStateManager = stand_in
+        torch.testing.assert_close(run(), 2 * torch.cos(x.detach()))
+    finally:
+        cpu_runtime.deactivate()
+    assert not hasattr(mrandom, "FP8GlobalStateManager")

@@ -78,6 +78,23 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "a tracker with the same interface over CPU generator states; seeding via seed_model_parallel_rng()",
     ),
     Assumption(
+        "recompute-cuda-rng",
+        "megatron.core.tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state (called by "
+        "_get_all_rng_states / _set_all_rng_states in CheckpointFunction: activation recompute)",
+        "saves and restores the CUDA generator's state around a recomputed forward",
+        "on CPU there is no CUDA generator: get returns an empty state, set does nothing (the CPU "
+        "generator and the tracker's states are saved and restored by the same functions)",
+    ),
+    Assumption(
+        "te-fp8-recompute-names",
+        "megatron.core.tensor_parallel.random.CheckpointWithoutOutput (selective recompute of "
+        "layernorm / moe_act): CheckpointWithoutOutputFunction.forward and _recompute",
+        "CheckpointWithoutOutput() sets self.fp8 = (fp8 is not None), True for its default fp8=False, "
+        "so forward and recompute always use TE's FP8GlobalStateManager, activation_recompute_forward "
+        "and fp8_autocast, names only bound when TE imports: NameError",
+        "bind them to stand-ins for 'no FP8': is_fp8_enabled() is False, the two contexts do nothing",
+    ),
+    Assumption(
         "te-general-gemm",
         "megatron.core.transformer.moe.moe_utils.te_general_gemm",
         "name only bound when Transformer Engine imports: NameError in the router without TE",
@@ -111,15 +128,15 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer: sharded_state_dict(is_loading=True) "
         "and _set_main_param_and_optimizer_states, over torch's Adam (HAVE_APEX_OR_TE False: no TE/apex, "
         "as on every CPU machine)",
-        "(1) sharded_state_dict(is_loading=True) calls load_state_dict(state_dict()), and state_dict() "
-        "asserts every Adam state already holds a 'step': a never-stepped optimizer (any resume) fails; "
+        "(1) sharded_state_dict() calls state_dict(), which asserts every Adam state already holds a "
+        "'step': a never-stepped optimizer cannot be saved or loaded into (every resume fails); "
         "(2) loading a fully_reshardable checkpoint copies every key of the live Adam state, 'step' "
         "included, from saved tensors that have no 'step' (KeyError); (3) load_state_dict gives every "
         "parameter's state the same 'step' tensor object, and torch's Adam increments each parameter's "
         "step in place, so after a resume the step grows by the number of parameters per update "
         "(wrong bias correction)",
-        "(1) before a load, a never-stepped DistributedOptimizer gets Megatron's own "
-        "_init_optimizer_states_with_dummy_values() (every value it touches is then loaded); (2) the copy "
+        "(1) a never-stepped DistributedOptimizer first gets the state torch's Adam would create lazily at "
+        "its first step (step 0, zero moments: _init_group in torch/optim/adam.py); (2) the copy "
         "skips 'step', which load_state_dict restores from the saved param groups; (3) after "
         "load_state_dict each state gets its own copy of the step tensor",
     ),
@@ -344,10 +361,21 @@ def _with_cuda_tensor_methods(method: Callable) -> Callable:
     return wrapper
 
 
+def _init_adam_state(adam: torch.optim.Optimizer) -> None:
+    # What torch.optim.Adam(W) creates for a parameter at its first step (non-fused, non-capturable,
+    # no amsgrad): a float32 step of 0 and zero moments. Stepping then proceeds exactly as from empty.
+    for group in adam.param_groups:
+        for p in group["params"]:
+            if not adam.state[p]:
+                adam.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
 def _distopt_sharded_state_dict(method: Callable) -> Callable:
     def wrapper(self, model_sharded_state_dict=None, is_loading: bool = False, *args, **kwargs):
-        if is_loading and len(self.optimizer.state) == 0:
-            self._init_optimizer_states_with_dummy_values()
+        if len(self.optimizer.state) == 0:
+            _init_adam_state(self.optimizer)
         return method(self, {} if model_sharded_state_dict is None else model_sharded_state_dict,
                       is_loading, *args, **kwargs)
 
@@ -367,6 +395,30 @@ def _distopt_load_state_dict(method: Callable) -> Callable:
     wrapper.__wrapped__ = method
     wrapper.__name__ = method.__name__
     return wrapper
+
+
+class _NoFP8:
+    """Stand-in for TE's FP8GlobalStateManager where TE is absent: FP8 is never enabled."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe():
+        return None
+
+
+def _null_context(*args, **kwargs):
+    return contextlib.nullcontext()
+
+
+def _get_cuda_rng_state(*args, **kwargs):
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_cuda_rng_state(*args, **kwargs):
+    return None
 
 
 def _set_main_param_and_optimizer_states(self, model_param, tensors):
@@ -458,6 +510,12 @@ def activate(device: str | torch.device | None = None) -> bool:
         _set(cls, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
         _set(cls, "load_state_dict", _distopt_load_state_dict(cls.load_state_dict))
 
+    if not getattr(mrandom, "HAVE_TE", False):
+        _set(mrandom, "FP8GlobalStateManager", _NoFP8)
+        _set(mrandom, "activation_recompute_forward", _null_context)
+        _set(mrandom, "fp8_autocast", _null_context)
+    _set(mrandom, "_get_cuda_rng_state", _get_cuda_rng_state)
+    _set(mrandom, "_set_cuda_rng_state", _set_cuda_rng_state)
     tracker = CpuRNGStatesTracker()
     _set(mrandom, "_CUDA_RNG_STATE_TRACKER", tracker)
     _set(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
