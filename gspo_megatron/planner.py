@@ -344,6 +344,7 @@ def plan(config: Config, world_size: int) -> dict:
         "peak_memory_gib": peak["memory_gib"]["total"],
         "peak_memory_stage": peak["pp_rank"],
         "micro_batch_tokens": config.train.micro_batch_tokens,
+        "training": training_setup(config),
         "memory_assumptions": [
             "weights in model.dtype; gradients fp32 when optimizer.grad_reduce_in_fp32",
             "Adam: fp32 master (16-bit dtypes) + m + v = 12 (or 8) bytes/param, sharded over "
@@ -354,6 +355,22 @@ def plan(config: Config, world_size: int) -> dict:
                           if config.model.fused_logprobs else "fp32 logits + softmax") + " on the last stage",
             "not counted: CUDA context, NCCL buffers, fragmentation, colocated SGLang",
         ],
+    }
+
+
+def training_setup(config) -> dict:
+    """What the trainer builds from the config (train/setup.py passes the same
+    optimizer.use_distributed_optimizer to Megatron's DDP wrap, and the optimizer reads it back
+    from there)."""
+    o = config.optimizer
+    sixteen = config.model.dtype != "float32"
+    return {
+        "use_distributed_optimizer": o.use_distributed_optimizer,
+        "optimizer": ("Megatron DistributedOptimizer (masters + Adam moments sharded over DP*CP / expert-DP)"
+                      if o.use_distributed_optimizer else "Megatron optimizer, not sharded"),
+        "master_weights": "fp32" if sixteen else "the fp32 parameters themselves",
+        "grad_reduce": "fp32" if (o.grad_reduce_in_fp32 or not sixteen) else config.model.dtype,
+        "recompute": config.train.recompute,
     }
 
 
@@ -405,6 +422,10 @@ def format_plan(pl: dict) -> str:
         f" at tp {lay['tp']}), {m['dtype']}",
         f"params: total {_b(pl['total_params'])} ({pl['total_params']:,}), active per token "
         f"{_b(pl['active_params'])} ({pl['active_params']:,})",
+        f"training: {pl['training']['optimizer']} (DDP use_distributed_optimizer="
+        f"{str(pl['training']['use_distributed_optimizer']).lower()}); master weights "
+        f"{pl['training']['master_weights']}; gradient reduction {pl['training']['grad_reduce']}; "
+        f"recompute {pl['training']['recompute']}",
         "groups (global ranks):",
     ]
     for name, gs in pl["groups"].items():

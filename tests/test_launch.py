@@ -285,6 +285,11 @@ def test_plan_30b_layout():
     pl8 = planner.plan(cfg, 8)
     assert pl8["stages"][0]["memory_gib"]["optimizer"] > mem["optimizer"]
     assert pl8["stages"][0]["params"] == stage["params"]
+    # The setting the trainer wraps DDP and builds the optimizer with, as --dry-run prints it.
+    tr = pl["training"]
+    assert tr["use_distributed_optimizer"] is True and tr["master_weights"] == "fp32"
+    assert tr["recompute"] == "selective"
+    assert "use_distributed_optimizer=true" in planner.format_plan(pl)
 
 
 def test_plan_fused_logprobs_drops_the_logits_term():

@@ -92,13 +92,32 @@ def _hf_tensors(d):
     return out
 
 
+def dcp_tensors(d, part: str = "") -> dict[str, torch.Tensor]:
+    """Every global tensor of a torch_dist checkpoint whose key contains `part`."""
+    from converters.dcp_io import DcpReader
+
+    r = DcpReader(str(d))
+    try:
+        return {k: r.read(k, [0] * len(r.shape(k)), list(r.shape(k))) for k in sorted(r.keys())
+                if part in k}
+    finally:
+        r.close()
+
+
+# The default optimizer path at DP2: Megatron's distributed optimizer shards masters and moments.
+DP2_DISTOPT = ["parallel.tp=1", "parallel.sequence_parallel=false", "optimizer.use_distributed_optimizer=true"]
+
+
 @pytest.mark.timeout(900)
 def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
+    """kill -9 mid-run with the distributed optimizer at DP2, then resume=auto: final weights
+    bit-identical, Adam moments in the final checkpoint equal, and the trainer checkpoint exports
+    (gspo-convert mcore-to-hf) to exactly the run's own <out_dir>/hf."""
     ref = tmp_path / "ref"
-    run_train(ref, *SMALL)
+    run_train(ref, *SMALL, *DP2_DISTOPT)
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(torchrun_cmd(2, "--config", TINY, f"out_dir={out}", *SMALL), env=_env(), cwd=REPO,
+    proc = subprocess.Popen(torchrun_cmd(2, "--config", TINY, f"out_dir={out}", *SMALL, *DP2_DISTOPT), env=_env(), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     latest = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
@@ -115,7 +134,7 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # our own session: torchrun and its workers
         proc.wait(timeout=60)
     assert not (out / "hf").exists()
-    run_train(out, *SMALL, "checkpoint.resume=auto")
+    run_train(out, *SMALL, *DP2_DISTOPT, "checkpoint.resume=auto")
 
     a, b = _hf_tensors(ref / "hf"), _hf_tensors(out / "hf")
     assert set(a) == set(b)
@@ -124,6 +143,60 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     assert [r["step"] for r in gspo_rows(out)] == [1, 2, 3, 4, 5, 6]
     ra, rb = gspo_rows(ref), gspo_rows(out)
     assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rb]
+
+    final = "checkpoints/step_00000006"
+    ma, mb = dcp_tensors(ref / final, "optimizer.state."), dcp_tensors(out / final, "optimizer.state.")
+    moments = [k for k in ma if ".exp_avg" in k]
+    assert moments and set(ma) == set(mb)
+    assert all(torch.equal(ma[k], mb[k]) for k in ma), [k for k in ma if not torch.equal(ma[k], mb[k])][:3]
+    assert any(ma[k].abs().max() > 0 for k in moments)
+
+    from converters.cli import main as convert
+
+    assert convert(["mcore-to-hf", "--load", str(ref / final), "--out", str(tmp_path / "conv"), "--no-progress"]) == 0
+    c = _hf_tensors(tmp_path / "conv")
+    assert set(c) == set(a) and all(torch.equal(c[k], a[k]) for k in a)
+
+
+def _last_row(out_dir):
+    return gspo_rows(out_dir)[-1]
+
+
+@pytest.mark.timeout(900)
+def test_resume_at_another_layout_continues_training(tmp_path):
+    """A checkpoint written at TP2 (+SP) resumes at TP1 x DP2 (distributed optimizer) and at EP2,
+    and training goes on from its step (the exact state after loading: test_checkpoint.py)."""
+    src = tmp_path / "tp2"
+    run_train(src, *SMALL, "train.max_steps=2", "checkpoint.interval=0")
+    ckpt = src / "checkpoints" / "step_00000002"
+    for name, layout in (("dp2", DP2_DISTOPT), ("ep2", ["parallel.tp=1", "parallel.sequence_parallel=false",
+                                                      "parallel.ep=2"])):
+        out = tmp_path / name
+        r = run_train(out, *SMALL, *layout, "train.max_steps=3", f"checkpoint.resume={ckpt}")
+        assert "resharding" in r.stderr and "resumed from" in r.stderr
+        assert [row["step"] for row in gspo_rows(out)] == [3]
+        assert (out / "checkpoints" / "step_00000003").is_dir() and (out / "hf").is_dir()
+
+
+@pytest.mark.timeout(900)
+def test_sft_warm_start_survives_the_first_gspo_step_with_bf16_params(tmp_path):
+    """bf16 parameters (fp32 masters in the optimizer): the SFT warm start and GSPO share one
+    optimizer, so the first GSPO step starts from the warmed-up weights. With a second optimizer
+    (the old code) the first GSPO step wrote the main optimizer's masters — the initial weights —
+    back over the warm start."""
+    bf16 = [*SMALL, *DP2_DISTOPT, "model.dtype=bfloat16", "checkpoint.interval=0"]
+    run_train(tmp_path / "init", *bf16, "train.sft_warmup_steps=0", "train.max_steps=0")
+    run_train(tmp_path / "warm", *bf16, "train.max_steps=0")
+    run_train(tmp_path / "step", *bf16, "train.max_steps=1", "optimizer.lr=1e-12")
+    init, warm, step = (_hf_tensors(tmp_path / d) for d in ("init/hf", "warm/hf", "step/hf"))
+    assert all(t.dtype == torch.bfloat16 for t in warm.values())
+
+    def dist(a, b):
+        return sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in a) ** 0.5
+
+    moved = dist(warm, init)
+    assert moved > 1.0  # the warm start changed the weights
+    assert dist(step, warm) < 1e-3 * moved, (dist(step, warm), moved)  # and a tiny GSPO step kept them
 
 
 @pytest.mark.timeout(600)
