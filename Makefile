@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 # Where a CPU torch wheel may already lie (CI and dev machines keep one there).
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -28,6 +28,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests $(ARGS)
+
+# On a GPU machine (torch + transformers present, no network): the default cluster path on one GPU
+# (bf16 + fp32 masters, distributed optimizer, NCCL, SFT, checkpoint, resume, HF export), a
+# PASS/FAIL table. `make gpu-wheels` (where the package index is reachable) puts the wheels it may
+# need into ./wheels to carry along.
+gpu-check:
+	python3 bench/gpu_check.py --wheels wheels $(ARGS)
+
+gpu-wheels:
+	python3 -m pip download --no-deps -d wheels "megatron-core==0.16.1" pyyaml tqdm
 
 clean:
 	rm -rf $(VENV)
