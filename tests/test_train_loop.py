@@ -249,3 +249,24 @@ def test_bad_input_fails_early_with_one_line(tmp_path):
     line, dt = _train_fails(tmp_path, "reward.fn=no_such_module_xyz:score", "parallel.tp=1", "parallel.sequence_parallel=false")
     assert "no_such_module_xyz" in line
     assert dt < 60  # failed before building models / process groups
+
+
+@pytest.mark.timeout(600)
+def test_trainer_starts_from_a_converted_checkpoint(tmp_path):
+    """model.load= takes a `gspo-convert hf-to-mcore` output (the same torch_dist format as the
+    trainer's checkpoints): with no training, the run's HF export is the source model bit for bit."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from converters.cli import main as convert
+    from gspo_megatron.config import load_config
+
+    hf_cfg = load_config(TINY, []).hf_config_dict()
+    torch.manual_seed(3)
+    src = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_cfg))
+    src.save_pretrained(tmp_path / "src")
+    assert convert(["hf-to-mcore", "--hf-dir", str(tmp_path / "src"), "--out", str(tmp_path / "mc"),
+                    "--no-progress"]) == 0
+    run_train(tmp_path / "run", *SMALL, *DP2_DISTOPT, f"model.load={tmp_path / 'mc'}", "train.max_steps=0",
+              "train.sft_warmup_steps=0")
+    a, b = _hf_tensors(tmp_path / "src"), _hf_tensors(tmp_path / "run" / "hf")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

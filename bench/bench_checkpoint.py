@@ -1,0 +1,463 @@
+"""Trainer checkpoint save and resume: throughput against a plain copy, resume memory per rank.
+
+    python bench/bench_checkpoint.py                      # ~1 GiB fp32 model, layouts tp2 and dp2
+    python bench/bench_checkpoint.py --size-gb 0.1        # quick
+    python bench/bench_checkpoint.py --layouts dp2 --keep --json out.json
+
+The model is the synthetic Qwen3-MoE of bench/bench_load.py (`choose_config`: hidden 1024, 16/4
+heads, 32 experts, vocab 32000; layers and moe_intermediate_size chosen so that the fp32
+parameters are --size-gb GiB), built with Megatron's random init: no HF checkpoint is written.
+The checkpoint is the trainer's own (gspo_megatron/train/checkpoint.py: one Megatron
+dist_checkpointing torch_dist directory with the model, the distributed optimizer's fully
+reshardable state, common.pt, per-rank RNG files and hf_config/).
+
+Layouts (2 gloo processes each, 1 thread per process, spawned by tests/dist_utils.py):
+  tp2   TP2 + sequence parallel, DP1 (the experts are replicated on both TP ranks: ETP1, EP1)
+  dp2   TP1, DP2: both ranks hold the whole model; the distributed optimizer shards the Adam state
+        over DP
+
+For each layout, in order:
+  SAVE run    one spawn: init_parallel(ParallelConfig(tp, ep, sequence_parallel=tp>1, device="cpu")),
+              build_policy(ctx, arch, dtype=float32), wrap_ddp(use_distributed_optimizer=True),
+              build_optimizer(OptimizerConfig(lr=1e-4)), ONE optimizer step on 2 sequences of 16
+              tokens (token NLL, as tests/test_dist_optimizer.py does) so that Adam's moments exist,
+              then train.checkpoint.save(...). "save s": wall seconds on rank 0 between a barrier
+              before and one after the call; "bytes": the size of the written step directory (all
+              files); "save GB/s" = bytes / save s (GB = 1e9). "save peak": VmHWM after the save,
+              reset (bench/common.py reset_peak) right before it, max over ranks; "save ovh" = save
+              peak - VmRSS before the save. Each rank also sends checksums of its parameters and of
+              its Adam moments (float64 sum and sum of squares).
+  COPY        in the bench's own process (one process, like rank 0 alone; no rank is running then):
+              the step directory copied file by file (shutil.copyfile, i.e. sendfile) into another
+              directory of the same filesystem, each file fsync'ed (DCP's FileSystemWriter fsyncs
+              every file it writes). "copy GB/s" = bytes / seconds; "save/copy" = save GB/s / copy
+              GB/s (target: >= 0.50). The source files are in the page cache (just written).
+  RESUME run  a second spawn, so that the save's high-water mark is not in it: per rank
+                baseline    VmRSS after the imports (torch, megatron, the project's modules) and
+                            init_parallel;
+                build       the same model + DDP + optimizer, no step ("after build": VmRSS);
+                load        reset_peak(), then train.checkpoint.load(path, model, optimizer,
+                            scheduler, ctx) timed like the save ("load s");
+              "peak": VmHWM after the load; "resume mem" = peak - baseline: everything resuming
+              costs on top of a bare process (the model, the buffers, the optimizer state and
+              whatever the load needs on the way). It is compared with
+                rank share  the bytes a rank must hold anyway after resuming: its parameters
+                            (sum of p.numel() over the chunks' parameters, fp32) + its DDP gradient
+                            buffers (grad_data of every DDP buffer, fp32: the parameters' numel plus
+                            bucket padding) + its optimizer state, measured from the tensors: every
+                            tensor in `inner.optimizer.state` of every inner optimizer
+                            (`chained_optimizers`), storage shared with the parameters (fp32
+                            "masters" are views of the fp32 parameters) excluded: Adam's exp_avg
+                            and exp_avg_sq of the rank's DP shard.
+              "resume/share" = resume mem / rank share, worst rank (target: <= 1.25). "load ovh" =
+              peak - after build: what the load itself needs on top of the built trainer.
+              verified: after the load, each rank's parameter and Adam-moment checksums equal the
+              ones the same rank sent from the save run (same layout, so the same shards); the bench
+              fails otherwise.
+
+Memory is VmHWM / VmRSS of each rank (bench/common.py explains them; ru_maxrss is printed as a
+cross-check). The checkpoint files are read back from the page cache (this bench just wrote them):
+load times are CPU/memcpy bound, not disk bound. Everything written goes into --workdir (default: a
+new temporary directory) and is deleted at the end unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+for _p in (_ROOT, os.path.join(_ROOT, "tests"), _HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from bench_load import checkpoint_bytes, choose_config  # noqa: E402
+from common import MiB, format_table, mib, peak_rss, proc_status, reset_peak, ru_maxrss  # noqa: E402
+
+GB = 1e9
+LAYOUTS = {  # name -> (ParallelConfig kwargs, world size)
+    "tp2": (dict(tp=2, ep=1), 2),
+    "dp2": (dict(tp=1, ep=1), 2),
+}
+STEP = 1
+SAVE_TARGET = 0.50  # save throughput / copy throughput, at least
+RESUME_TARGET = 1.25  # resume memory / rank share, at most
+
+
+# ----------------------------------------------------------------------------------------------
+# inside a rank
+
+
+def _init(layout: dict, cfg: dict):
+    """Imports everything both runs use (so the baseline includes the modules), then the groups."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import megatron.core  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import torch
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import converters.mcore  # noqa: F401
+    import gspo_megatron.model.factory  # noqa: F401
+    import gspo_megatron.parallel.ddp  # noqa: F401
+    import gspo_megatron.train.checkpoint  # noqa: F401
+    import gspo_megatron.train.optim  # noqa: F401
+    from gspo_megatron.config import ParallelConfig
+    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.parallel.state import init_parallel
+
+    torch.set_num_threads(1)
+    arch = Qwen3MoeArch.from_hf_dict(cfg, source="bench_checkpoint config")
+    par = ParallelConfig(tp=layout["tp"], ep=layout["ep"], sequence_parallel=layout["tp"] > 1, device="cpu")
+    ctx = init_parallel(par, model_dims=arch.dims_for_validation())
+    return ctx, arch
+
+
+def _build(ctx, arch):
+    import torch
+
+    from gspo_megatron.config import OptimizerConfig
+    from gspo_megatron.model.factory import build_policy
+    from gspo_megatron.parallel.ddp import wrap_ddp
+    from gspo_megatron.train.optim import build_optimizer
+
+    chunks, tcfg = build_policy(ctx, arch, dtype=torch.float32)
+    model = wrap_ddp(chunks, tcfg, use_distributed_optimizer=True)
+    opt, sched = build_optimizer(OptimizerConfig(lr=1e-4), model, total_steps=10, dtype=torch.float32)
+    return model, opt, sched
+
+
+def _train_one_step(ctx, arch, model, opt, sched) -> int:
+    """One real optimizer step (tests/test_dist_optimizer.py::_train) on 2 x 16 tokens."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gspo_megatron.train.batch import TrainSample, plan_minibatch
+    from gspo_megatron.train.loop import _optimizer_step
+    from gspo_megatron.train.loss import sft_loss_step
+    from gspo_megatron.train.scoring import pad_multiple
+
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, arch.vocab_size, (16,), generator=g).tolist() for _ in range(2)]
+    samples = [TrainSample(s[:4], s[4:], 0.0) for s in seqs]
+    mbs, _ = plan_minibatch(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=32,
+                            multiple=pad_multiple(ctx.parallel), pad_id=0)
+    _optimizer_step(SimpleNamespace(model=model), opt, sched, sft_loss_step(ctx, arch.vocab_size), mbs)
+    return len(mbs)
+
+
+def _inner(opt) -> list:
+    return list(getattr(opt, "chained_optimizers", [opt]))
+
+
+def _shares(model, opt) -> dict:
+    """This rank's parameter, gradient-buffer and optimizer-state bytes, measured from the tensors."""
+    import torch
+
+    params = [p for m in model for p in m.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
+                     for m in model for b in list(m.buffers) + list(m.expert_parallel_buffers)
+                     if b.grad_data is not None)
+    seen, state_bytes, aliased = set(), 0, 0
+    for inner in _inner(opt):
+        for st in inner.optimizer.state.values():
+            for v in st.values():
+                if not torch.is_tensor(v):
+                    continue
+                key = (v.data_ptr(), v.numel(), v.dtype)
+                if key in seen:
+                    continue
+                seen.add(key)
+                nb = v.numel() * v.element_size()
+                if v.untyped_storage().data_ptr() in param_storages:
+                    aliased += nb  # fp32 "masters": views of the parameters, no memory of their own
+                else:
+                    state_bytes += nb
+    return dict(param_bytes=param_bytes, grad_bytes=grad_bytes, state_bytes=state_bytes, state_aliased=aliased,
+                share=param_bytes + grad_bytes + state_bytes)
+
+
+def _checksums(model, opt) -> dict:
+    """float64 sum and sum of squares of the parameters and of each kind of Adam state, in a fixed
+    order (param_groups, not the state dict's insertion order)."""
+    import torch
+
+    out = {}
+
+    def add(k, t):
+        d = t.detach().double()
+        s, q = out.get(k, (0.0, 0.0))
+        out[k] = (s + float(d.sum()), q + float((d * d).sum()))
+
+    with torch.no_grad():
+        for m in model:
+            for p in m.parameters():
+                add("params", p)
+        for inner in _inner(opt):
+            for group in inner.optimizer.param_groups:
+                for p in group["params"]:
+                    for k, v in inner.optimizer.state.get(p, {}).items():
+                        if torch.is_tensor(v) and v.numel() > 1:
+                            add(k, v)
+    return out
+
+
+def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str) -> dict:
+    import gc
+
+    import torch.distributed as dist
+
+    from gspo_megatron.parallel.state import destroy_parallel
+    from gspo_megatron.train import checkpoint
+
+    ctx, arch = _init(layout, cfg)
+    try:
+        model, opt, sched = _build(ctx, arch)
+        n_micro = _train_one_step(ctx, arch, model, opt, sched)
+        out = {"rank": rank, "n_micro": n_micro, "shares": _shares(model, opt), "sums": _checksums(model, opt)}
+        gc.collect()
+        dist.barrier()
+        out["before"] = proc_status()
+        out["reset_ok"] = reset_peak()
+        dist.barrier()
+        t0 = time.perf_counter()
+        path = checkpoint.save(out_dir, STEP, model, opt, sched, {"step": STEP, "bench": True}, ctx, hf_config=cfg)
+        dist.barrier()
+        out["save_s"] = time.perf_counter() - t0
+        out["peak"] = peak_rss()
+        out["ru_maxrss"] = ru_maxrss()
+        out["path"] = path
+        return out
+    finally:
+        destroy_parallel()
+
+
+def _load_rank(rank: int, world: int, layout: dict, cfg: dict, path: str) -> dict:
+    import gc
+
+    import torch.distributed as dist
+
+    from gspo_megatron.parallel.state import destroy_parallel
+    from gspo_megatron.train import checkpoint
+
+    ctx, arch = _init(layout, cfg)
+    try:
+        gc.collect()
+        out = {"rank": rank, "baseline": proc_status()}
+        model, opt, sched = _build(ctx, arch)
+        gc.collect()
+        out["after_build"] = proc_status()
+        dist.barrier()
+        out["reset_ok"] = reset_peak()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loop = checkpoint.load(path, model, opt, sched, ctx)
+        dist.barrier()
+        out["load_s"] = time.perf_counter() - t0
+        out["peak"] = peak_rss()
+        out["ru_maxrss"] = ru_maxrss()
+        gc.collect()
+        out["after_load"] = proc_status()
+        out["loop"] = loop
+        out["shares"] = _shares(model, opt)
+        out["sums"] = _checksums(model, opt)
+        return out
+    finally:
+        destroy_parallel()
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+
+
+def dir_bytes(path: str) -> tuple[int, int]:
+    """(total bytes, number of files) under path."""
+    total = n = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            total += os.path.getsize(os.path.join(d, f))
+            n += 1
+    return total, n
+
+
+def plain_copy(src: str, dst: str) -> float:
+    """Copy src into dst (a new directory) file by file, fsync'ing each file; returns seconds."""
+    t0 = time.perf_counter()
+    for d, _, files in os.walk(src):
+        target = os.path.join(dst, os.path.relpath(d, src))
+        os.makedirs(target, exist_ok=True)
+        for f in files:
+            out = os.path.join(target, f)
+            shutil.copyfile(os.path.join(d, f), out)
+            fd = os.open(out, os.O_WRONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return time.perf_counter() - t0
+
+
+def run_layout(name: str, cfg: dict, workdir: str, args) -> dict:
+    from dist_utils import run_distributed
+
+    layout, world = LAYOUTS[name]
+    base = os.path.join(workdir, name)
+    os.makedirs(base, exist_ok=False)
+    try:
+        t0 = time.perf_counter()
+        saved = run_distributed(_save_rank, world, layout, cfg, os.path.join(base, "run"), timeout=args.timeout)
+        path = saved[0]["path"]
+        nbytes, nfiles = dir_bytes(path)
+        print(f"  {name}: save run done in {time.perf_counter() - t0:.0f} s (spawn + build + step + save); "
+              f"{mib(nbytes)} MiB in {nfiles} files", flush=True)
+
+        copy_dir = os.path.join(base, "copy")
+        copy_s = plain_copy(path, copy_dir)
+        copied, _ = dir_bytes(copy_dir)
+        assert copied == nbytes, (copied, nbytes)
+        shutil.rmtree(copy_dir)
+        print(f"  {name}: plain copy {copy_s:.2f} s", flush=True)
+
+        t0 = time.perf_counter()
+        loaded = run_distributed(_load_rank, world, layout, cfg, path, timeout=args.timeout)
+        print(f"  {name}: resume run done in {time.perf_counter() - t0:.0f} s (spawn + build + load)", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+
+    bad = []
+    for s, l in zip(saved, loaded):
+        if s["sums"] != l["sums"]:
+            bad.append(f"rank {s['rank']}: saved {s['sums']} loaded {l['sums']}")
+        if l["loop"] != {"step": STEP, "bench": True}:
+            bad.append(f"rank {s['rank']}: loop state {l['loop']}")
+    if bad:
+        raise AssertionError(f"{name}: the resumed state differs from the saved one:\n" + "\n".join(bad))
+    return dict(layout=name, world=world, bytes=nbytes, files=nfiles, copy_s=copy_s, save=saved, load=loaded,
+                path=path if args.keep else None)
+
+
+def summarize(r: dict) -> dict:
+    save_s = r["save"][0]["save_s"]
+    load_s = r["load"][0]["load_s"]
+    save_bw, copy_bw = r["bytes"] / save_s / GB, r["bytes"] / r["copy_s"] / GB
+    per_rank = []
+    for s, l in zip(r["save"], r["load"]):
+        resume = l["peak"] - l["baseline"]["VmRSS"]
+        share = l["shares"]["share"]
+        per_rank.append(dict(rank=s["rank"], save_before=s["before"]["VmRSS"], save_peak=s["peak"],
+                             save_ovh=s["peak"] - s["before"]["VmRSS"], baseline=l["baseline"]["VmRSS"],
+                             after_build=l["after_build"]["VmRSS"], load_peak=l["peak"],
+                             load_ru_maxrss=l["ru_maxrss"], load_ovh=l["peak"] - l["after_build"]["VmRSS"],
+                             after_load=l["after_load"]["VmRSS"], resume=resume, share=share,
+                             resume_ratio=resume / share, **{k: l["shares"][k] for k in
+                                                            ("param_bytes", "grad_bytes", "state_bytes")}))
+    worst = max(per_rank, key=lambda x: x["resume_ratio"])
+    return dict(layout=r["layout"], bytes=r["bytes"], files=r["files"], save_s=save_s, save_gbps=save_bw,
+                copy_s=r["copy_s"], copy_gbps=copy_bw, save_over_copy=save_bw / copy_bw,
+                save_peak_max=max(x["save_peak"] for x in per_rank), load_s=load_s,
+                resume_max=worst["resume"], share_of_worst=worst["share"], resume_ratio=worst["resume_ratio"],
+                save_ok=save_bw / copy_bw >= SAVE_TARGET, resume_ok=worst["resume_ratio"] <= RESUME_TARGET,
+                per_rank=per_rank)
+
+
+def report(summ: list[dict], cfg: dict, param_total: int) -> str:
+    headers = ["layout", "bytes MiB", "save s", "save GB/s", "copy GB/s", "save/copy", "save peak (max rank)",
+               "load s", "resume mem (max rank)", "rank share", "resume/share"]
+    rows = [[s["layout"], mib(s["bytes"]), f"{s['save_s']:.2f}", f"{s['save_gbps']:.3f}", f"{s['copy_gbps']:.3f}",
+             f"{s['save_over_copy']:.2f}", mib(s["save_peak_max"]), f"{s['load_s']:.2f}", mib(s["resume_max"]),
+             mib(s["share_of_worst"]), f"{s['resume_ratio']:.2f}"] for s in summ]
+    title = (f"Trainer checkpoint, {mib(param_total)} MiB of fp32 parameters (layers {cfg['num_hidden_layers']}, "
+             f"experts {cfg['num_experts']} x moe_intermediate {cfg['moe_intermediate_size']}, vocab "
+             f"{cfg['vocab_size']}); 2 gloo ranks per layout; memory in MiB, GB = 1e9 bytes")
+    out = ["", format_table(headers, rows, title), ""]
+    dh = ["layout/rank", "params", "grads", "opt state", "share", "save before", "save peak", "save ovh",
+          "baseline", "after build", "load peak", "ru_maxrss", "load ovh", "after load", "resume mem", "/share"]
+    drows = []
+    for s in summ:
+        for x in s["per_rank"]:
+            drows.append([f"{s['layout']}/{x['rank']}", mib(x["param_bytes"]), mib(x["grad_bytes"]),
+                          mib(x["state_bytes"]), mib(x["share"]), mib(x["save_before"]), mib(x["save_peak"]),
+                          mib(x["save_ovh"]), mib(x["baseline"]), mib(x["after_build"]), mib(x["load_peak"]),
+                          mib(x["load_ru_maxrss"]), mib(x["load_ovh"]), mib(x["after_load"]), mib(x["resume"]),
+                          f"{x['resume_ratio']:.2f}"])
+    out.append(format_table(dh, drows, "Per rank (MiB)"))
+    out += [
+        "",
+        "save/copy = save GB/s / copy GB/s (target >= %.2f); resume/share = (load peak - baseline) / (params +"
+        % SAVE_TARGET,
+        "  grads + opt state) of the worst rank (target <= %.2f); load ovh = load peak - after build;" % RESUME_TARGET,
+        "  save ovh = save peak - VmRSS before the save. Details: the module docstring.",
+    ]
+    for s in summ:
+        out.append(f"{s['layout']}: save/copy {s['save_over_copy']:.2f} "
+                   f"{'MET' if s['save_ok'] else 'NOT MET'} (>= {SAVE_TARGET}); resume/share "
+                   f"{s['resume_ratio']:.2f} {'MET' if s['resume_ok'] else 'NOT MET'} (<= {RESUME_TARGET}); "
+                   f"verified: parameters and Adam moments after load == saved (checksums, every rank)")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-gb", type=float, default=1.0, help="fp32 parameter size in GiB, approximate")
+    ap.add_argument("--layouts", default="tp2,dp2", help=f"comma list of {','.join(LAYOUTS)}")
+    ap.add_argument("--workdir", default=None, help="where to write (default: a new temporary directory)")
+    ap.add_argument("--keep", action="store_true", help="keep the written checkpoints")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per spawned run (all ranks)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    layouts = [x for x in args.layouts.split(",") if x]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad or not layouts:
+        ap.error(f"--layouts: unknown {bad}; choose from {list(LAYOUTS)}")
+    if args.size_gb <= 0:
+        ap.error("--size-gb must be > 0")
+
+    cfg = choose_config(args.size_gb * 2**30)
+    param_total = checkpoint_bytes(cfg)
+    created = args.workdir is None
+    workdir = tempfile.mkdtemp(prefix="gspo-bench-ckpt-") if created else args.workdir
+    os.makedirs(workdir, exist_ok=True)
+    print(f"model: {mib(param_total)} MiB fp32 parameters (layers {cfg['num_hidden_layers']}, hidden "
+          f"{cfg['hidden_size']}, experts {cfg['num_experts']} x moe_intermediate {cfg['moe_intermediate_size']}, "
+          f"vocab {cfg['vocab_size']}); workdir {workdir}", flush=True)
+
+    results = []
+    try:
+        for name in layouts:
+            results.append(run_layout(name, cfg, workdir, args))
+    finally:
+        if not args.keep:
+            if created:
+                shutil.rmtree(workdir, ignore_errors=True)
+            else:
+                try:
+                    os.rmdir(workdir)
+                except OSError:
+                    pass
+
+    summ = [summarize(r) for r in results]
+    print(report(summ, cfg, param_total))
+    if any(not r["reset_ok"] for res in results for r in res["save"] + res["load"]):
+        print("WARNING: /proc/self/clear_refs not writable: peaks include everything before the measured phase")
+    if args.keep:
+        print("kept: " + ", ".join(r["path"] for r in results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=cfg, param_bytes=param_total, layouts=summ, raw=results), f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
