@@ -3,6 +3,7 @@
     python bench/bench_checkpoint.py                      # ~1 GiB fp32 model, layouts tp2 and dp2
     python bench/bench_checkpoint.py --size-gb 0.1        # quick
     python bench/bench_checkpoint.py --layouts dp2 --keep --json out.json
+    python bench/bench_checkpoint.py --size-gb 0.3 --profile 40   # where rank 0's save / load time goes
 
 The model is the synthetic Qwen3-MoE of bench/bench_load.py (`choose_config`: hidden 1024, 16/4
 heads, 32 experts, vocab 32000; layers and moe_intermediate_size chosen so that the fp32
@@ -25,8 +26,10 @@ For each layout, in order:
               before and one after the call; "bytes": the size of the written step directory (all
               files); "save GB/s" = bytes / save s (GB = 1e9). "save peak": VmHWM after the save,
               reset (bench/common.py reset_peak) right before it, max over ranks; "save ovh" = save
-              peak - VmRSS before the save. Each rank also sends checksums of its parameters and of
-              its Adam moments (float64 sum and sum of squares).
+              peak - VmRSS before the save; "written": wchar of /proc/self/io during the save (bytes
+              through write system calls: the rank's checkpoint files, plus socket traffic if gloo
+              sends with write). Each rank also sends checksums of its parameters and of its Adam
+              moments (float64 sum and sum of squares).
   COPY        in the bench's own process (one process, like rank 0 alone; no rank is running then):
               the step directory copied file by file (shutil.copyfile, i.e. sendfile) into another
               directory of the same filesystem, each file fsync'ed (DCP's FileSystemWriter fsyncs
@@ -50,15 +53,22 @@ For each layout, in order:
                             "masters" are views of the fp32 parameters) excluded: Adam's exp_avg
                             and exp_avg_sq of the rank's DP shard.
               "resume/share" = resume mem / rank share, worst rank (target: <= 1.25). "load ovh" =
-              peak - after build: what the load itself needs on top of the built trainer.
+              peak - after build: what the load itself needs on top of the built trainer. "read":
+              rchar of /proc/self/io during the load (bytes through read system calls, mostly the
+              checkpoint files: how much of the checkpoint this rank reads).
               verified: after the load, each rank's parameter and Adam-moment checksums equal the
               ones the same rank sent from the save run (same layout, so the same shards); the bench
               fails otherwise.
 
 Memory is VmHWM / VmRSS of each rank (bench/common.py explains them; ru_maxrss is printed as a
-cross-check). The checkpoint files are read back from the page cache (this bench just wrote them):
-load times are CPU/memcpy bound, not disk bound. Everything written goes into --workdir (default: a
-new temporary directory) and is deleted at the end unless --keep.
+cross-check). "after save" / "after load" is VmRSS once the phase is over and gc.collect() ran;
+"trimmed" the same after glibc's malloc_trim(0): what is still resident then is held by live
+objects, the difference was free memory the allocator had kept. With --profile N rank 0 runs the
+save and the load under cProfile (slower) and the top N entries are printed.
+
+The checkpoint files are read back from the page cache (this bench just wrote them): load times are
+CPU/memcpy bound, not disk bound. Everything written goes into --workdir (default: a new temporary
+directory) and is deleted at the end unless --keep.
 """
 from __future__ import annotations
 
@@ -79,7 +89,7 @@ for _p in (_ROOT, os.path.join(_ROOT, "tests"), _HERE):
         sys.path.insert(0, _p)
 
 from bench_load import checkpoint_bytes, choose_config  # noqa: E402
-from common import MiB, format_table, mib, peak_rss, proc_status, reset_peak, ru_maxrss  # noqa: E402
+from common import format_table, mib, peak_rss, proc_status, reset_peak, ru_maxrss  # noqa: E402
 
 GB = 1e9
 LAYOUTS = {  # name -> (ParallelConfig kwargs, world size)
@@ -213,7 +223,55 @@ def _checksums(model, opt) -> dict:
     return out
 
 
-def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str) -> dict:
+def proc_io() -> dict[str, int]:
+    """/proc/self/io of this process (all its threads): rchar / wchar are the bytes passed to read
+    and write system calls (page-cache hits included), read_bytes / write_bytes what reached the
+    block layer."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            out[k.strip()] = int(v)
+    return out
+
+
+def malloc_trim() -> bool:
+    """Give free heap memory back to the kernel (glibc); False where unavailable."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+class _Profile:
+    """cProfile of one phase on rank 0 when n > 0 (the top n entries by cumulative time)."""
+
+    def __init__(self, n: int, rank: int):
+        self.n, self.on, self.text = n, n > 0 and rank == 0, ""
+
+    def __enter__(self):
+        if self.on:
+            import cProfile
+
+            self.prof = cProfile.Profile()
+            self.prof.enable()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            import io
+            import pstats
+
+            self.prof.disable()
+            s = io.StringIO()
+            pstats.Stats(self.prof, stream=s).sort_stats("cumulative").print_stats(self.n)
+            self.text = s.getvalue()
+
+
+def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str, profile: int = 0) -> dict:
     import gc
 
     import torch.distributed as dist
@@ -230,20 +288,30 @@ def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str) -> 
         dist.barrier()
         out["before"] = proc_status()
         out["reset_ok"] = reset_peak()
+        io0 = proc_io()
         dist.barrier()
         t0 = time.perf_counter()
-        path = checkpoint.save(out_dir, STEP, model, opt, sched, {"step": STEP, "bench": True}, ctx, hf_config=cfg)
+        with _Profile(profile, rank) as prof:
+            path = checkpoint.save(out_dir, STEP, model, opt, sched, {"step": STEP, "bench": True}, ctx,
+                                   hf_config=cfg)
         dist.barrier()
         out["save_s"] = time.perf_counter() - t0
         out["peak"] = peak_rss()
         out["ru_maxrss"] = ru_maxrss()
+        io1 = proc_io()
+        out["wchar"] = io1["wchar"] - io0["wchar"]
+        gc.collect()
+        out["after_save"] = proc_status()
+        malloc_trim()
+        out["after_trim"] = proc_status()
         out["path"] = path
+        out["profile"] = prof.text
         return out
     finally:
         destroy_parallel()
 
 
-def _load_rank(rank: int, world: int, layout: dict, cfg: dict, path: str) -> dict:
+def _load_rank(rank: int, world: int, layout: dict, cfg: dict, path: str, profile: int = 0) -> dict:
     import gc
 
     import torch.distributed as dist
@@ -260,15 +328,22 @@ def _load_rank(rank: int, world: int, layout: dict, cfg: dict, path: str) -> dic
         out["after_build"] = proc_status()
         dist.barrier()
         out["reset_ok"] = reset_peak()
+        io0 = proc_io()
         dist.barrier()
         t0 = time.perf_counter()
-        loop = checkpoint.load(path, model, opt, sched, ctx)
+        with _Profile(profile, rank) as prof:
+            loop = checkpoint.load(path, model, opt, sched, ctx)
         dist.barrier()
         out["load_s"] = time.perf_counter() - t0
         out["peak"] = peak_rss()
         out["ru_maxrss"] = ru_maxrss()
+        io1 = proc_io()
+        out["rchar"] = io1["rchar"] - io0["rchar"]
         gc.collect()
         out["after_load"] = proc_status()
+        malloc_trim()
+        out["after_trim"] = proc_status()
+        out["profile"] = prof.text
         out["loop"] = loop
         out["shares"] = _shares(model, opt)
         out["sums"] = _checksums(model, opt)
@@ -316,7 +391,8 @@ def run_layout(name: str, cfg: dict, workdir: str, args) -> dict:
     os.makedirs(base, exist_ok=False)
     try:
         t0 = time.perf_counter()
-        saved = run_distributed(_save_rank, world, layout, cfg, os.path.join(base, "run"), timeout=args.timeout)
+        saved = run_distributed(_save_rank, world, layout, cfg, os.path.join(base, "run"), args.profile,
+                                timeout=args.timeout)
         path = saved[0]["path"]
         nbytes, nfiles = dir_bytes(path)
         print(f"  {name}: save run done in {time.perf_counter() - t0:.0f} s (spawn + build + step + save); "
@@ -330,8 +406,11 @@ def run_layout(name: str, cfg: dict, workdir: str, args) -> dict:
         print(f"  {name}: plain copy {copy_s:.2f} s", flush=True)
 
         t0 = time.perf_counter()
-        loaded = run_distributed(_load_rank, world, layout, cfg, path, timeout=args.timeout)
+        loaded = run_distributed(_load_rank, world, layout, cfg, path, args.profile, timeout=args.timeout)
         print(f"  {name}: resume run done in {time.perf_counter() - t0:.0f} s (spawn + build + load)", flush=True)
+        for what, res in (("save", saved), ("load", loaded)):
+            if res[0]["profile"]:
+                print(f"--- {name}: rank 0 {what} profile (cumulative) ---\n{res[0]['profile']}", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
@@ -360,7 +439,9 @@ def summarize(r: dict) -> dict:
                              save_ovh=s["peak"] - s["before"]["VmRSS"], baseline=l["baseline"]["VmRSS"],
                              after_build=l["after_build"]["VmRSS"], load_peak=l["peak"],
                              load_ru_maxrss=l["ru_maxrss"], load_ovh=l["peak"] - l["after_build"]["VmRSS"],
-                             after_load=l["after_load"]["VmRSS"], resume=resume, share=share,
+                             after_load=l["after_load"]["VmRSS"], after_load_trim=l["after_trim"]["VmRSS"],
+                             after_save=s["after_save"]["VmRSS"], after_save_trim=s["after_trim"]["VmRSS"],
+                             wchar=s["wchar"], rchar=l["rchar"], resume=resume, share=share,
                              resume_ratio=resume / share, **{k: l["shares"][k] for k in
                                                             ("param_bytes", "grad_bytes", "state_bytes")}))
     worst = max(per_rank, key=lambda x: x["resume_ratio"])
@@ -383,14 +464,17 @@ def report(summ: list[dict], cfg: dict, param_total: int) -> str:
              f"{cfg['vocab_size']}); 2 gloo ranks per layout; memory in MiB, GB = 1e9 bytes")
     out = ["", format_table(headers, rows, title), ""]
     dh = ["layout/rank", "params", "grads", "opt state", "share", "save before", "save peak", "save ovh",
-          "baseline", "after build", "load peak", "ru_maxrss", "load ovh", "after load", "resume mem", "/share"]
+          "after save", "trimmed", "written", "baseline", "after build", "load peak", "ru_maxrss", "load ovh",
+          "after load", "trimmed", "read", "resume mem", "/share"]
     drows = []
     for s in summ:
         for x in s["per_rank"]:
             drows.append([f"{s['layout']}/{x['rank']}", mib(x["param_bytes"]), mib(x["grad_bytes"]),
                           mib(x["state_bytes"]), mib(x["share"]), mib(x["save_before"]), mib(x["save_peak"]),
-                          mib(x["save_ovh"]), mib(x["baseline"]), mib(x["after_build"]), mib(x["load_peak"]),
-                          mib(x["load_ru_maxrss"]), mib(x["load_ovh"]), mib(x["after_load"]), mib(x["resume"]),
+                          mib(x["save_ovh"]), mib(x["after_save"]), mib(x["after_save_trim"]), mib(x["wchar"]),
+                          mib(x["baseline"]), mib(x["after_build"]), mib(x["load_peak"]), mib(x["load_ru_maxrss"]),
+                          mib(x["load_ovh"]), mib(x["after_load"]), mib(x["after_load_trim"]), mib(x["rchar"]),
+                          mib(x["resume"]),
                           f"{x['resume_ratio']:.2f}"])
     out.append(format_table(dh, drows, "Per rank (MiB)"))
     out += [
@@ -398,7 +482,10 @@ def report(summ: list[dict], cfg: dict, param_total: int) -> str:
         "save/copy = save GB/s / copy GB/s (target >= %.2f); resume/share = (load peak - baseline) / (params +"
         % SAVE_TARGET,
         "  grads + opt state) of the worst rank (target <= %.2f); load ovh = load peak - after build;" % RESUME_TARGET,
-        "  save ovh = save peak - VmRSS before the save. Details: the module docstring.",
+        "  save ovh = save peak - VmRSS before the save; after save / after load: VmRSS after the phase and a",
+        "  gc.collect(), trimmed: then after glibc malloc_trim(0) (what is left is held by live objects); written /",
+        "  read: wchar / rchar of /proc/self/io during the phase (bytes through write / read system calls).",
+        "  Details: the module docstring.",
     ]
     for s in summ:
         out.append(f"{s['layout']}: save/copy {s['save_over_copy']:.2f} "
@@ -416,6 +503,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the written checkpoints")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per spawned run (all ranks)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="cProfile rank 0's save and load, print the top N entries (slows them down)")
     args = ap.parse_args(argv)
     layouts = [x for x in args.layouts.split(",") if x]
     bad = [x for x in layouts if x not in LAYOUTS]

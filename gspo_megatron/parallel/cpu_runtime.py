@@ -17,6 +17,7 @@ three Megatron functions whose CPU behaviour is wrong are swapped (see ASSUMPTIO
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import types
 from dataclasses import dataclass
@@ -356,9 +357,7 @@ def _with_cuda_tensor_methods(method: Callable) -> Callable:
         with _cuda_tensor_methods():
             return method(self, *args, **kwargs)
 
-    wrapper.__wrapped__ = method
-    wrapper.__name__ = method.__name__
-    return wrapper
+    return functools.wraps(method)(wrapper)
 
 
 def _init_adam_state(adam: torch.optim.Optimizer) -> None:
@@ -379,9 +378,7 @@ def _distopt_sharded_state_dict(method: Callable) -> Callable:
         return method(self, {} if model_sharded_state_dict is None else model_sharded_state_dict,
                       is_loading, *args, **kwargs)
 
-    wrapper.__wrapped__ = method
-    wrapper.__name__ = method.__name__
-    return wrapper
+    return functools.wraps(method)(wrapper)
 
 
 def _distopt_load_state_dict(method: Callable) -> Callable:
@@ -392,9 +389,7 @@ def _distopt_load_state_dict(method: Callable) -> Callable:
                 st["step"] = st["step"].clone()
         return out
 
-    wrapper.__wrapped__ = method
-    wrapper.__name__ = method.__name__
-    return wrapper
+    return functools.wraps(method)(wrapper)
 
 
 class _NoFP8:
