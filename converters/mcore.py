@@ -583,22 +583,10 @@ def load_mcore_into_model(
     sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks))
     _check_model_against(sd, reader)
     extra = dict(extra_sharded_state or {})
-    _refuse_sharded_objects(extra)
     for k in extra:
         if k in sd:
             raise ValueError(f"load_mcore_into_model: extra_sharded_state key {k!r} clashes with the model's")
-    from torch.distributed.checkpoint import CheckpointException  # a BaseException
-
-    try:
-        loaded = dist_checkpointing.load({**sd, **extra}, ckpt_dir)
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as e:
-        inner = _unwrap_checkpoint_exception(e)
-        if isinstance(inner, CheckpointError):
-            raise inner from None
-        raise CheckpointError(f"{ckpt_dir}: cannot load the checkpoint ({type(inner).__name__}: "
-                              f"{str(inner).splitlines()[0] if str(inner) else ''})") from e
+    loaded = load_sharded({**sd, **extra}, ckpt_dir)
     for i, chunk in enumerate(chunks):
         got = loaded[_chunk_key(i, len(chunks))]
         for name, p in _unwrap(chunk).named_parameters():
@@ -607,6 +595,27 @@ def load_mcore_into_model(
             with torch.no_grad():
                 p.copy_(got[name])
     return {k: loaded[k] for k in extra}
+
+
+def load_sharded(sharded_state: dict, ckpt_dir: str, *, partial: bool = False) -> dict:
+    """`dist_checkpointing.load` of a sharded state dict (collective), tensors only: ShardedObjects
+    are refused (see load_mcore_into_model), errors become one CheckpointError naming the path.
+    `partial`: the ranks together ask for only part of some tensors (a piecewise load), so
+    Megatron's check that every region is requested is off (validate_access_integrity)."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import CheckpointException  # a BaseException
+
+    _refuse_sharded_objects(sharded_state)
+    try:
+        return dist_checkpointing.load(sharded_state, ckpt_dir, validate_access_integrity=not partial)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:
+        inner = _unwrap_checkpoint_exception(e)
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        raise CheckpointError(f"{ckpt_dir}: cannot load the checkpoint ({type(inner).__name__}: "
+                              f"{str(inner).splitlines()[0] if str(inner) else ''})") from e
 
 
 def _refuse_sharded_objects(sd: dict) -> None:

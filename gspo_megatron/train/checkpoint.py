@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections import ChainMap
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,11 @@ FORMAT_VERSION = 2  # 1: per-rank torch.save shards (before dist_checkpointing);
 # fully_reshardable: every parameter's optimizer state in model space with its global shape, so
 # TP/PP/EP/DP may all change on load (megatron/core/optimizer/distrib_optimizer.py,
 # sharded_param_state_fully_reshardable). The plain optimizers ignore the key.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# chained_optim_avoid_prefix: the keys do not depend on how many optimizers Megatron chains (dense,
+# experts), as in Megatron-LM's fully reshardable checkpoints (optimizer.py, ChainedOptimizer).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+# Optimizer state is read in pieces of about this many bytes per rank (see _load_param_state).
+LOAD_CHUNK_BYTES = 256 * 1024**2
 
 
 def ckpt_root(out_dir: str) -> str:
@@ -178,17 +183,23 @@ def read_trainer_state(path: str) -> dict:
     return trainer
 
 
-def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0) -> dict:
-    """Restore model, optimizer, scheduler and RNG at this run's layout (any); returns the loop state."""
-    from converters.mcore import load_mcore_into_model, model_sharded_state_dict
+def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
+         chunk_bytes: int = LOAD_CHUNK_BYTES) -> dict:
+    """Restore model, optimizer, scheduler and RNG at this run's layout (any); returns the loop state.
+
+    The model first (its temporary tensors are freed before the optimizer's are read), then the
+    optimizer's plain state and any non-distributed optimizer's tensors, then the distributed
+    optimizer's parameter state piece by piece (_load_param_state)."""
+    from converters.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
 
     trainer = read_trainer_state(path)
-    model_state = model_sharded_state_dict(model)
-    loaded = load_mcore_into_model(
-        model, path, model_state=model_state,
-        extra_sharded_state={"optimizer": optimizer_state(optimizer, model_state, is_loading=True)},
-    )
-    optimizer.load_state_dict(loaded["optimizer"])
+    load_mcore_into_model(model, path)
+    # a fresh model state: the load above replaced the tensors of the one it used
+    opt_state = optimizer_state(optimizer, model_sharded_state_dict(model), is_loading=True)
+    pieces = _split_param_state(optimizer, opt_state)
+    optimizer.load_state_dict(load_sharded({"optimizer": opt_state}, path)["optimizer"])
+    for opt, param_state in pieces:
+        _load_param_state(opt, param_state, path, chunk_bytes, ctx.device)
     scheduler.load_state_dict(trainer["scheduler"])
     saved, here = trainer["layout"], layout_of(ctx)
     if saved == here:
@@ -200,3 +211,74 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0) -> dict:
         if ctx.rank == 0:
             log.info("resharding %s: saved at %s, loaded at %s; RNG re-seeded", path, saved, here)
     return trainer["loop"]
+
+
+def _split_param_state(optimizer, opt_state: dict) -> list[tuple]:
+    """Take the fully_reshardable parameter state of each DistributedOptimizer out of
+    `opt_state` (DistributedOptimizer.load_state_dict then loads only its param groups and steps);
+    returns [(that optimizer, {param_idx: {kind: ShardedTensor}})]."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from gspo_megatron.train.optim import inner_optimizers
+
+    inner = inner_optimizers(optimizer)
+    states = [opt_state] if len(inner) == 1 else [opt_state[i] for i in range(len(inner))]
+    out = []
+    for opt, st in zip(inner, states):
+        if (isinstance(opt, DistributedOptimizer) and st.get("param_state_sharding_type") == "fully_reshardable"
+                and not opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
+            out.append((opt, st.pop("param_state")))
+    return out
+
+
+def _load_param_state(opt, param_state: dict, path: str, chunk_bytes: int, device) -> None:
+    """Megatron's load_parameter_state_from_fully_reshardable, in pieces.
+
+    Megatron asks for every parameter's whole state (fp32 master, exp_avg, exp_avg_sq) in the
+    rank's model shard — a superset of its DP shard — all at once, then keeps its range of each
+    (distrib_optimizer.py, sharded_param_state_fully_reshardable: "each rank loads a superset").
+    Measured on a 1 GB model that made resuming cost 2.7x the rank's share of memory
+    (bench/bench_checkpoint.py). Here: only the parameters this rank has a range of, about
+    `chunk_bytes` at a time into fresh tensors, each range copied into the optimizer's main
+    parameter and moments and the piece freed. Same values as Megatron's loader (same iteration
+    order, same ranges; tests/test_checkpoint.py compares a reload bit for bit). `step` is not in
+    the saved tensors: load_state_dict restored it from the param groups."""
+    from converters.mcore import load_sharded
+
+    owned = []  # (param_idx, model_param, range in the param) in Megatron's order
+    param_idx = -1
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        for buckets in gbuf_range_maps.values():
+            ranges = ChainMap(*(b["param_map"] for b in buckets))
+            for model_param in opt.buffers[gbuf_idx].param_index_map:
+                param_idx += 1
+                if model_param in ranges:
+                    owned.append((param_idx, model_param, ranges[model_param]["param"]))
+    pieces, piece, size = [], [], 0
+    for item in owned:
+        piece.append(item)
+        size += sum(sh.data.numel() * sh.data.element_size() for sh in param_state[item[0]].values())
+        if size >= chunk_bytes:
+            pieces.append(piece)
+            piece, size = [], 0
+    if piece:
+        pieces.append(piece)
+    # every dist_checkpointing.load is collective (DCP plans globally): all ranks make as many calls
+    n = torch.tensor([len(pieces)], device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    pieces += [[] for _ in range(int(n) - len(pieces))]
+    for piece in pieces:
+        request = {}
+        for idx, _, _ in piece:
+            for sh in param_state[idx].values():
+                # fresh storage, not a view of Megatron's (untouched) world-size buffer; works for
+                # ShardedTensors and ShardedTensorFactories (fused expert fc1) alike
+                sh.data = torch.empty(sh.data.shape, dtype=sh.data.dtype)
+            request[idx] = param_state[idx]
+        loaded = load_sharded(request, path, partial=True)
+        with torch.no_grad():  # fp32 main params are views of the model's parameters
+            for idx, model_param, rng in piece:
+                dst = opt._get_main_param_and_optimizer_states(model_param)
+                for kind, t in loaded[idx].items():
+                    dst["param" if kind == "fp32_param" else kind].copy_(t.flatten()[rng.start:rng.end])
+        del loaded, request
