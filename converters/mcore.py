@@ -496,6 +496,16 @@ class _SyncTorchDistSave:
         return Strategy("torch_dist", 1, thread_count=thread_count)
 
 
+def _parallel_save(strategy):
+    """Megatron's FullyParallelSaveStrategyWrapper over the world: replicated regions (every DP
+    replica's copy of the model and, with fully_reshardable optimizer state, of the optimizer
+    state) are written by a balanced share of the ranks that hold them instead of all by the main
+    replica (DP rank 0), which the torch_dist strategy alone does (keep_only_main_replica)."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(strategy) if atomic.dist_or_none() is not None else strategy
+
+
 def save_mcore_checkpoint(
     chunks: list[torch.nn.Module],
     ckpt_dir: str,
@@ -537,7 +547,7 @@ def save_mcore_checkpoint(
     out = os.path.abspath(ckpt_dir)
     tmp = atomic.make_tmp_collective(out)
     try:
-        dist_checkpointing.save(sd, tmp, sharded_strategy=_SyncTorchDistSave(thread_count))
+        dist_checkpointing.save(sd, tmp, sharded_strategy=_parallel_save(_SyncTorchDistSave(thread_count)))
         if write_rank_files is not None:
             write_rank_files(tmp)
         if rank == 0:

@@ -27,13 +27,17 @@ def _reload_and_save(rank, world, ckpt, out_dir, overrides, chunk_bytes):
 
     cfg = load_config(TINY, [f"out_dir={out_dir}", *SMALL, *overrides])
     parts = setup_run(cfg, world_size=world)
+    used = []
+    real = checkpoint._load_distributed_optimizer
+    checkpoint._load_distributed_optimizer = lambda *a, **k: used.append(real(*a, **k)) or used[-1]
     try:
         loop = checkpoint.load(ckpt, parts.model, parts.optimizer, parts.scheduler, parts.ctx,
                                chunk_bytes=chunk_bytes or checkpoint.LOAD_CHUNK_BYTES)
         path = parts.save_checkpoint(loop["step"], loop)
     finally:
+        checkpoint._load_distributed_optimizer = real
         parts.close()
-    return path
+    return path, used
 
 
 def _tensors(d):
@@ -56,17 +60,40 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-@pytest.fixture(scope="module")
-def tp2_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp2")
+def _train_tp2(out, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                         f"--master-port={free_port()}", "-m", "gspo_megatron.train", "--config", TINY,
-                        f"out_dir={out}", *SMALL], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+                        f"out_dir={out}", *SMALL, *extra], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     return out / "checkpoints" / "step_00000002"
+
+
+@pytest.fixture(scope="module")
+def tp2_checkpoint(tmp_path_factory):
+    return _train_tp2(tmp_path_factory.mktemp("tp2"))
+
+
+PLAIN = ["optimizer.use_distributed_optimizer=false"]
+
+
+@pytest.mark.timeout(600)
+def test_plain_optimizer_checkpoint_reloads_exactly_at_another_layout(tmp_path):
+    """optimizer.use_distributed_optimizer=false: Megatron's own sharded state of the plain
+    optimizer, TP2 -> TP1 x DP2; loading it into the other optimizer kind is one clear error."""
+    ckpt = _train_tp2(tmp_path / "tp2", *PLAIN)
+    saved, used = run_distributed(_reload_and_save, 2, str(ckpt), str(tmp_path / "again"),
+                                  ["parallel.tp=1", "parallel.sequence_parallel=false", *PLAIN], None, timeout=560)[0]
+    assert used == [False]
+    a, b = _tensors(ckpt), _tensors(saved)
+    assert set(a) == set(b) and any(".exp_avg." in k for k in a)
+    assert not [k for k in a if not _same(a[k], b[k])]
+    with pytest.raises(RuntimeError, match="written with optimizer.use_distributed_optimizer=false, this run has true"):
+        run_distributed(_reload_and_save, 2, str(ckpt), str(tmp_path / "again2"),
+                        ["parallel.tp=1", "parallel.sequence_parallel=false"], None, timeout=560)
 
 
 @pytest.mark.timeout(600)
@@ -81,8 +108,9 @@ def test_checkpoint_reloads_exactly_at_another_layout(tp2_checkpoint, tmp_path, 
     empty collective loads."""
     from gspo_megatron.train.checkpoint import read_trainer_state
 
-    saved = run_distributed(_reload_and_save, 2, str(tp2_checkpoint), str(tmp_path / "again"), layout,
-                            chunk_bytes, timeout=560)[0]
+    saved, used = run_distributed(_reload_and_save, 2, str(tp2_checkpoint), str(tmp_path / "again"), layout,
+                                  chunk_bytes, timeout=560)[0]
+    assert used == [True]  # the piecewise loader ran
     a, b = _tensors(tp2_checkpoint), _tensors(saved)
     assert set(a) == set(b)
     # keys: [chained_<i>.]optimizer.state.<exp_avg|exp_avg_sq|param>.<parameter key>

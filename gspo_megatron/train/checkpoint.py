@@ -188,18 +188,18 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     """Restore model, optimizer, scheduler and RNG at this run's layout (any); returns the loop state.
 
     The model first (its temporary tensors are freed before the optimizer's are read), then the
-    optimizer's plain state and any non-distributed optimizer's tensors, then the distributed
-    optimizer's parameter state piece by piece (_load_param_state)."""
+    optimizer: the distributed optimizer's state piece by piece (_load_distributed_optimizer),
+    any other through Megatron's sharded_state_dict in one load."""
     from converters.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
 
     trainer = read_trainer_state(path)
+    _check_optimizer_kind(path, optimizer)
     load_mcore_into_model(model, path)
     # a fresh model state: the load above replaced the tensors of the one it used
-    opt_state = optimizer_state(optimizer, model_sharded_state_dict(model), is_loading=True)
-    pieces = _split_param_state(optimizer, opt_state)
-    optimizer.load_state_dict(load_sharded({"optimizer": opt_state}, path)["optimizer"])
-    for opt, param_state in pieces:
-        _load_param_state(opt, param_state, path, chunk_bytes, ctx.device)
+    model_state = model_sharded_state_dict(model)
+    if not _load_distributed_optimizer(optimizer, model_state, path, chunk_bytes, ctx.device):
+        opt_state = optimizer_state(optimizer, model_state, is_loading=True)
+        optimizer.load_state_dict(load_sharded({"optimizer": opt_state}, path)["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     saved, here = trainer["layout"], layout_of(ctx)
     if saved == here:
@@ -213,51 +213,87 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     return trainer["loop"]
 
 
-def _split_param_state(optimizer, opt_state: dict) -> list[tuple]:
-    """Take the fully_reshardable parameter state of each DistributedOptimizer out of
-    `opt_state` (DistributedOptimizer.load_state_dict then loads only its param groups and steps);
-    returns [(that optimizer, {param_idx: {kind: ShardedTensor}})]."""
+def _check_optimizer_kind(path: str, optimizer) -> None:
+    """Megatron's plain and distributed optimizers keep different plain state (param groups vs
+    per-optimizer dicts with a sharding type): a checkpoint loads into the kind that wrote it."""
+    from megatron.core import dist_checkpointing
+
+    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.train.optim import inner_optimizers
+
+    common = dist_checkpointing.load_common_state_dict(path).get("optimizer") or {}
+    first = common.get(0, common) if isinstance(common, dict) else {}
+    saved = isinstance(first, dict) and "param_state_sharding_type" in first
+    here = type(inner_optimizers(optimizer)[0]).__name__ == "DistributedOptimizer"
+    if saved != here:
+        raise CheckpointError(
+            f"{path}: written with optimizer.use_distributed_optimizer={str(saved).lower()}, this run has "
+            f"{str(here).lower()}; resume with the setting that wrote it (any parallel layout works)")
+
+
+def _load_distributed_optimizer(optimizer, model_state: dict, path: str, chunk_bytes: int, device) -> bool:
+    """Megatron's fully_reshardable load of the DistributedOptimizer(s), with bounded memory;
+    False (nothing done) when `optimizer` or the checkpoint is something else.
+
+    Megatron's way — sharded_state_dict(is_loading=True), one dist_checkpointing.load, then
+    load_parameter_state_from_fully_reshardable — first allocates zero-filled fp32 buffers of the
+    whole model shard for the master, exp_avg and exp_avg_sq (get_parameter_state_dp_zero), reads
+    every parameter's whole state into them (a superset of the rank's DP shard: "each rank loads a
+    superset", distrib_optimizer.py, sharded_param_state_fully_reshardable) and only then keeps
+    the rank's range of each. Measured on a 1 GB model: resuming cost 2.7x the rank's share of
+    memory (bench/bench_checkpoint.py). Here, with the same keys, ranges and order:
+      1. the plain part (param groups, steps) from common.pt through load_state_dict, which also
+         allocates Adam's state for the rank's ranges (distrib_optimizer.py, load_state_dict);
+      2. for the parameters the rank has a range of, in pieces of ~`chunk_bytes`: the saved
+         tensors (key optimizer.state.<kind>.<parameter key>, the parameter's sharding) into fresh
+         tensors, the range copied into the main parameter and moments, the piece freed.
+    tests/test_checkpoint.py reloads bit for bit with one and with many pieces."""
+    from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from gspo_megatron.train.optim import inner_optimizers
 
     inner = inner_optimizers(optimizer)
-    states = [opt_state] if len(inner) == 1 else [opt_state[i] for i in range(len(inner))]
-    out = []
-    for opt, st in zip(inner, states):
-        if (isinstance(opt, DistributedOptimizer) and st.get("param_state_sharding_type") == "fully_reshardable"
-                and not opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
-            out.append((opt, st.pop("param_state")))
-    return out
+    if not all(isinstance(o, DistributedOptimizer) and not o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+               for o in inner):
+        return False
+    common = dist_checkpointing.load_common_state_dict(path).get("optimizer")
+    states = [common] if len(inner) == 1 else [common.get(i) for i in range(len(inner))]
+    if not all(isinstance(st, dict) and st.get("param_state_sharding_type") == "fully_reshardable" for st in states):
+        return False
+    optimizer.load_state_dict(common)
+    params = {sh.data: sh for sh in _sharded_tensors_and_factories(model_state)}
+    for opt in inner:
+        _load_param_state(opt, params, path, chunk_bytes, device)
+    return True
 
 
-def _load_param_state(opt, param_state: dict, path: str, chunk_bytes: int, device) -> None:
-    """Megatron's load_parameter_state_from_fully_reshardable, in pieces.
+def _sharded_tensors_and_factories(sd: dict) -> list:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    Megatron asks for every parameter's whole state (fp32 master, exp_avg, exp_avg_sq) in the
-    rank's model shard — a superset of its DP shard — all at once, then keeps its range of each
-    (distrib_optimizer.py, sharded_param_state_fully_reshardable: "each rank loads a superset").
-    Measured on a 1 GB model that made resuming cost 2.7x the rank's share of memory
-    (bench/bench_checkpoint.py). Here: only the parameters this rank has a range of, about
-    `chunk_bytes` at a time into fresh tensors, each range copied into the optimizer's main
-    parameter and moments and the piece freed. Same values as Megatron's loader (same iteration
-    order, same ranges; tests/test_checkpoint.py compares a reload bit for bit). `step` is not in
-    the saved tensors: load_state_dict restored it from the param groups."""
+    return [v for v in nested_values(sd) if isinstance(v, (ShardedTensor, ShardedTensorFactory))]
+
+
+STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")  # as sharded_param_state_fully_reshardable names them
+
+
+def _load_param_state(opt, params: dict, path: str, chunk_bytes: int, device) -> None:
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
     from converters.mcore import load_sharded
 
-    owned = []  # (param_idx, model_param, range in the param) in Megatron's order
-    param_idx = -1
+    owned = []  # (model_param, its range) for the parameters this rank has a range of
     for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
         for buckets in gbuf_range_maps.values():
             ranges = ChainMap(*(b["param_map"] for b in buckets))
-            for model_param in opt.buffers[gbuf_idx].param_index_map:
-                param_idx += 1
-                if model_param in ranges:
-                    owned.append((param_idx, model_param, ranges[model_param]["param"]))
+            owned += [(p, ranges[p]["param"]) for p in opt.buffers[gbuf_idx].param_index_map if p in ranges]
     pieces, piece, size = [], [], 0
     for item in owned:
         piece.append(item)
-        size += sum(sh.data.numel() * sh.data.element_size() for sh in param_state[item[0]].values())
+        size += len(STATE_KINDS) * 4 * item[0].numel()
         if size >= chunk_bytes:
             pieces.append(piece)
             piece, size = [], 0
@@ -269,16 +305,18 @@ def _load_param_state(opt, param_state: dict, path: str, chunk_bytes: int, devic
     pieces += [[] for _ in range(int(n) - len(pieces))]
     for piece in pieces:
         request = {}
-        for idx, _, _ in piece:
-            for sh in param_state[idx].values():
-                # fresh storage, not a view of Megatron's (untouched) world-size buffer; works for
-                # ShardedTensors and ShardedTensorFactories (fused expert fc1) alike
-                sh.data = torch.empty(sh.data.shape, dtype=sh.data.dtype)
-            request[idx] = param_state[idx]
+        for i, (p, _) in enumerate(piece):
+            sh = params[p]
+            request[i] = {}
+            for kind in STATE_KINDS:
+                kw = dict(key=f"optimizer.state.{kind}.{sh.key}", data=torch.empty(p.shape, dtype=torch.float32))
+                if not isinstance(sh, ShardedTensorFactory):
+                    kw["dtype"] = torch.float32
+                request[i][kind] = replace(sh, **kw)
         loaded = load_sharded(request, path, partial=True)
         with torch.no_grad():  # fp32 main params are views of the model's parameters
-            for idx, model_param, rng in piece:
-                dst = opt._get_main_param_and_optimizer_states(model_param)
-                for kind, t in loaded[idx].items():
-                    dst["param" if kind == "fp32_param" else kind].copy_(t.flatten()[rng.start:rng.end])
+            for i, (p, rng) in enumerate(piece):
+                dst = opt._get_main_param_and_optimizer_states(p)
+                for kind in STATE_KINDS:
+                    dst[kind].copy_(loaded[i][kind].flatten()[rng.start:rng.end])
         del loaded, request
