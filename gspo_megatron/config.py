@@ -158,12 +158,15 @@ def _positive(key: str, v, allow_zero: bool = False) -> None:
 class ModelConfig:
     # HF checkpoint directory (config.json + safetensors) to start from; null = random init.
     hf_dir: Optional[str] = None
-    # Megatron torch_dist checkpoint directory to load weights from (overrides hf_dir weights).
+    # Megatron torch_dist checkpoint directory to load weights from (overrides hf_dir weights): a
+    # `gspo-convert hf-to-mcore` output or a trainer checkpoint. Its hf_config/ (config.json and
+    # tokenizer files) is the architecture and the tokenizer; nothing else needs to be set.
     load: Optional[str] = None
-    # Inline Qwen3MoeConfig fields (HF names) for a random init when hf_dir is unset. When both are
-    # set, hf_dir/config.json is the architecture and every field listed here must agree with it.
+    # Inline Qwen3MoeConfig fields (HF names) for a random init when hf_dir/load are unset. When a
+    # checkpoint gives the architecture, every field listed here must agree with it.
     hf_config: Optional[dict] = None
-    # Tokenizer directory; null = hf_dir, else the synthetic task's built-in tokenizer.
+    # Tokenizer directory; null = load's hf_config/ or hf_dir when they have tokenizer files, else
+    # the synthetic task's built-in tokenizer.
     tokenizer: Optional[str] = None
     # Parameter / compute dtype of the policy (Megatron keeps fp32 master weights for 16-bit).
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -178,13 +181,26 @@ class ModelConfig:
 
     def __post_init__(self):
         _positive("model.moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)
-        if self.hf_dir is None and self.hf_config is None:
+        if self.hf_dir is None and self.hf_config is None and self.load is None:
             raise ConfigError(
-                "model: no architecture: set model.hf_dir (HF checkpoint dir) or model.hf_config "
-                "(inline Qwen3MoeConfig fields)"
+                "model: no architecture: set model.load (a gspo-convert or trainer checkpoint), model.hf_dir "
+                "(HF checkpoint dir) or model.hf_config (inline Qwen3MoeConfig fields)"
             )
         if self.hf_config is not None:
             check_hf_config(self.hf_config, "model.hf_config")
+
+
+def _read_json_object(path: str, option: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{option}: {path} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{option}: cannot read {path}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{option}: {path} is not a JSON object")
+    return obj
 
 
 def check_hf_config(hf: dict, where: str, *, require: bool = True) -> None:
@@ -439,6 +455,9 @@ class DataConfig:
     def __post_init__(self):
         if self.source == "file" and not self.path:
             raise ConfigError("data.source=file needs data.path")
+        if self.source == "synthetic" and self.path:
+            raise ConfigError(f"data.path={self.path} is set but data.source=synthetic (the default): set "
+                              "data.source=file to train on it, or drop data.path")
         for k in ("prompt_key", "answer_key", "task"):
             if not getattr(self, k):
                 raise ConfigError(f"data.{k} must be a non-empty string")
@@ -603,30 +622,45 @@ class Config:
 
     # ---- architecture -------------------------------------------------------------------
 
-    def hf_config_dict(self) -> dict:
-        """The model architecture as a Qwen3MoeConfig dict: hf_dir/config.json when hf_dir is set
-        (checked against any inline fields), else the inline hf_config."""
+    def model_sources(self) -> list[tuple[str, str]]:
+        """(option, directory) of the checkpoints that carry an HF config, in the order of
+        precedence: model.load's hf_config/ (when present), then model.hf_dir."""
         m = self.model
-        if m.hf_dir is None:
+        out = []
+        if m.load is not None and os.path.isfile(os.path.join(m.load, "hf_config", "config.json")):
+            out.append(("model.load", os.path.join(m.load, "hf_config")))
+        if m.hf_dir is not None:
+            out.append(("model.hf_dir", m.hf_dir))
+        return out
+
+    def hf_config_dict(self) -> dict:
+        """The model architecture as a Qwen3MoeConfig dict: the config.json a checkpoint carries
+        (model.load's hf_config/, else model.hf_dir), else the inline hf_config. Every other
+        source given must agree with it field by field — never a silent override (a smaller inline
+        vocab_size used to load a larger checkpoint's embedding cut to its first rows)."""
+        m = self.model
+        sources = self.model_sources()
+        if not sources:
+            if m.hf_config is None:
+                raise ConfigError(f"model.load: {m.load} has no hf_config/config.json; set model.hf_config or "
+                                  "model.hf_dir to give the architecture")
             return dict(m.hf_config)
-        path = os.path.join(m.hf_dir, "config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                on_disk = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"model.hf_dir: {path} does not exist") from None
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model.hf_dir: cannot read {path}: {e}") from None
-        if not isinstance(on_disk, dict):
-            raise ConfigError(f"model.hf_dir: {path} is not a JSON object")
+        configs = [(opt, os.path.join(d, "config.json"), _read_json_object(os.path.join(d, "config.json"), opt))
+                   for opt, d in sources]
+        opt0, path0, chosen = configs[0]
+        for opt, path, other in configs[1:]:
+            for k in sorted(HF_CONFIG_KEYS & chosen.keys() & other.keys()):
+                if other[k] != chosen[k]:
+                    raise ConfigError(f"{opt}: {path} has {k}={other[k]!r} but {opt0} ({path0}) has "
+                                      f"{k}={chosen[k]!r}; they must describe the same model")
         for k, v in (m.hf_config or {}).items():
-            if k in on_disk and on_disk[k] != v:
+            if k in chosen and chosen[k] != v:
                 raise ConfigError(
-                    f"model.hf_config.{k}={v!r} disagrees with {path} ({k}={on_disk[k]!r}); "
-                    "drop the inline field or fix model.hf_dir"
+                    f"model.hf_config.{k}={v!r} disagrees with {path0} ({k}={chosen[k]!r}); "
+                    f"drop the inline field or fix {opt0}"
                 )
-        check_hf_config(on_disk, f"model.hf_dir ({path})", require=False)
-        return on_disk
+        check_hf_config(chosen, f"{opt0} ({path0})", require=False)
+        return chosen
 
     def model_dims(self, hf_config_dict: dict | None = None) -> dict:
         return hf_model_dims(self.hf_config_dict() if hf_config_dict is None else hf_config_dict)

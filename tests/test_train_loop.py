@@ -270,3 +270,46 @@ def test_trainer_starts_from_a_converted_checkpoint(tmp_path):
               "train.sft_warmup_steps=0")
     a, b = _hf_tensors(tmp_path / "src"), _hf_tensors(tmp_path / "run" / "hf")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _converted(tmp_path, **over):
+    """A tiny random Qwen3-MoE with tiny_cpu.yaml's architecture (plus `over`) and the project's
+    local tokenizer, converted with gspo-convert hf-to-mcore; returns the checkpoint directory."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from converters.cli import main as convert
+    from gspo_megatron.config import load_config
+    from gspo_megatron.rollout.tokenizer import build_tokenizer
+
+    hf_cfg = {**load_config(TINY, []).hf_config_dict(), **over}
+    torch.manual_seed(5)
+    src = tmp_path / "src"
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_cfg)).save_pretrained(src)
+    build_tokenizer().save_pretrained(src)
+    assert convert(["hf-to-mcore", "--hf-dir", str(src), "--out", str(tmp_path / "mc"), "--no-progress"]) == 0
+    return tmp_path / "mc"
+
+
+@pytest.mark.timeout(600)
+def test_model_load_takes_architecture_and_tokenizer_from_the_checkpoint(tmp_path):
+    """Bring your own model: `model.load=` of a gspo-convert output, with no model.hf_config /
+    hf_dir / tokenizer, trains and exports a model of the checkpoint's vocabulary."""
+    mc = _converted(tmp_path, vocab_size=128)
+    run_train(tmp_path / "run", *SMALL, *DP2_DISTOPT, "model.hf_config=null", f"model.load={mc}",
+              "train.max_steps=1", "train.sft_warmup_steps=2", "checkpoint.interval=0")
+    out = _hf_tensors(tmp_path / "run" / "hf")
+    assert out["model.embed_tokens.weight"].shape[0] == 128 and out["lm_head.weight"].shape[0] == 128
+    assert [r["step"] for r in gspo_rows(tmp_path / "run")] == [1]
+
+
+@pytest.mark.timeout(300)
+def test_no_silent_slicing_or_ignored_data(tmp_path):
+    """A config whose inline vocab_size (98) is smaller than the checkpoint's (128) used to load,
+    train and export a 98-row model; data.path without data.source=file used to train on the
+    synthetic task. Both are now one line before any weights move."""
+    mc = _converted(tmp_path, vocab_size=128)
+    line, dt = _train_fails(tmp_path, f"model.load={mc}", "parallel.tp=1", "parallel.sequence_parallel=false")
+    assert "vocab_size=98" in line and "vocab_size=128" in line, line
+    assert dt < 60
+    line, _ = _train_fails(tmp_path, f"data.path={tmp_path / 'prompts.jsonl'}", "reward.fn=math")
+    assert "data.source=file" in line and "prompts.jsonl" in line, line

@@ -186,13 +186,20 @@ class RunParts:
 
 
 def load_tokenizer(cfg):
-    path = cfg.model.tokenizer or cfg.model.hf_dir
-    if path and os.path.exists(os.path.join(path, "tokenizer_config.json")):
-        from transformers import AutoTokenizer
+    """model.tokenizer, else the first checkpoint directory with tokenizer files (model.load's
+    hf_config/, model.hf_dir), else (synthetic task only) the project's local tokenizer."""
+    from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
+    if cfg.model.tokenizer:
+        if not os.path.exists(os.path.join(cfg.model.tokenizer, "tokenizer_config.json")):
+            raise InputError(f"model.tokenizer: {cfg.model.tokenizer} has no tokenizer_config.json")
+        return AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+    for _, d in cfg.model_sources():
+        if os.path.exists(os.path.join(d, "tokenizer_config.json")):
+            return AutoTokenizer.from_pretrained(d)
     if cfg.data.source != "synthetic":
-        raise InputError("no tokenizer: set model.tokenizer (or an hf_dir with tokenizer files)")
+        raise InputError("no tokenizer: set model.tokenizer (or use a model.load / model.hf_dir checkpoint that "
+                         "carries tokenizer files)")
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
     return build_tokenizer()
@@ -229,7 +236,8 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
 
     # ---- everything that can fail on bad input, before process groups and models ----------
     hf_config = cfg.hf_config_dict()
-    arch = Qwen3MoeArch.from_hf_dict(hf_config, source="model.hf_dir" if cfg.model.hf_dir else "model.hf_config")
+    sources = cfg.model_sources()
+    arch = Qwen3MoeArch.from_hf_dict(hf_config, source=sources[0][0] if sources else "model.hf_config")
     cfg.validate_world(world_size, hf_config)
     dtype = parse_dtype(cfg.model.dtype)
     reader = None
