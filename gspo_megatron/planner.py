@@ -469,13 +469,24 @@ def build_parser(prog: str = "python -m gspo_megatron.planner") -> argparse.Argu
     ap.add_argument("--world-size", type=int, help="number of ranks (GPUs / processes)")
     ap.add_argument("--nnodes", type=int, help="nodes (with --nproc-per-node)")
     ap.add_argument("--nproc-per-node", type=int, help="ranks per node (with --nnodes)")
+    ap.add_argument("--no-inputs", action="store_true",
+                    help="plan only: skip reading the tokenizer, data file, reward and checkpoint index")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2")
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "gspo_megatron.train") -> int:
     args = build_parser().parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     try:
+        return _main(args, prog)
+    except SystemExit as e:  # user_errors: one line printed, exit status 2
+        return int(e.code or 0)
+
+
+def _main(args, prog: str) -> int:
+    from gspo_megatron.cli_util import user_errors
+
+    with user_errors(prog):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cfg = load_config(args.config, args.overrides)
@@ -484,24 +495,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.world_size is not None and (args.nnodes or args.nproc_per_node):
             raise ConfigError("give either --world-size or --nnodes/--nproc-per-node")
         if args.world_size is not None:
-            world = args.world_size
+            world, why = args.world_size, "--world-size"
         elif args.nnodes or args.nproc_per_node:
             world = (args.nnodes or 1) * (args.nproc_per_node or 1)
+            why = f"--nnodes {args.nnodes or 1} x --nproc-per-node {args.nproc_per_node or 1}"
         elif os.environ.get("WORLD_SIZE", "").isdigit():
-            world = int(os.environ["WORLD_SIZE"])
+            world, why = int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
         else:
             world = default_world_size(cfg)
+            why = "assumed: the smallest world the layout allows; pass --world-size or --nnodes/--nproc-per-node"
         pl = plan(cfg, world)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        pl["world_size_from"] = why
+        inputs = None if args.no_inputs else _check_inputs(cfg, world)
+        if inputs is not None:
+            pl["inputs"] = inputs
     if args.json:
         print(json.dumps(pl))
     else:
         if args.config:
             print(f"gspo-megatron dry run: {args.config}")
+        print(f"world size {pl['world_size']} ({why})")
         print(format_plan(pl))
+        if inputs is not None:
+            print("inputs: " + "; ".join(f"{k} {v}" for k, v in inputs.items()))
     return 0
+
+
+def _check_inputs(cfg, world: int) -> dict:
+    """What the trainer reads before its process groups (train/setup.py, check_inputs), read now."""
+    from gspo_megatron.train.setup import check_inputs
+
+    got = check_inputs(cfg, world_size=world)
+    p = got.prompts
+    data = (f"synthetic task {cfg.data.task!r}" if p.task is not None
+            else f"{cfg.data.path}: {len(p.stream.examples)} records, the first render with the chat template")
+    return {"tokenizer": f"{len(got.tokenizer)} tokens (vocab_size {got.arch.vocab_size})", "data": data,
+            "reward": cfg.reward.fn or "the synthetic task's", "warm start": f"{cfg.train.sft_warmup_steps} steps"}
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def test_load_prompts_errors(tmp_path):
         load_prompts(str(missing))
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps({"prompt": "x", "answer": "1"}) + "\n" + json.dumps({"prompt": "y"}) + "\n")
-    with pytest.raises(PromptDataError, match=r"d\.jsonl.*record 1.*'answer'"):
+    with pytest.raises(PromptDataError, match=r"d\.jsonl.*record 2 \(1-based\).*'answer'.*data\.answer_key"):
         load_prompts(str(p))
     with pytest.raises(PromptDataError, match=r"d\.jsonl.*'question'"):
         load_prompts(str(p), prompt_key="question")

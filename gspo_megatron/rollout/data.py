@@ -36,7 +36,7 @@ def _read_jsonl(path: str) -> list[dict]:
                 raise PromptDataError(f"{path}:{lineno}: invalid JSON line: {e}") from None
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise PromptDataError(f"{path}: record {i} is a {type(row).__name__}, expected an object")
+            raise PromptDataError(f"{path}: record {i + 1} (1-based) is a {type(row).__name__}, expected an object")
     return rows
 
 
@@ -73,11 +73,12 @@ def load_prompts(
     if not rows:
         raise PromptDataError(f"{path}: no records")
     out = []
-    for i, row in enumerate(rows):
-        for key in (prompt_key, answer_key):
+    for i, row in enumerate(rows, 1):
+        for key, option in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
             if key is not None and key not in row:
                 raise PromptDataError(
-                    f"{path}: record {i} has no key {key!r} (keys: {sorted(row)})"
+                    f"{path}: record {i} (1-based) has no key {key!r} (its keys: {sorted(row)}; set "
+                    f"{option} to the field that holds it)"
                 )
         rec = dict(row)
         rec["prompt"] = row[prompt_key]

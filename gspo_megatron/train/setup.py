@@ -53,6 +53,19 @@ class PromptSource:
         key = "prompt" if self.task is not None else self.prompt_key
         return render_prompt(self.tokenizer, example[key])
 
+    def check_render(self, n: int = 3) -> None:
+        """The first `n` records through the tokenizer's chat template (file data)."""
+        if self.stream is None:
+            return
+        for i, ex in enumerate(self.stream.examples[:n], 1):
+            try:
+                ids = self.encode(ex)
+            except Exception as e:
+                raise InputError(f"data.path: record {i} (1-based) does not render with the tokenizer's chat "
+                                 f"template: {type(e).__name__}: {e}") from None
+            if not ids:
+                raise InputError(f"data.path: record {i} (1-based) renders to no tokens")
+
     def demonstrations(self, n: int, rng: random.Random) -> list[TrainSample]:
         if self.task is None:
             raise InputError("train.sft_warmup_steps > 0 needs a synthetic task (demonstrations)")
@@ -226,29 +239,58 @@ def _make_sglang_engine(cfg, hf_config, tokenizer, dtype):
 ENGINES = {"hf": _make_hf_engine, "sglang": _make_sglang_engine}
 
 
-def setup_run(cfg, *, world_size: int) -> RunParts:
-    from gspo_megatron.model.factory import build_policy, parse_dtype
-    from gspo_megatron.model.hf_io import HFCheckpointReader
-    from gspo_megatron.parallel.ddp import wrap_ddp
-    from gspo_megatron.parallel.state import init_parallel, resolve_device
-    from gspo_megatron.train.optim import build_optimizer
-    from gspo_megatron.train.scoring import pad_multiple
+@dataclass
+class Inputs:
+    """What a run reads from outside before any process group: checked in seconds, by setup_run
+    and by `--dry-run` alike."""
+    hf_config: dict
+    arch: Qwen3MoeArch
+    reader: Any  # HFCheckpointReader of model.hf_dir, or None
+    tokenizer: Any
+    prompts: PromptSource
+    score: Callable
 
-    # ---- everything that can fail on bad input, before process groups and models ----------
+
+def check_inputs(cfg, *, world_size: int) -> Inputs:
+    """Architecture (and its agreement with every checkpoint given), layout, HF checkpoint index,
+    tokenizer (fits the vocabulary), data (file readable, keys in every record, the first records
+    render), warm start vs data source, reward (imports). One InputError/ConfigError line on bad
+    input."""
+    from gspo_megatron.model.hf_io import HFCheckpointReader
+
     hf_config = cfg.hf_config_dict()
     sources = cfg.model_sources()
     arch = Qwen3MoeArch.from_hf_dict(hf_config, source=sources[0][0] if sources else "model.hf_config")
     cfg.validate_world(world_size, hf_config)
-    dtype = parse_dtype(cfg.model.dtype)
     reader = None
     if cfg.model.hf_dir:
         reader = HFCheckpointReader(cfg.model.hf_dir)
         reader.validate(arch)
     tokenizer = load_tokenizer(cfg)
     if len(tokenizer) > arch.vocab_size:
-        raise InputError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {arch.vocab_size}")
+        raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {arch.vocab_size} "
+                         "(model.tokenizer and the model's checkpoint must belong together)")
     prompts = PromptSource(cfg.data, tokenizer, cfg.train.seed)
+    if cfg.train.sft_warmup_steps > 0 and prompts.task is None:
+        raise InputError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} needs demonstrations, which only "
+                         "data.source=synthetic has: set train.sft_warmup_steps=0 (start from an SFT model)")
+    prompts.check_render()
     score = resolve_reward(cfg, prompts.task)
+    return Inputs(hf_config, arch, reader, tokenizer, prompts, score)
+
+
+def setup_run(cfg, *, world_size: int) -> RunParts:
+    from gspo_megatron.model.factory import build_policy, parse_dtype
+    from gspo_megatron.parallel.ddp import wrap_ddp
+    from gspo_megatron.parallel.state import init_parallel
+    from gspo_megatron.train.optim import build_optimizer
+    from gspo_megatron.train.scoring import pad_multiple
+
+    # ---- everything that can fail on bad input, before process groups and models ----------
+    inputs = check_inputs(cfg, world_size=world_size)
+    hf_config, arch, reader, tokenizer = inputs.hf_config, inputs.arch, inputs.reader, inputs.tokenizer
+    prompts, score = inputs.prompts, inputs.score
+    dtype = parse_dtype(cfg.model.dtype)
 
     # ---- heavy work ------------------------------------------------------------------------
     ctx = init_parallel(cfg.parallel, seed=cfg.model.init_seed, model_dims=None)
