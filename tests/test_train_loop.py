@@ -174,6 +174,9 @@ def test_resume_at_another_layout_continues_training(tmp_path):
         out = tmp_path / name
         r = run_train(out, *SMALL, *layout, "train.max_steps=3", f"checkpoint.resume={ckpt}")
         assert "resharding" in r.stderr and "resumed from" in r.stderr
+        # with the progress bar off (SMALL), a startup summary and one line per step
+        assert "run: world 2 = tp 1" in r.stderr and "optimizer distributed Adam" in r.stderr
+        assert "step 3/3 | reward" in r.stderr
         assert [row["step"] for row in gspo_rows(out)] == [3]
         assert (out / "checkpoints" / "step_00000003").is_dir() and (out / "hf").is_dir()
 

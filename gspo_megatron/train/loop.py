@@ -240,9 +240,43 @@ def to_train_samples(samples: list[Sample], rewards: list[float], group_size: in
 # The run
 
 
+def startup_summary(parts: RunParts) -> str:
+    """One paragraph on rank 0: what this run is (clusters run with the progress bar off)."""
+    from gspo_megatron.config import hf_model_dims
+    from gspo_megatron.planner import count_params, training_setup
+
+    cfg, ctx, p = parts.cfg, parts.ctx, parts.cfg.parallel
+    n = count_params(hf_model_dims(parts.hf_config))
+    src = cfg.model.load or cfg.model.hf_dir or f"random init (seed {cfg.model.init_seed})"
+    data = (f"synthetic task {cfg.data.task!r}" if parts.prompts.task is not None
+            else f"{cfg.data.path} ({len(parts.prompts.stream.examples)} records)")
+    opt = training_setup(cfg)
+    return "; ".join([
+        f"world {ctx.world_size} = tp {p.tp} x cp {p.cp} x dp {ctx.dp} x pp {p.pp} (ep {p.ep}, etp {p.etp}, "
+        f"sequence_parallel {'on' if p.sequence_parallel else 'off'}) on {ctx.device.type}",
+        f"model {n['total'] / 1e6:.2f}M parameters, {n['active'] / 1e6:.2f}M active, {cfg.model.dtype}, from {src}",
+        f"optimizer {'distributed' if opt['use_distributed_optimizer'] else 'plain'} Adam, lr {cfg.optimizer.lr:g}, "
+        f"master weights {opt['master_weights']}, recompute {cfg.train.recompute}",
+        f"data {data}, reward {cfg.reward.fn or 'from the task'}, {cfg.rollout.prompts_per_step} prompts x "
+        f"{cfg.rollout.samples_per_prompt} samples per step, {cfg.train.max_steps} steps",
+        f"loss {cfg.loss.type} (eps {cfg.loss.eps_low:g}/{cfg.loss.eps_high:g}), rollouts {cfg.rollout.backend}",
+    ])
+
+
+def step_line(row: dict, max_steps: int) -> str:
+    parts = [f"step {row['step']}/{max_steps}", f"reward {row['reward_mean']:.3f}",
+             f"clip {row.get('clip_frac', 0.0):.3f}"]
+    if "kl_ref" in row:
+        parts.append(f"kl {row['kl_ref']:.4f}")
+    parts += [f"tokens/s {row['tokens_per_s']:.0f}", f"{row['t_step']:.2f} s"]
+    return " | ".join(parts)
+
+
 def train(cfg, *, world_size: int) -> dict:
     parts = setup_run(cfg, world_size=world_size)
     ctx = parts.ctx
+    if ctx.rank == 0:
+        log.info("run: %s", startup_summary(parts))
     state = LoopState()
     resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, cfg.out_dir)
     if resume_from:
@@ -293,6 +327,8 @@ def train(cfg, *, world_size: int) -> dict:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row.get('clip_frac', 0):.2f}")
+                else:
+                    log.info(step_line(row, cfg.train.max_steps))
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and state.step < cfg.train.max_steps:
                 parts.save_checkpoint(state.step, state.to_dict())
         parts.save_checkpoint(state.step, state.to_dict())
