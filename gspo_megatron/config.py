@@ -27,11 +27,17 @@ class ParallelConfig:
     tp*cp*dp ranks are re-divided into etp * ep * edp, so ep*etp must divide tp*cp*dp.
     """
 
+    # Tensor parallel size (attention heads, FFN columns and the vocabulary split over tp ranks).
     tp: int = 1
+    # Pipeline parallel size (layers split into pp stages).
     pp: int = 1
+    # Expert parallel size (each rank holds num_experts / ep experts of every MoE layer).
     ep: int = 1
+    # Expert tensor parallel size (each expert's FFN split over etp ranks).
     etp: int = 1
+    # Context parallel size (each sequence split over cp ranks; needs Transformer Engine on GPU).
     cp: int = 1
+    # Sequence parallelism inside the TP group (norms / dropout on 1/tp of the tokens); needs tp > 1.
     sequence_parallel: bool = False
     # "auto": cuda when available, else cpu. Backend follows: nccl on cuda, gloo on cpu.
     device: str = "auto"

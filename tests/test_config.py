@@ -408,3 +408,43 @@ def test_import_has_no_side_effects():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "[]" and out.stderr == ""
+
+
+def test_config_reference_is_current_and_complete():
+    """docs/config.md is generated from config.py: a key added without regenerating it, or without
+    the comment that gives its meaning, fails here."""
+    from dataclasses import dataclass
+
+    from gspo_megatron import config_reference as ref
+
+    entries = ref.entries()
+    assert len(entries) > 70 and all(e["meaning"] for e in entries), [e["key"] for e in entries if not e["meaning"]]
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config.md")) as f:
+        assert f.read() == ref.render_markdown(), "docs/config.md is stale: python -m gspo_megatron.config_reference > docs/config.md"
+
+    @dataclass(frozen=True)
+    class WithUndocumentedKey:
+        # Documented.
+        a: int = 1
+
+        b: int = 2  # a key added without the comment above it
+
+        def __post_init__(self):
+            pass
+
+    got = {e["key"]: e["meaning"] for e in ref.entries(WithUndocumentedKey)}
+    assert got == {"a": "Documented.", "b": ""}  # the check above would name "b"
+
+
+def test_train_help_lists_every_key():
+    import subprocess
+    import sys
+
+    from gspo_megatron.config_reference import entries
+
+    r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0
+    missing = [e["key"] for e in entries() if f"  {e['key']} = " not in r.stdout]
+    assert not missing, missing
+    assert "--dry-run" in r.stdout

@@ -20,7 +20,13 @@ def main(argv=None) -> int:
         from gspo_megatron.planner import main as planner_main
 
         return planner_main(argv)
-    p = argparse.ArgumentParser(prog="gspo_megatron.train", description=__doc__.split("\n")[0])
+    from gspo_megatron.config_reference import render_help
+
+    p = argparse.ArgumentParser(prog="gspo_megatron.train", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="--dry-run [--json] [--world-size N | --nnodes A --nproc-per-node B]: "
+                                       "validate the config and inputs and print the layout, no training\n\n"
+                                       + render_help())
     p.add_argument("--config", required=True, help="YAML config (see launch/configs/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=5 out_dir=runs/x")
     args = p.parse_intermixed_args(argv)
