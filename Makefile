@@ -23,8 +23,7 @@ install: $(STAMP)
 
 # The main job: GSPO on a tiny Qwen3-MoE, 2 CPU processes (TP2 + sequence parallel), ~3 minutes.
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VPY) -m torch.distributed.run --standalone --nproc-per-node 2 \
-	  -m gspo_megatron.train --config launch/configs/tiny_cpu.yaml out_dir=runs/demo $(ARGS)
+	OMP_NUM_THREADS=1 NPROC=2 PYTHON=$(VPY) launch/torchrun.sh launch/configs/tiny_cpu.yaml out_dir=runs/demo $(ARGS)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests $(ARGS)

@@ -448,7 +448,8 @@ class RolloutConfig:
 class DataConfig:
     # Prompt source: "synthetic" (generated task, verifiable answers) or "file" (JSONL/parquet).
     source: Literal["synthetic", "file"] = "synthetic"
-    # Dataset file for source=file (relative paths are relative to the working directory).
+    # Dataset file for source=file (relative paths are relative to the working directory); set
+    # with source=synthetic it is an error, not ignored.
     path: Optional[str] = None
     # Record fields holding the prompt and the reference answer (source=file).
     prompt_key: str = "prompt"

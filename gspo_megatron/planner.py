@@ -494,6 +494,8 @@ def _main(args, prog: str) -> int:
             print(f"warning: {w.message}", file=sys.stderr)
         if args.world_size is not None and (args.nnodes or args.nproc_per_node):
             raise ConfigError("give either --world-size or --nnodes/--nproc-per-node")
+        if args.nnodes and not args.nproc_per_node:
+            raise ConfigError(f"--nnodes {args.nnodes} needs --nproc-per-node (GPUs per node), e.g. 8")
         if args.world_size is not None:
             world, why = args.world_size, "--world-size"
         elif args.nnodes or args.nproc_per_node:

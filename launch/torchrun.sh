@@ -74,4 +74,22 @@ if [[ ${DRY_RUN:-0} == 1 ]]; then
     printf '\n'
     exit 0
 fi
-exec "${cmd[@]}"
+
+# torchrun answers a failed worker with ~40 lines of its own (ChildFailedError): keep a copy of
+# stderr and end with the failing rank's one-line error, so that is the last thing on the screen.
+errlog=$(mktemp "${TMPDIR:-/tmp}/gspo-torchrun.XXXXXX")
+trap 'rm -f "$errlog"' EXIT
+set +e
+"${cmd[@]}" 2> >(tee "$errlog" >&2)
+rc=$?
+wait 2>/dev/null || true  # the tee of the process substitution
+set -e
+if [[ $rc -ne 0 ]]; then
+    line=$(grep -m1 -E '^(\[rank[0-9]+\]: )?[A-Za-z0-9_.-]+: error: ' "$errlog" || true)
+    if [[ -n $line ]]; then
+        echo "torchrun.sh: failed (exit $rc): ${line#\[rank*\]: }" >&2
+    else
+        echo "torchrun.sh: failed (exit $rc); the first traceback above is the cause" >&2
+    fi
+fi
+exit $rc

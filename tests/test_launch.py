@@ -422,3 +422,20 @@ def test_dry_run_checks_data_tokenizer_and_warm_start(tmp_path):
                          *file_data, "train.sft_warmup_steps=0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "world size 2 (assumed" in ok.stdout and "1 records, the first render" in ok.stdout
+
+
+def test_torchrun_sh_ends_with_the_failing_ranks_line(tmp_path):
+    """A bad input under torchrun: after torchrun's own report, the last line is the rank's error."""
+    env = dict(os.environ, NPROC="2", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHON=sys.executable)
+    r = subprocess.run([os.path.join(ROOT, "launch", "torchrun.sh"), preset("tiny_cpu"), f"out_dir={tmp_path}",
+                        "reward.fn=no_such_module_xyz:score"], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=ROOT)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("torchrun.sh: failed") and "gspo_megatron.train: error: " in last, last
+    assert "no_such_module_xyz" in last
+
+
+def test_planner_nnodes_needs_nproc_per_node(capsys):
+    assert planner.main(["--config", preset("qwen3_30b_a3b"), "--nnodes", "2", "--no-inputs"]) == 2
+    assert "--nproc-per-node" in capsys.readouterr().err
