@@ -168,7 +168,7 @@ class RunParts:
 
         return checkpoint.save(self.cfg.out_dir, step, self.model, self.optimizer, self.scheduler, loop_state,
                                self.ctx, hf_config=self.export_config(), keep_last=self.cfg.checkpoint.keep_last,
-                               tokenizer=None if self.cfg.model.hf_dir else self.tokenizer)
+                               tokenizer=self.tokenizer)
 
     def load_checkpoint(self, path: str) -> dict:
         from gspo_megatron.train import checkpoint
