@@ -6,8 +6,9 @@
 
 What runs — the default configuration of the GPU presets on the tiny Qwen3-MoE of
 launch/configs/tiny_cpu.yaml (so it fits in minutes): model.dtype=bfloat16 (fp32 master weights in
-the optimizer), optimizer.use_distributed_optimizer=true, the world process group on NCCL
-(parallel.device=cuda; gloo on CPU), Transformer Engine's layer spec when TE imports:
+the optimizer), optimizer.use_distributed_optimizer=true, train.recompute=selective, the world
+process group on NCCL (parallel.device=cuda; gloo on CPU), Transformer Engine's layer spec when TE
+imports (then TE's FusedAdam, whose checkpoint path keeps `step` in the param groups):
 
   1 environment    torch / megatron-core 0.16.1 / TE / CUDA as found (megatron-core is installed
                    from --wheels DIR, no network, when it is missing: `make gpu-wheels` fills
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
     overrides = [
         f"out_dir={run_dir}", f"parallel.device={args.device}", "parallel.tp=1", "parallel.sequence_parallel=false",
         "model.dtype=bfloat16", "optimizer.use_distributed_optimizer=true", "train.sft_warmup_steps=4",
+        "train.recompute=selective",  # as the 30B-A3B preset (GPU: + moe_act with TE's grouped experts)
         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "checkpoint.interval=0",
         "checkpoint.keep_last=0", "checkpoint.resume=auto", "logging.progress_bar=false", "logging.plot=false",
     ]
