@@ -122,3 +122,19 @@ def test_checkpoint_reloads_exactly_at_another_layout(tp2_checkpoint, tmp_path, 
     sa, sb = read_trainer_state(str(tp2_checkpoint)), read_trainer_state(saved)
     assert sa["scheduler"] == sb["scheduler"] and sa["loop"] == sb["loop"] and sa["step"] == sb["step"] == 2
     assert sa["layout"]["tp"] == 2 and sb["layout"]["tp"] == 1
+
+
+def test_resume_auto_refuses_an_old_format_checkpoint(tmp_path):
+    """Checkpoints of the per-rank torch.save format (before dist_checkpointing) are not silently
+    skipped by resume=auto (which would restart from scratch over them): one clear error."""
+    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.train.checkpoint import resolve_resume
+
+    old = tmp_path / "checkpoints" / "step_00000010"
+    old.mkdir(parents=True)
+    (old / "meta.json").write_text("{}")
+    (old / "rank_00000.pt").write_bytes(b"")
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000010\n")
+    with pytest.raises(CheckpointError, match="earlier per-rank format"):
+        resolve_resume("auto", str(tmp_path))
+    assert resolve_resume("never", str(tmp_path)) is None

@@ -155,6 +155,11 @@ def find_latest(out_dir: str) -> str | None:
     with open(p) as f:
         name = f.read().strip()
     d = os.path.join(root, name)
+    if os.path.isfile(os.path.join(d, "meta.json")) and not is_trainer_checkpoint(d):
+        from gspo_megatron.model.hf_io import CheckpointError
+
+        raise CheckpointError(f"{d}: a checkpoint of the earlier per-rank format, which this version cannot "
+                              "resume; remove it (or set checkpoint.resume=never) to start over")
     return d if is_trainer_checkpoint(d) else None
 
 
