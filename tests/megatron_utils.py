@@ -73,3 +73,14 @@ def hub_named_grads(model) -> dict[str, torch.Tensor]:
         else:
             grads[name] = g
     return grads
+
+
+def dcp_tensors(d, part: str = "") -> dict[str, torch.Tensor]:
+    """Every global tensor of a torch_dist checkpoint directory whose key contains `part`."""
+    from converters.dcp_io import DcpReader
+
+    r = DcpReader(str(d))
+    try:
+        return {k: r.read(k, [0] * len(r.shape(k)), list(r.shape(k))) for k in sorted(r.keys()) if part in k}
+    finally:
+        r.close()

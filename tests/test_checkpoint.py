@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dist_utils import free_port, run_distributed
+from megatron_utils import dcp_tensors
 
 VOCAB = 98  # tiny_cpu.yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,16 +39,6 @@ def _reload_and_save(rank, world, ckpt, out_dir, overrides, chunk_bytes):
         checkpoint._load_distributed_optimizer = real
         parts.close()
     return path, used
-
-
-def _tensors(d):
-    from converters.dcp_io import DcpReader
-
-    r = DcpReader(str(d))
-    try:
-        return {k: r.read(k, [0] * len(r.shape(k)), list(r.shape(k))) for k in sorted(r.keys())}
-    finally:
-        r.close()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -88,7 +79,7 @@ def test_plain_optimizer_checkpoint_reloads_exactly_at_another_layout(tmp_path):
     saved, used = run_distributed(_reload_and_save, 2, str(ckpt), str(tmp_path / "again"),
                                   ["parallel.tp=1", "parallel.sequence_parallel=false", *PLAIN], None, timeout=560)[0]
     assert used == [False]
-    a, b = _tensors(ckpt), _tensors(saved)
+    a, b = dcp_tensors(ckpt), dcp_tensors(saved)
     assert set(a) == set(b) and any(".exp_avg." in k for k in a)
     assert not [k for k in a if not _same(a[k], b[k])]
     with pytest.raises(RuntimeError, match="written with optimizer.use_distributed_optimizer=false, this run has true"):
@@ -111,7 +102,7 @@ def test_checkpoint_reloads_exactly_at_another_layout(tp2_checkpoint, tmp_path, 
     saved, used = run_distributed(_reload_and_save, 2, str(tp2_checkpoint), str(tmp_path / "again"), layout,
                                   chunk_bytes, timeout=560)[0]
     assert used == [True]  # the piecewise loader ran
-    a, b = _tensors(tp2_checkpoint), _tensors(saved)
+    a, b = dcp_tensors(tp2_checkpoint), dcp_tensors(saved)
     assert set(a) == set(b)
     # keys: [chained_<i>.]optimizer.state.<exp_avg|exp_avg_sq|param>.<parameter key>
     kinds = {k.split("optimizer.state.")[1].split(".")[0] for k in a if "optimizer.state." in k}

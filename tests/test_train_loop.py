@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
+from megatron_utils import dcp_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -90,18 +91,6 @@ def _hf_tensors(d):
         if f.endswith(".safetensors"):
             out.update(load_file(os.path.join(d, f)))
     return out
-
-
-def dcp_tensors(d, part: str = "") -> dict[str, torch.Tensor]:
-    """Every global tensor of a torch_dist checkpoint whose key contains `part`."""
-    from converters.dcp_io import DcpReader
-
-    r = DcpReader(str(d))
-    try:
-        return {k: r.read(k, [0] * len(r.shape(k)), list(r.shape(k))) for k in sorted(r.keys())
-                if part in k}
-    finally:
-        r.close()
 
 
 # The default optimizer path at DP2: Megatron's distributed optimizer shards masters and moments.

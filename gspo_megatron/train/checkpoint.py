@@ -173,6 +173,11 @@ def resolve_resume(resume: str, out_dir: str) -> str | None:
 
 def read_trainer_state(path: str) -> dict:
     """The checkpoint's plain trainer state (common.pt, read with weights_only=True)."""
+    return _read_common(path)["trainer"]
+
+
+def _read_common(path: str) -> dict:
+    """common.pt of a trainer checkpoint (read once per load): {"trainer": ..., "optimizer": ...}."""
     from megatron.core import dist_checkpointing
 
     from gspo_megatron.model.hf_io import CheckpointError
@@ -185,7 +190,7 @@ def read_trainer_state(path: str) -> dict:
     if not isinstance(trainer, dict) or trainer.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: common.pt holds no trainer state of format {FORMAT_VERSION} "
                               "(a converted model checkpoint? start from it with model.load=)")
-    return trainer
+    return common
 
 
 def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
@@ -197,12 +202,13 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     any other through Megatron's sharded_state_dict in one load."""
     from converters.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
 
-    trainer = read_trainer_state(path)
-    _check_optimizer_kind(path, optimizer)
+    common = _read_common(path)
+    trainer, saved_optimizer = common["trainer"], common.get("optimizer") or {}
+    _check_optimizer_kind(path, saved_optimizer, optimizer)
     load_mcore_into_model(model, path)
     # a fresh model state: the load above replaced the tensors of the one it used
     model_state = model_sharded_state_dict(model)
-    if not _load_distributed_optimizer(optimizer, model_state, path, chunk_bytes, ctx.device):
+    if not _load_distributed_optimizer(optimizer, saved_optimizer, model_state, path, chunk_bytes, ctx.device):
         opt_state = optimizer_state(optimizer, model_state, is_loading=True)
         optimizer.load_state_dict(load_sharded({"optimizer": opt_state}, path)["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
@@ -218,15 +224,12 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     return trainer["loop"]
 
 
-def _check_optimizer_kind(path: str, optimizer) -> None:
+def _check_optimizer_kind(path: str, common: dict, optimizer) -> None:
     """Megatron's plain and distributed optimizers keep different plain state (param groups vs
     per-optimizer dicts with a sharding type): a checkpoint loads into the kind that wrote it."""
-    from megatron.core import dist_checkpointing
-
     from gspo_megatron.model.hf_io import CheckpointError
     from gspo_megatron.train.optim import inner_optimizers
 
-    common = dist_checkpointing.load_common_state_dict(path).get("optimizer") or {}
     first = common.get(0, common) if isinstance(common, dict) else {}
     saved = isinstance(first, dict) and "param_state_sharding_type" in first
     here = type(inner_optimizers(optimizer)[0]).__name__ == "DistributedOptimizer"
@@ -236,7 +239,8 @@ def _check_optimizer_kind(path: str, optimizer) -> None:
             f"{str(here).lower()}; resume with the setting that wrote it (any parallel layout works)")
 
 
-def _load_distributed_optimizer(optimizer, model_state: dict, path: str, chunk_bytes: int, device) -> bool:
+def _load_distributed_optimizer(optimizer, common: dict, model_state: dict, path: str, chunk_bytes: int,
+                                device) -> bool:
     """Megatron's fully_reshardable load of the DistributedOptimizer(s), with bounded memory;
     False (nothing done) when `optimizer` or the checkpoint is something else.
 
@@ -253,7 +257,6 @@ def _load_distributed_optimizer(optimizer, model_state: dict, path: str, chunk_b
          tensors (key optimizer.state.<kind>.<parameter key>, the parameter's sharding) into fresh
          tensors, the range copied into the main parameter and moments, the piece freed.
     tests/test_checkpoint.py reloads bit for bit with one and with many pieces."""
-    from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from gspo_megatron.train.optim import inner_optimizers
@@ -262,7 +265,6 @@ def _load_distributed_optimizer(optimizer, model_state: dict, path: str, chunk_b
     if not all(isinstance(o, DistributedOptimizer) and not o.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
                for o in inner):
         return False
-    common = dist_checkpointing.load_common_state_dict(path).get("optimizer")
     states = [common] if len(inner) == 1 else [common.get(i) for i in range(len(inner))]
     if not all(isinstance(st, dict) and st.get("param_state_sharding_type") == "fully_reshardable" for st in states):
         return False
