@@ -18,7 +18,9 @@ Layouts (2 gloo processes each, 1 thread per process, spawned by tests/dist_util
         over DP
 
 For each layout, in order:
-  SAVE run    one spawn: init_parallel(ParallelConfig(tp, ep, sequence_parallel=tp>1, device="cpu")),
+  SAVE run    (--writer auto: each DP rank writes its own shard, train/checkpoint_shards.py; --writer
+              megatron: Megatron's save, which gathers the optimizer state first)
+              one spawn: init_parallel(ParallelConfig(tp, ep, sequence_parallel=tp>1, device="cpu")),
               build_policy(ctx, arch, dtype=float32), wrap_ddp(use_distributed_optimizer=True),
               build_optimizer(OptimizerConfig(lr=1e-4)), ONE optimizer step on 2 sequences of 16
               tokens (token NLL, as tests/test_dist_optimizer.py does) so that Adam's moments exist,
@@ -30,11 +32,26 @@ For each layout, in order:
               through write system calls: the rank's checkpoint files, plus socket traffic if gloo
               sends with write). Each rank also sends checksums of its parameters and of its Adam
               moments (float64 sum and sum of squares).
-  COPY        in the bench's own process (one process, like rank 0 alone; no rank is running then):
-              the step directory copied file by file (shutil.copyfile, i.e. sendfile) into another
+  COPY        the step directory copied file by file (shutil.copyfile, i.e. sendfile) into another
               directory of the same filesystem, each file fsync'ed (DCP's FileSystemWriter fsyncs
-              every file it writes). "copy GB/s" = bytes / seconds; "save/copy" = save GB/s / copy
+              every file it writes); "copy GB/s" = bytes / seconds; "save/copy" = save GB/s / copy
               GB/s (target: >= 0.50). The source files are in the page cache (just written).
+              Measured twice: by rank 0 inside the save run right after the save, while every rank
+              is alive and holds its memory (the other ranks wait at a barrier): "copy GB/s", the
+              target's reference; and by the bench's own process after the ranks have exited:
+              "copy GB/s (exited)". They differ on this machine (a Firecracker VM): writing into
+              the page cache is 2-5x faster into memory that was freed a moment ago (here: the
+              exited ranks' ~7 GB) than into memory that has been free for a while (the guest
+              appears to hand free memory back to the host, so it is faulted in again on first
+              use; a 2-process test writing the same 2 GB per rank from the same tensors measured
+              0.38 GB/s per rank into long-free memory, 1.3 GB/s after 4 GB had just been freed).
+  WARM        so right before the save each rank touches and frees its share of 1.2 x (4 x the fp32
+              parameter bytes: the checkpoint's size), and rank 0 the whole of it right before the
+              in-run copy: both then write into just-freed memory, like the copy after exit (and
+              like a save that follows other work on a long-running trainer). --no-warm turns it
+              off: then the in-run copy measured 0.40 GB/s against 1.65-2.03 GB/s after exit, and
+              after Megatron's save (whose gather buffers, ~6 GB per rank, were freed just
+              before) 1.5-1.8 GB/s — the reference moves with whatever ran before it.
   RESUME run  a second spawn, so that the save's high-water mark is not in it: per rank
                 baseline    VmRSS after the imports (torch, megatron, the project's modules) and
                             init_parallel;
@@ -271,7 +288,19 @@ class _Profile:
             self.text = s.getvalue()
 
 
-def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str, profile: int = 0) -> dict:
+def warm_free_memory(nbytes: int) -> None:
+    """Touch and free `nbytes` of memory, so that what is written next goes into memory that was
+    just freed (see WARM in the module docstring). A large allocation is its own mmap: freed at once."""
+    import torch
+
+    if nbytes > 0:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        t.fill_(1)
+        del t
+
+
+def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str, profile: int = 0,
+               writer: str = "auto", warm_bytes: int = 0) -> dict:
     import gc
 
     import torch.distributed as dist
@@ -285,6 +314,7 @@ def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str, pro
         n_micro = _train_one_step(ctx, arch, model, opt, sched)
         out = {"rank": rank, "n_micro": n_micro, "shares": _shares(model, opt), "sums": _checksums(model, opt)}
         gc.collect()
+        warm_free_memory(warm_bytes // world)
         dist.barrier()
         out["before"] = proc_status()
         out["reset_ok"] = reset_peak()
@@ -293,13 +323,20 @@ def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str, pro
         t0 = time.perf_counter()
         with _Profile(profile, rank) as prof:
             path = checkpoint.save(out_dir, STEP, model, opt, sched, {"step": STEP, "bench": True}, ctx,
-                                   hf_config=cfg)
+                                   hf_config=cfg, writer=writer)
         dist.barrier()
         out["save_s"] = time.perf_counter() - t0
         out["peak"] = peak_rss()
         out["ru_maxrss"] = ru_maxrss()
         io1 = proc_io()
         out["wchar"] = io1["wchar"] - io0["wchar"]
+        # the plain copy under the same conditions as the save: ranks alive, same free memory
+        # (see "COPY" in the module docstring); rank 0 copies while the others wait
+        if rank == 0:
+            warm_free_memory(warm_bytes)
+            out["copy_s"] = plain_copy(path, out_dir + ".copy-in-run")
+            shutil.rmtree(out_dir + ".copy-in-run")
+        dist.barrier()
         gc.collect()
         out["after_save"] = proc_status()
         malloc_trim()
@@ -392,6 +429,7 @@ def run_layout(name: str, cfg: dict, workdir: str, args) -> dict:
     try:
         t0 = time.perf_counter()
         saved = run_distributed(_save_rank, world, layout, cfg, os.path.join(base, "run"), args.profile,
+                                args.writer, 0 if args.no_warm else int(1.2 * checkpoint_bytes(cfg) * 4),
                                 timeout=args.timeout)
         path = saved[0]["path"]
         nbytes, nfiles = dir_bytes(path)
@@ -403,7 +441,8 @@ def run_layout(name: str, cfg: dict, workdir: str, args) -> dict:
         copied, _ = dir_bytes(copy_dir)
         assert copied == nbytes, (copied, nbytes)
         shutil.rmtree(copy_dir)
-        print(f"  {name}: plain copy {copy_s:.2f} s", flush=True)
+        print(f"  {name}: plain copy {saved[0]['copy_s']:.2f} s with the ranks alive, {copy_s:.2f} s after they "
+              "exited", flush=True)
 
         t0 = time.perf_counter()
         loaded = run_distributed(_load_rank, world, layout, cfg, path, args.profile, timeout=args.timeout)
@@ -423,7 +462,8 @@ def run_layout(name: str, cfg: dict, workdir: str, args) -> dict:
             bad.append(f"rank {s['rank']}: loop state {l['loop']}")
     if bad:
         raise AssertionError(f"{name}: the resumed state differs from the saved one:\n" + "\n".join(bad))
-    return dict(layout=name, world=world, bytes=nbytes, files=nfiles, copy_s=copy_s, save=saved, load=loaded,
+    return dict(layout=name, world=world, bytes=nbytes, files=nfiles, copy_s=saved[0]["copy_s"],
+                copy_after_exit_s=copy_s, save=saved, load=loaded,
                 path=path if args.keep else None)
 
 
@@ -431,6 +471,7 @@ def summarize(r: dict) -> dict:
     save_s = r["save"][0]["save_s"]
     load_s = r["load"][0]["load_s"]
     save_bw, copy_bw = r["bytes"] / save_s / GB, r["bytes"] / r["copy_s"] / GB
+    copy_exit_bw = r["bytes"] / r["copy_after_exit_s"] / GB
     per_rank = []
     for s, l in zip(r["save"], r["load"]):
         resume = l["peak"] - l["baseline"]["VmRSS"]
@@ -447,6 +488,7 @@ def summarize(r: dict) -> dict:
     worst = max(per_rank, key=lambda x: x["resume_ratio"])
     return dict(layout=r["layout"], bytes=r["bytes"], files=r["files"], save_s=save_s, save_gbps=save_bw,
                 copy_s=r["copy_s"], copy_gbps=copy_bw, save_over_copy=save_bw / copy_bw,
+                copy_exit_gbps=copy_exit_bw, save_over_copy_exit=save_bw / copy_exit_bw,
                 save_peak_max=max(x["save_peak"] for x in per_rank), load_s=load_s,
                 resume_max=worst["resume"], share_of_worst=worst["share"], resume_ratio=worst["resume_ratio"],
                 save_ok=save_bw / copy_bw >= SAVE_TARGET, resume_ok=worst["resume_ratio"] <= RESUME_TARGET,
@@ -454,10 +496,12 @@ def summarize(r: dict) -> dict:
 
 
 def report(summ: list[dict], cfg: dict, param_total: int) -> str:
-    headers = ["layout", "bytes MiB", "save s", "save GB/s", "copy GB/s", "save/copy", "save peak (max rank)",
-               "load s", "resume mem (max rank)", "rank share", "resume/share"]
+    headers = ["layout", "bytes MiB", "save s", "save GB/s", "copy GB/s", "save/copy", "copy GB/s (exited)",
+               "save/copy (exited)", "save peak (max rank)", "load s", "resume mem (max rank)", "rank share",
+               "resume/share"]
     rows = [[s["layout"], mib(s["bytes"]), f"{s['save_s']:.2f}", f"{s['save_gbps']:.3f}", f"{s['copy_gbps']:.3f}",
-             f"{s['save_over_copy']:.2f}", mib(s["save_peak_max"]), f"{s['load_s']:.2f}", mib(s["resume_max"]),
+             f"{s['save_over_copy']:.2f}", f"{s['copy_exit_gbps']:.3f}", f"{s['save_over_copy_exit']:.2f}",
+             mib(s["save_peak_max"]), f"{s['load_s']:.2f}", mib(s["resume_max"]),
              mib(s["share_of_worst"]), f"{s['resume_ratio']:.2f}"] for s in summ]
     title = (f"Trainer checkpoint, {mib(param_total)} MiB of fp32 parameters (layers {cfg['num_hidden_layers']}, "
              f"experts {cfg['num_experts']} x moe_intermediate {cfg['moe_intermediate_size']}, vocab "
@@ -503,6 +547,11 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the written checkpoints")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per spawned run (all ranks)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--writer", default="auto", choices=("auto", "megatron"),
+                    help="train.checkpoint.save(writer=...): auto = each DP rank writes its own shard "
+                         "(train/checkpoint_shards.py); megatron = Megatron's save (gathers the optimizer state)")
+    ap.add_argument("--no-warm", action="store_true", help="do not warm free memory before the save and the "
+                    "in-run copy (see WARM in the docstring)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile rank 0's save and load, print the top N entries (slows them down)")
     args = ap.parse_args(argv)

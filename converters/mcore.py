@@ -517,6 +517,8 @@ def save_mcore_checkpoint(
     write_rank_files: Callable[[str], None] | None = None,
     overwrite: bool = True,
     thread_count: int = 2,
+    tensor_chunks: list[Chunk] | None = None,
+    common_state: dict | None = None,
 ) -> None:
     """Save this rank's model chunks (any TP/PP/EP/ETP layout) as one torch_dist checkpoint.
 
@@ -531,6 +533,11 @@ def save_mcore_checkpoint(
     the caller already built it (an optimizer's sharded state refers to its tensors).
     `write_rank_files(tmp_dir)`: called on every rank after the tensors are written and before
     the directory is published, for per-rank side files. Load it back with `load_mcore_into_model`.
+    `tensor_chunks` + `common_state`: instead of Megatron's save of the sharded state, write these
+    (this rank's) chunks of the global tensors with converters/dcp_io.save_chunks and
+    `common_state` as common.pt (rank 0) — the same format, e.g. for the trainer's distributed
+    optimizer (gspo_megatron/train/checkpoint_shards.py); `model_state`/`extra_sharded_state` are
+    then not used.
     Vocab tensors are saved with the padded rows of the saving layout; loaders accept any padding.
     """
     from megatron.core import dist_checkpointing
@@ -547,7 +554,14 @@ def save_mcore_checkpoint(
     out = os.path.abspath(ckpt_dir)
     tmp = atomic.make_tmp_collective(out)
     try:
-        dist_checkpointing.save(sd, tmp, sharded_strategy=_parallel_save(_SyncTorchDistSave(thread_count)))
+        if tensor_chunks is None:
+            dist_checkpointing.save(sd, tmp, sharded_strategy=_parallel_save(_SyncTorchDistSave(thread_count)))
+        else:
+            save_chunks(tensor_chunks, tmp, max_file_bytes=DEFAULT_MAX_FILE_BYTES, threads=thread_count)
+            if rank == 0:
+                with open(os.path.join(tmp, FORMAT_FILE), "w") as f:
+                    json.dump(FORMAT, f)
+                torch.save(common_state or {}, os.path.join(tmp, COMMON_FILE))
         if write_rank_files is not None:
             write_rank_files(tmp)
         if rank == 0:

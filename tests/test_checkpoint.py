@@ -129,3 +129,107 @@ def test_resume_auto_refuses_an_old_format_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="earlier per-rank format"):
         resolve_resume("auto", str(tmp_path))
     assert resolve_resume("never", str(tmp_path)) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# The distributed optimizer's direct writer (train/checkpoint_shards.py) against Megatron's save
+
+
+def test_flat_boxes_tile_a_flat_range_in_order():
+    """Every [start, end) of a few shapes: the boxes are contiguous runs, in flat order, that
+    together are exactly the range (checked against an index tensor)."""
+    from gspo_megatron.train.checkpoint_shards import flat_boxes
+
+    for shape in [(7,), (3, 5), (4, 1, 3), (2, 3, 4, 2), (1, 6)]:
+        n = 1
+        for s in shape:
+            n *= s
+        index = torch.arange(n).view(shape)
+        for start in range(n + 1):
+            for end in range(start, n + 1):
+                boxes = flat_boxes(shape, start, end)
+                got = []
+                for off, size in boxes:
+                    assert len(off) == len(size) == len(shape)
+                    box = index[tuple(slice(o, o + s) for o, s in zip(off, size))]
+                    flat = box.reshape(-1)
+                    assert torch.equal(flat, torch.arange(int(flat[0]), int(flat[0]) + flat.numel()))  # contiguous
+                    got += flat.tolist()
+                assert got == list(range(start, end)), (shape, start, end, boxes)
+                assert len(boxes) <= max(1, 2 * len(shape) - 1)
+    with pytest.raises(ValueError):
+        flat_boxes((3, 4), 5, 13)
+
+
+def _save_both_ways(rank, world, out_dir, overrides):
+    """One SFT optimizer step, then the same state saved by Megatron's save and by the direct
+    writer; returns which writer the default took."""
+    from types import SimpleNamespace
+
+    from gspo_megatron.config import load_config
+    from gspo_megatron.train import checkpoint, checkpoint_shards
+    from gspo_megatron.train.batch import TrainSample, plan_minibatch
+    from gspo_megatron.train.loop import _optimizer_step
+    from gspo_megatron.train.loss import sft_loss_step
+    from gspo_megatron.train.scoring import pad_multiple
+    from gspo_megatron.train.setup import setup_run
+    from megatron_utils import random_sequences
+
+    cfg = load_config(TINY, [f"out_dir={out_dir}", *SMALL, *overrides])
+    parts = setup_run(cfg, world_size=world)
+    try:
+        seqs = random_sequences(VOCAB, [9, 14, 6, 11, 17, 8, 12, 5], seed=3)
+        samples = [TrainSample(s[:3], s[3:], 0.0) for s in seqs]
+        mbs, _ = plan_minibatch(samples, dp=parts.ctx.dp, dp_rank=parts.ctx.dp_rank, token_budget=32,
+                                multiple=pad_multiple(parts.ctx.parallel), pad_id=0)
+        _optimizer_step(SimpleNamespace(model=parts.model), parts.optimizer, parts.scheduler,
+                        sft_loss_step(parts.ctx, VOCAB), mbs)
+        used = []
+        real = checkpoint_shards.distributed_optimizer_plan
+        checkpoint_shards.distributed_optimizer_plan = lambda *a: used.append(real(*a)) or used[-1]
+        args = (parts.model, parts.optimizer, parts.scheduler, {"step": 1}, parts.ctx)
+        try:
+            a = checkpoint.save(os.path.join(out_dir, "megatron"), 1, *args, hf_config=parts.hf_config,
+                                writer="megatron")
+            b = checkpoint.save(os.path.join(out_dir, "direct"), 1, *args, hf_config=parts.hf_config)
+        finally:
+            checkpoint_shards.distributed_optimizer_plan = real
+    finally:
+        parts.close()
+    return a, b, [u is not None for u in used]
+
+
+def _equal(x, y) -> bool:
+    if torch.is_tensor(x) or torch.is_tensor(y):
+        return torch.is_tensor(x) and torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
+    return x == y
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [
+    pytest.param(["parallel.tp=2", "parallel.sequence_parallel=true"], id="tp2-sp-edp2"),
+    pytest.param(["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.ep=2"], id="ep2-dp2"),
+    pytest.param(["parallel.tp=1", "parallel.sequence_parallel=false", "model.dtype=bfloat16"], id="dp2-bf16"),
+])
+def test_direct_writer_writes_what_megatrons_save_writes(tmp_path, layout):
+    """The distributed optimizer's checkpoint written by each DP rank from its own shard holds the
+    same global tensors, bit for bit and dtype for dtype (weights, fp32 masters, both moments), and
+    the same common.pt as Megatron's fully_reshardable save (which gathers the state first)."""
+    from megatron.core import dist_checkpointing
+
+    a, b, used = run_distributed(_save_both_ways, 2, str(tmp_path), layout, timeout=560)[0]
+    assert used == [True]
+    ta, tb = dcp_tensors(a), dcp_tensors(b)
+    assert set(ta) == set(tb) and any(".exp_avg_sq." in k for k in ta) and any(".param." in k for k in ta)
+    differ = [k for k in ta if ta[k].dtype != tb[k].dtype or not torch.equal(ta[k], tb[k])]
+    assert not differ, differ[:5]
+    assert any(ta[k].abs().max() > 0 for k in ta if ".exp_avg." in k)
+    ca, cb = dist_checkpointing.load_common_state_dict(a), dist_checkpointing.load_common_state_dict(b)
+    assert _equal(ca, cb), (ca, cb)
+    if "model.dtype=bfloat16" in layout:
+        assert any(t.dtype == torch.bfloat16 for t in ta.values())
+        assert all(ta[k].dtype == torch.float32 for k in ta if "optimizer.state." in k)
