@@ -214,7 +214,8 @@ def test_every_assumption_is_pinned_here():
               "cuda-tensor-methods": "test_megatron_optimizers_compare_cuda_type_names",
               "torch-adam-distopt-load": "test_distributed_optimizer_torch_adam_load_gaps_are_still_there",
               "recompute-cuda-rng": "test_activation_recompute_saves_the_cuda_generator",
-              "te-fp8-recompute-names": "test_checkpoint_without_output_asks_te_for_fp8"}
+              "te-fp8-recompute-names": "test_checkpoint_without_output_asks_te_for_fp8",
+              "rope-cp-slice": "test_rope_cp_slice_needs_cuda_and_the_replacement_slices_the_same"}
     assert {a.key for a in cpu_runtime.ASSUMPTIONS} == set(pinned)
     for needle in pinned.values():
         assert needle in src
@@ -326,3 +327,37 @@ def test_checkpoint_without_output_asks_te_for_fp8():
     finally:
         cpu_runtime.deactivate()
     assert not hasattr(mrandom, "FP8GlobalStateManager")
+
+
+class _Group:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_rope_cp_slice_needs_cuda_and_the_replacement_slices_the_same():
+    """Megatron's RoPE slice for a CP rank moves its indices to CUDA; the runtime's version takes
+    the same zigzag rows (checked against parallel/seq_reduce.py zigzag_positions)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from gspo_megatron.parallel import cpu_runtime
+    from gspo_megatron.parallel.seq_reduce import zigzag_positions
+
+    was = cpu_runtime.is_active()
+    cpu_runtime.deactivate()
+    try:
+        emb = torch.arange(16.0).view(16, 1, 1, 1)
+        with pytest.raises((RuntimeError, AssertionError)):
+            rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, _Group(2, 1))
+    finally:
+        if was:
+            cpu_runtime.activate("cpu")
+    for cp in (2, 4):
+        for r in range(cp):
+            got = cpu_runtime._get_pos_emb_on_this_cp_rank(emb, 0, _Group(cp, r))
+            assert got.flatten().tolist() == zigzag_positions(16, cp, r).float().tolist()

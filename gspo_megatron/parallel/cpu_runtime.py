@@ -96,6 +96,14 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "bind them to stand-ins for 'no FP8': is_fp8_enabled() is False, the two contexts do nothing",
     ),
     Assumption(
+        "rope-cp-slice",
+        "megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank (also bound by "
+        "name in rotary_pos_embedding): the RoPE table slice of a CP rank for [b, s] inputs",
+        "builds its two chunk indices with torch.tensor(..., pin_memory=True).cuda(non_blocking=True) "
+        "(rope_utils.py:62-64): no pinned memory and no CUDA on CPU",
+        "the same zigzag slice (chunks r and 2*cp-1-r of 2*cp) with the indices on the table's device",
+    ),
+    Assumption(
         "te-general-gemm",
         "megatron.core.transformer.moe.moe_utils.te_general_gemm",
         "name only bound when Transformer Engine imports: NameError in the router without TE",
@@ -416,6 +424,18 @@ def _set_cuda_rng_state(*args, **kwargs):
     return None
 
 
+def _get_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    # Megatron's version (rope_utils.py) with the chunk indices on pos_emb's device instead of a
+    # pinned host tensor moved to CUDA (see ASSUMPTIONS, rope-cp-slice).
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[(seq_dim + 1):])
+    pos_emb = pos_emb.index_select(seq_dim, cp_idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[(seq_dim + 2):])
+
+
 def _set_main_param_and_optimizer_states(self, model_param, tensors):
     # Megatron's version without precision-aware optimizer, minus the 'step' key (see
     # ASSUMPTIONS, torch-adam-distopt-load): copy the saved main param and moments in place.
@@ -489,6 +509,11 @@ def activate(device: str | torch.device | None = None) -> bool:
         _set(moe_utils, "te_general_gemm", None)
     _set(moe_utils, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
+
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    _set(rope_utils, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank)
+    _set(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank)
 
     from megatron.core.optimizer import clip_grads, optimizer as moptimizer
 

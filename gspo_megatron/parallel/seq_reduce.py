@@ -43,6 +43,7 @@ __all__ = [
     "padded_length",
     "pad_cu_seqlens",
     "pack_sequences",
+    "zigzag_positions",
     "zigzag_split",
     "zigzag_merge",
     "zigzag_packed_indices",
@@ -258,6 +259,21 @@ def _zigzag_chunks(cp_size: int, cp_rank: int) -> tuple[int, int]:
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} out of range for cp_size {cp_size}")
     return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def zigzag_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The positions ``[0, length)`` of one sequence that CP rank ``cp_rank`` holds, in its local
+    order (``arange(length)`` when ``cp_size == 1``): what :func:`zigzag_split` takes. The trainer
+    builds targets and masks on the full sequence and then indexes them with these
+    (train/batch.py); Megatron's RoPE slices its table the same way (rope_utils.py,
+    get_pos_emb_on_this_cp_rank)."""
+    if cp_size == 1:
+        return torch.arange(length)
+    if length % (2 * cp_size):
+        raise ValueError(f"sequence length {length} is not a multiple of 2*cp = {2 * cp_size}")
+    a, b = _zigzag_chunks(cp_size, cp_rank)
+    c = length // (2 * cp_size)
+    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
 
 
 def zigzag_split(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = -1) -> torch.Tensor:
