@@ -35,7 +35,8 @@ class ParallelConfig:
     ep: int = 1
     # Expert tensor parallel size (each expert's FFN split over etp ranks).
     etp: int = 1
-    # Context parallel size (each sequence split over cp ranks; needs Transformer Engine on GPU).
+    # Context parallel size (each sequence split over cp ranks in Megatron's zigzag layout; TE
+    # attention on GPU, the CPU runtime's attention on CPU).
     cp: int = 1
     # Sequence parallelism inside the TP group (norms / dropout on 1/tp of the tokens); needs tp > 1.
     sequence_parallel: bool = False
@@ -535,6 +536,9 @@ class TrainConfig:
     # Activation recompute: none; selective (Megatron selective recompute of core attention,
     # MoE activation and layernorms); full (each layer recomputed from its input).
     recompute: Literal["none", "selective", "full"] = "none"
+    # Pack each microbatch's sequences into one THD row (attention stays within each sequence;
+    # padding only to what CP and SP need); false = right-padded [b, s] rows.
+    packing: bool = True
 
     def __post_init__(self):
         _positive("train.max_steps", self.max_steps, allow_zero=True)

@@ -32,7 +32,10 @@ Memory per GPU (bytes; b = bytes of model.dtype, 4 for float32):
                 use_distributed_optimizer by the ranks sharing the parameter: DP*CP for dense
                 parameters, expert-DP for expert parameters
   activations = stored tensors of the stage's layers for the microbatches in flight, with
-                T = train.micro_batch_tokens / CP tokens per rank and microbatch:
+                T = train.micro_batch_tokens / CP tokens per rank and microbatch (with
+                train.packing a microbatch is filled up to that budget with real tokens plus
+                padding to 2*CP per sequence; padded [b, s] microbatches also stay within it,
+                but part of T is then padding):
       attention, per token: 2H (norm in/out) [/TP with SP] + ((nq + 2nkv) + (nq + nkv) + nq)*hd/TP
                             (qkv, normed+roped q/k, attention output; flash attention: no s^2 term)
       MoE, per token:       2H (norm in/out) [/TP with SP] + 2*4*E/TP (fp32 router logits, probs)
@@ -350,7 +353,8 @@ def plan(config: Config, world_size: int) -> dict:
             "Adam: fp32 master (16-bit dtypes) + m + v = 12 (or 8) bytes/param, sharded over "
             "DP*CP (dense) / expert-DP (experts) with the distributed optimizer",
             "activations: flash attention, balanced MoE routing without capacity factor, "
-            "T = micro_batch_tokens/CP per microbatch, PP-s microbatches in flight on stage s "
+            "T = micro_batch_tokens/CP per microbatch (" + ("packed THD" if config.train.packing else
+                                                             "padded [b, s]") + "), PP-s microbatches in flight on stage s "
             "(1F1B), " + ("fused log-probs (hidden states + fp32 blocks, no logits)"
                           if config.model.fused_logprobs else "fp32 logits + softmax") + " on the last stage",
             "not counted: CUDA context, NCCL buffers, fragmentation, colocated SGLang",

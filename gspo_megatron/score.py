@@ -1,6 +1,6 @@
 """Score sequences with a Qwen3-MoE policy on Megatron-Core: per-token log-probs.
 
-    torchrun --nproc-per-node N -m gspo_megatron.score --hf-dir DIR --tp T --pp P --ep E \\
+    torchrun --nproc-per-node N -m gspo_megatron.score --hf-dir DIR --tp T --pp P --ep E --cp C \\
         --input in.jsonl --output out.jsonl
 
 Input lines: {"input_ids": [...]}. Output lines, same order: {"token_logprobs": [...]} with
@@ -25,10 +25,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (carved from TP x DP)")
     p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (each sequence split over CP ranks)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallel (default: on when --tp > 1)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096,
-                   help="token budget of one padded microbatch (sequences x padded length)")
+                   help="token budget of one microbatch (packed: sum of lengths; padded: sequences x length)")
+    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                   help="pack sequences into THD microbatches (default) instead of padded [b, s] rows")
     p.add_argument("--temperature", type=float, default=1.0, help="score softmax(logits / T)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -73,8 +76,8 @@ def main(argv=None) -> int:
         from gspo_megatron.train.scoring import score_sequences
 
         sp = args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel
-        parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, sequence_parallel=sp,
-                                  device=args.device)
+        parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp,
+                                  sequence_parallel=sp, device=args.device)
         dtype = parse_dtype(args.dtype)
         # Everything that can be checked without process groups is checked first, on every rank.
         if args.load:
@@ -97,7 +100,8 @@ def main(argv=None) -> int:
 
                 load_mcore_into_model(chunks, args.load)
             out = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size,
-                                  micro_batch_tokens=args.micro_batch_tokens, temperature=args.temperature)
+                                  micro_batch_tokens=args.micro_batch_tokens, temperature=args.temperature,
+                                  packed=args.packing)
             if ctx.rank == 0:
                 atomic_write_text(args.output, "".join(json.dumps({"token_logprobs": lp}) + "\n" for lp in out))
         finally:

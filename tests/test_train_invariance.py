@@ -60,7 +60,8 @@ def reference_loss_and_grads(model, samples, eps_low, eps_high, kl=False):
     return float(loss.detach()), float(metrics["clip_frac"]), grads
 
 
-def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=False, fused=False, recompute="none"):
+def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=False, fused=False, recompute="none",
+                packed=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from gspo_megatron.config import ParallelConfig
@@ -81,7 +82,7 @@ def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=Fals
     tot_cfg = {k: getattr(tcfg, k) for k in ("recompute_granularity", "recompute_method", "recompute_modules")}
     model = wrap_ddp(chunks, tcfg)
     mbs, _ = plan_minibatch(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=token_budget,
-                            multiple=pad_multiple(par))
+                            multiple=pad_multiple(par), cp=par.cp, cp_rank=ctx.cp_rank, packed=packed)
     for mb in mbs:
         mb.old_logprobs = mb.engine_logprobs
         if kl:
@@ -90,7 +91,7 @@ def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=Fals
     step = policy_loss_step(ctx, arch.vocab_size, settings)
     reports = get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
-        seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=mbs[0].tokens.shape[0],
+        seq_length=max(mb.seq_length for mb in mbs), micro_batch_size=mbs[0].micro_batch_size,
         forward_only=False)
     reporter = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0
     tot = reduce_report(reports, reporter, ("loss", "sequences", "clip_frac"), ctx.device)
@@ -120,13 +121,44 @@ CASES = [
 ]
 
 
+CP_CASES = [  # context parallelism (padded [b, s] and packed THD) and packing at the other layouts
+    pytest.param(2, dict(cp=2), 10_000, False, id="cp2-padded"),
+    pytest.param(2, dict(cp=2), 40, True, id="cp2-packed-many-micro"),
+    pytest.param(4, dict(cp=2, tp=2, sequence_parallel=True), 10_000, False, id="cp2xtp2-sp-padded"),
+    pytest.param(4, dict(cp=2, tp=2, sequence_parallel=True), 10_000, True, id="cp2xtp2-sp-packed"),
+    pytest.param(4, dict(cp=2, ep=2), 40, True, id="cp2xep2-packed"),
+    pytest.param(1, dict(), 40, True, id="tp1-packed-many-micro"),
+    pytest.param(2, dict(tp=2, sequence_parallel=True), 10_000, True, id="tp2-sp-packed"),
+    pytest.param(2, dict(pp=2), 40, True, id="pp2-packed"),
+    pytest.param(2, dict(ep=2), 40, True, id="ep2-packed"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,layout,budget,packed", CP_CASES)
+def test_context_parallel_and_packed_steps_match_the_reference(setup, world, layout, budget, packed):
+    """CP splits every sequence into zigzag chunks (targets and masks built on the full sequence
+    first; the per-sequence statistics summed over CP, the sequence count taken once); packing
+    puts a microbatch's sequences in one THD row. Loss and every gradient equal the single-process
+    reference. Before CP was split in the trainer every CP rank held whole sequences: on CPU
+    Megatron's attention refused cp > 1, and on a GPU the gradients came out cp times too large
+    (every CP rank back-propagated every token, the count was taken once) with TE attending over
+    the wrong positions."""
+    _check_against_reference(setup, world, layout, budget, (3e-4, 4e-4), packed=packed)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("eps", [(3e-4, 4e-4), (0.2, 0.27)], ids=["paper-eps", "grpo-eps"])
 @pytest.mark.parametrize("world,layout,budget", CASES)
 def test_gspo_step_matches_single_process_reference(setup, world, layout, budget, eps):
+    _check_against_reference(setup, world, layout, budget, eps)
+
+
+def _check_against_reference(setup, world, layout, budget, eps, packed=False):
     hf_dir, model, samples = setup
     ref_loss, ref_clip, ref_grads = reference_loss_and_grads(model, samples, *eps)
-    tot, grads, n_micro = run_distributed(_rank_train, world, hf_dir, layout, samples, budget, eps, timeout=280)[0]
+    tot, grads, n_micro = run_distributed(_rank_train, world, hf_dir, layout, samples, budget, eps, False, False,
+                                          "none", packed, timeout=280)[0]
     if budget < 100:
         assert n_micro >= 2  # the microbatch split is really exercised
     n = tot["sequences"]

@@ -225,8 +225,9 @@ def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank:
     """TransformerBlockSubmodules for this rank's layers.
 
     GPU: Megatron's Transformer Engine spec (grouped-GEMM experts, fused norm+QKV).
-    CPU: Megatron's local spec with every RMSNorm swapped for `SPRMSNorm`: the local spec's torch
-    norm refuses sequence parallel, which MoE+TP training requires.
+    CPU: Megatron's local spec with every RMSNorm swapped for `SPRMSNorm` (the local spec's torch
+    norm refuses sequence parallel, which MoE+TP training requires) and the core attention for
+    `CpuCoreAttention` (parallel/cp_attention.py: context parallelism and packed THD sequences).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
@@ -244,11 +245,15 @@ def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank:
         return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=TENorm)
 
     from gspo_megatron.model.norm import SPRMSNorm
+    from gspo_megatron.parallel.cp_attention import CpuCoreAttention
 
     layer = specs.get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, qk_layernorm=True, normalization="RMSNorm"
     )
     sub = layer.submodules
+    # Megatron's local DotProductAttention refuses CP and packed THD sequences; the CPU runtime's
+    # attention does both (a test vehicle; on GPU TE's attention does).
+    sub.self_attention.submodules.core_attention = CpuCoreAttention
     sub.input_layernorm = SPRMSNorm
     sub.pre_mlp_layernorm = SPRMSNorm
     sub.self_attention.submodules.q_layernorm = SPRMSNorm

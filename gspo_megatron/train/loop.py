@@ -23,7 +23,7 @@ from gspo_megatron.algorithms import group_advantages
 from gspo_megatron.model.export import iter_hf_tensors
 from gspo_megatron.rollout.base import Sample, SamplingParams
 from gspo_megatron.train import checkpoint
-from gspo_megatron.train.batch import TrainSample, plan_minibatch, split_minibatches
+from gspo_megatron.train.batch import TrainSample, split_minibatches
 from gspo_megatron.train.loss import WEIGHTED_METRICS, LossSettings, fill_logprobs_step, policy_loss_step, sft_loss_step
 from gspo_megatron.train.metrics import MetricsWriter, plot, reduce_report
 from gspo_megatron.train.setup import RunParts, setup_run
@@ -50,12 +50,12 @@ def _run_schedule(parts: RunParts, step_fn, microbatches, *, forward_only: bool)
 
     for m in parts.model:
         m.train(not forward_only)
-    seq = max(mb.tokens.shape[1] for mb in microbatches)
+    seq = max(mb.seq_length for mb in microbatches)
     ctx = torch.no_grad() if forward_only else torch.enable_grad()
     with ctx:
         return get_forward_backward_func()(
             forward_step_func=step_fn, data_iterator=iter(microbatches), model=parts.model,
-            num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=microbatches[0].tokens.shape[0],
+            num_microbatches=len(microbatches), seq_length=seq, micro_batch_size=microbatches[0].micro_batch_size,
             forward_only=forward_only,
         )
 
@@ -114,8 +114,7 @@ def sft_warmup(parts: RunParts, writer: MetricsWriter | None) -> None:
     for s in range(steps):
         samples = parts.prompts.demonstrations(batch, rng) if ctx.rank == 0 else None
         samples = _broadcast(samples)
-        mbs, _ = plan_minibatch(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=cfg.train.micro_batch_tokens,
-                                multiple=parts.seq_multiple, pad_id=parts.pad_id)
+        mbs, _ = parts.plan(samples)
         reports, _ = _optimizer_step(parts, opt, None, sft_loss_step(ctx, parts.arch.vocab_size), mbs)
         tot = reduce_report(reports, _reporter(parts), ("nll_sum", "tokens"), ctx.device)
         if writer is not None and (s % 10 == 0 or s == steps - 1):
@@ -182,9 +181,7 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
     cfg, ctx = parts.cfg, parts.ctx
     minibatches = []
     for idx in split_minibatches(len(samples), cfg.train.minibatches_per_step):
-        mbs, n_seq = plan_minibatch([samples[i] for i in idx], dp=ctx.dp, dp_rank=ctx.dp_rank,
-                                    token_budget=cfg.train.micro_batch_tokens, multiple=parts.seq_multiple,
-                                    pad_id=parts.pad_id)
+        mbs, n_seq = parts.plan([samples[i] for i in idx])
         minibatches.append(mbs)
     flat = [mb for mbs in minibatches for mb in mbs]
     t0 = time.perf_counter()
@@ -256,7 +253,8 @@ def startup_summary(parts: RunParts) -> str:
         f"sequence_parallel {'on' if p.sequence_parallel else 'off'}) on {ctx.device.type}",
         f"model {n['total'] / 1e6:.2f}M parameters, {n['active'] / 1e6:.2f}M active, {cfg.model.dtype}, from {src}",
         f"optimizer {'distributed' if opt['use_distributed_optimizer'] else 'plain'} Adam, lr {cfg.optimizer.lr:g}, "
-        f"master weights {opt['master_weights']}, recompute {cfg.train.recompute}",
+        f"master weights {opt['master_weights']}, recompute {cfg.train.recompute}, microbatches "
+        f"{'packed (THD)' if cfg.train.packing else 'padded [b, s]'} of {cfg.train.micro_batch_tokens} tokens",
         f"data {data}, reward {cfg.reward.fn or 'from the task'}, {cfg.rollout.prompts_per_step} prompts x "
         f"{cfg.rollout.samples_per_prompt} samples per step, {cfg.train.max_steps} steps",
         f"loss {cfg.loss.type} (eps {cfg.loss.eps_low:g}/{cfg.loss.eps_high:g}), rollouts {cfg.rollout.backend}",

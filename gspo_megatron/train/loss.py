@@ -77,12 +77,22 @@ def _positions(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
 
 
-def token_logprobs(ctx, model, output, tokens, vocab_size: int, temperature: float = 1.0,
+def forward_model(ctx, model, mb: MicroBatch):
+    """The model's forward on a microbatch: padded [b, s], or packed THD with PackedSeqParams
+    (the position ids are unused: RoPE positions come from the sequence, or from cu_seqlens)."""
+    params = mb.packed_seq_params(ctx.cp_group)
+    if params is None:
+        return model(mb.tokens, _positions(mb.tokens), None)
+    return model(mb.tokens, _positions(mb.tokens), None, packed_seq_params=params)
+
+
+def token_logprobs(ctx, model, output, targets, vocab_size: int, temperature: float = 1.0,
                    entropy: bool = False):
-    """log p(token t+1 | <= t) [b, s] (and entropy) from the last stage's output: the logits
-    shard, or the final hidden states when the model has the hidden head (model.fused_logprobs)."""
+    """log p(targets | prefix) in the model input's layout (and entropy) from the last stage's
+    output: the logits shard, or the final hidden states when the model has the hidden head
+    (model.fused_logprobs). `targets` are built on the full sequence (train/batch.py), so they
+    are right under context parallelism, where a rank's next position is often another rank's."""
     kw = dict(group=ctx.tp_group, temperature=temperature, vocab_size=vocab_size, return_entropy=entropy)
-    targets = torch.roll(tokens, -1, 1)
     weight = head_weight(model)
     if weight is None:
         return vocab_parallel_log_probs(output, targets, **kw)
@@ -90,16 +100,21 @@ def token_logprobs(ctx, model, output, tokens, vocab_size: int, temperature: flo
 
 
 def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
-    """forward_step for one GSPO/GRPO update over MicroBatches carrying old (and ref) log-probs."""
+    """forward_step for one GSPO/GRPO update over MicroBatches carrying old (and ref) log-probs.
+
+    The sequence statistics (log-ratio sums, token counts, ...) are per row of this rank's
+    positions; under CP they are summed over the CP group (two scalars per sequence), so every
+    CP rank computes the same per-sequence loss and back-propagates through its own tokens; the
+    sequence count is reported by CP rank 0 only (Megatron sums counts over DP x CP)."""
     loss_impl = LOSSES[settings.type]
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator).to_(ctx.device)
-        tokens = mb.tokens
-        output = model(tokens, _positions(tokens), None)
+        output = forward_model(ctx, model, mb)
 
         def loss_func(output):
-            lp, ent = token_logprobs(ctx, model, output, tokens, vocab_size, settings.temperature, entropy=True)
+            lp, ent = token_logprobs(ctx, model, output, mb.targets, vocab_size, settings.temperature, entropy=True)
+            lp, ent = mb.to_rows(lp), mb.to_rows(ent)
             ent = ent if settings.entropy_coef else ent.detach()
             stats = gspo_sequence_stats(
                 lp, mb.old_logprobs, mb.loss_mask, ref_log_probs=mb.ref_logprobs, entropy=ent,
@@ -121,17 +136,17 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
 
 
 def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str):
-    """Forward-only step storing token log-probs [b, s] on each MicroBatch as `attr` (last stage)."""
+    """Forward-only step storing token log-probs (rows layout) on each MicroBatch as `attr`
+    (last stage)."""
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator).to_(ctx.device)
-        tokens = mb.tokens
-        output = model(tokens, _positions(tokens), None)
+        output = forward_model(ctx, model, mb)
 
         def loss_func(output):
-            lp = token_logprobs(ctx, model, output, tokens, vocab_size, temperature)
-            setattr(mb, attr, lp.detach().float())
-            return torch.zeros((), device=tokens.device), {}
+            lp = token_logprobs(ctx, model, output, mb.targets, vocab_size, temperature)
+            setattr(mb, attr, mb.to_rows(lp.detach().float()))
+            return torch.zeros((), device=ctx.device), {}
 
         return output, loss_func
 
@@ -139,20 +154,27 @@ def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str):
 
 
 def sft_loss_step(ctx, vocab_size: int):
-    """Supervised warm start: token NLL on the loss mask; count = tokens (per-token mean)."""
+    """Supervised warm start: token NLL on the loss mask; count = tokens (per-token mean). Under
+    CP each rank counts its own tokens (Megatron sums the counts over DP x CP); the reported sums
+    are CP-reduced so the CP-rank-0 reporter has the whole sequences'."""
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator).to_(ctx.device)
-        tokens = mb.tokens
-        output = model(tokens, _positions(tokens), None)
+        output = forward_model(ctx, model, mb)
 
         def loss_func(output):
-            lp = token_logprobs(ctx, model, output, tokens, vocab_size)
+            lp = mb.to_rows(token_logprobs(ctx, model, output, mb.targets, vocab_size))
             mask = mb.loss_mask
             nll = -(lp * mask).sum()
             n = int(mask.sum())
-            count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int, device=ctx.device)
-            return nll, count, {"nll_sum": nll.detach(), "tokens": torch.tensor(float(n), device=ctx.device)}
+            count = torch.tensor(n, dtype=torch.int, device=ctx.device)
+            sums = torch.stack([nll.detach(), torch.tensor(float(n), device=ctx.device, dtype=nll.dtype)])
+            if ctx.parallel.cp > 1:
+                import torch.distributed as dist
+
+                sums = sums.clone()
+                dist.all_reduce(sums, group=ctx.cp_group)
+            return nll, count, {"nll_sum": sums[0], "tokens": sums[1]}
 
         return output, loss_func
 

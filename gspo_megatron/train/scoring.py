@@ -32,36 +32,44 @@ def score_sequences(
     vocab_size: int,
     micro_batch_tokens: int = 4096,
     temperature: float = 1.0,
+    packed: bool = True,
 ) -> list[list[float]] | None:
-    """Token log-probs for each sequence (len-1 floats each) on global rank 0; None elsewhere."""
+    """Token log-probs for each sequence (len-1 floats each) on global rank 0; None elsewhere.
+    Under context parallelism every CP rank scores its zigzag chunks of each sequence; rank 0
+    puts them back in order by position."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     multiple = pad_multiple(ctx.parallel)
     samples = [TrainSample(list(s[:1]), list(s[1:]), 0.0) for s in sequences]
     groups, mbs = plan_microbatches(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=micro_batch_tokens,
-                                    multiple=multiple)
+                                    multiple=multiple, cp=ctx.parallel.cp, cp_rank=ctx.cp_rank, packed=packed)
     for m in models:
         m.eval()
     with torch.no_grad():
         get_forward_backward_func()(
             forward_step_func=fill_logprobs_step(ctx, vocab_size, temperature, "old_logprobs"),
             data_iterator=iter(mbs), model=models, num_microbatches=len(mbs),
-            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=mbs[0].tokens.shape[0],
+            seq_length=max(mb.seq_length for mb in mbs), micro_batch_size=mbs[0].micro_batch_size,
             forward_only=True,
         )
-    local: dict[int, list[float]] = {}
-    if ctx.is_last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0:
+    local: dict[int, tuple[list[int], list[float]]] = {}
+    if ctx.is_last_stage and ctx.tp_rank == 0:
         for g, mb in zip(groups, mbs):
             for row, idx in enumerate(g):
-                local[idx] = mb.old_logprobs[row][mb.loss_mask[row]].tolist()
+                m = mb.loss_mask[row].cpu()
+                local[idx] = (mb.positions[row].cpu()[m].tolist(), mb.old_logprobs[row].cpu()[m].tolist())
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if ctx.rank != 0:
         return None
-    merged: dict[int, list[float]] = {}
+    merged: dict[int, dict[int, float]] = {}
     for part in gathered:
-        merged.update(part)
-    missing = [i for i in range(len(sequences)) if i not in merged]
-    if missing:
-        raise RuntimeError(f"scoring lost sequences {missing[:5]} (internal error)")
-    return [merged[i] for i in range(len(sequences))]
+        for idx, (pos, lps) in part.items():
+            merged.setdefault(idx, {}).update(zip(pos, lps))
+    out = []
+    for i, seq in enumerate(sequences):
+        got = merged.get(i, {})
+        if sorted(got) != list(range(len(seq) - 1)):
+            raise RuntimeError(f"scoring lost positions of sequence {i} (internal error)")
+        out.append([got[t] for t in range(len(seq) - 1)])
+    return out

@@ -127,8 +127,8 @@ class ReferencePolicy:
             get_forward_backward_func()(
                 forward_step_func=fill_logprobs_step(p.ctx, p.arch.vocab_size, temperature, "ref_logprobs"),
                 data_iterator=iter(microbatches), model=self.chunks, num_microbatches=len(microbatches),
-                seq_length=max(mb.tokens.shape[1] for mb in microbatches),
-                micro_batch_size=microbatches[0].tokens.shape[0], forward_only=True,
+                seq_length=max(mb.seq_length for mb in microbatches),
+                micro_batch_size=microbatches[0].micro_batch_size, forward_only=True,
             )
 
 
@@ -153,6 +153,16 @@ class RunParts:
     seq_multiple: int
     pad_id: int
     stop_ids: list[int]
+
+    def plan(self, samples: list) -> tuple[list, int]:
+        """This rank's microbatches of one minibatch (DP, CP, packing as configured) and the
+        minibatch's global sequence count (train/batch.py plan_minibatch)."""
+        from gspo_megatron.train.batch import plan_minibatch
+
+        c = self.ctx
+        return plan_minibatch(samples, dp=c.dp, dp_rank=c.dp_rank, token_budget=self.cfg.train.micro_batch_tokens,
+                              multiple=self.seq_multiple, pad_id=self.pad_id, cp=c.parallel.cp, cp_rank=c.cp_rank,
+                              packed=self.cfg.train.packing)
 
     def export_config(self) -> dict:
         """config.json of the policy as an HF model (exports and checkpoints carry it)."""
