@@ -336,7 +336,8 @@ class LossConfig:
 class SGLangConfig:
     # Base URLs of running SGLang servers (http://host:port); used when launch is false.
     urls: list[str] = field(default_factory=list)
-    # Start the servers ourselves (colocated with the trainer) instead of using urls.
+    # Start the servers ourselves (from global rank 0: single-process runs and tests; colocated
+    # training on the same GPUs is not supported yet) instead of using urls.
     launch: bool = False
     # Model the servers load at start; null = model.hf_dir.
     model_path: Optional[str] = None
@@ -353,7 +354,7 @@ class SGLangConfig:
     api_key: Optional[str] = None
     # How new policy weights reach the servers: "disk" (HF safetensors in shared_dir +
     # update_weights_from_disk), "distributed" (NCCL broadcast group), "tensor" (CUDA IPC
-    # handles; colocated only).
+    # handles; servers on the trainer's node).
     weight_sync: Literal["disk", "distributed", "tensor"] = "disk"
     # Weight-sync bucket size, MiB (distributed / tensor).
     bucket_mb: int = 512

@@ -1,11 +1,22 @@
 """TEST DOUBLE of an SGLang server's HTTP API — not SGLang, never used outside tests.
 
-It speaks the subset of SGLang's native HTTP API that `SGLangEngine` uses, with SGLang's field
-names and shapes (REFERENCE.md, SGLang's docs): ``/generate`` (``input_ids`` single or batched,
+It speaks the subset of SGLang 0.5.23's native HTTP API that `SGLangEngine` uses, with SGLang's
+field names and shapes, and refuses what that SGLang refuses:
+  * a request field not declared for its route in gspo_megatron/rollout/sglang_api.py (the table
+    tests/test_sglang_contract.py checks against SGLang's source): HTTP 422, FastAPI-style;
+  * ``/update_weights_from_distributed`` / ``/update_weights_from_tensor`` outside a
+    ``/begin_weight_update`` ... ``/end_weight_update`` session: 400 with SGLang's message
+    (scheduler_components/weight_updater.py); a second begin while one is open: 400;
+  * the four weight-group / distributed / tensor routes on a server with ``dp_size > 1``: 500
+    (tokenizer_control_mixin.py asserts dp_size == 1);
+  * routes SGLang 0.5.23 does not have (``/get_weight_version``): 404. The weight version is in
+    ``/model_info``.
+``/generate`` (``input_ids`` single or batched,
 ``sampling_params`` dict or list, ``return_logprob``, ``rid``; answers ``text``, ``output_ids``,
 ``meta_info`` {``id``, ``finish_reason`` {type, ...}, ``prompt_tokens``, ``completion_tokens``,
 ``output_token_logprobs`` [[logprob, token_id, null], ...], ``weight_version``}), ``/health``,
-``/health_generate``, ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``,
+``/health_generate``, ``/model_info``, ``/get_model_info``, ``/server_info``, ``/get_server_info``
+(deprecated in SGLang, still answered), ``/begin_weight_update``, ``/end_weight_update``,
 ``/flush_cache`` (400 while "busy"), ``/abort_request`` ({abort_all} or {rid}),
 ``/update_weights_from_disk``, ``/init_weights_update_group`` + ``/update_weights_from_distributed``
 (joins the trainer's group over gloo and receives the broadcasts), ``/destroy_weights_update_group``,
@@ -42,6 +53,9 @@ from typing import Any
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:  # run as a script: make gspo_megatron importable
     sys.path.insert(0, _REPO)
+
+
+from gspo_megatron.rollout.sglang_api import ENDPOINTS, SESSION_ROUTES  # noqa: E402
 
 
 @dataclass
@@ -105,6 +119,7 @@ class SGLangDouble:
         self._arrived = 0
         self._groups: dict[str, Any] = {}
         self.memory_released = False
+        self.session_open = False  # a /begin_weight_update ... /end_weight_update session
         self.httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._rr = 0
@@ -360,7 +375,10 @@ class SGLangDouble:
         if not isinstance(sers, list) or len(sers) != self.tp_size:
             return 400, {"success": False, "message": f"serialized_named_tensors must have one entry per TP rank ({self.tp_size})"}
         try:
-            named = deserialize_named_tensors(sers[0])  # this double is TP rank 0
+            per_rank = [deserialize_named_tensors(x) for x in sers]  # every TP rank loads its own entry
+            if any([n for n, _ in r] != [n for n, _ in per_rank[0]] for r in per_rank):
+                raise ValueError("the TP ranks' payloads name different tensors")
+            named = per_rank[0]
             with self._lock:
                 self._copy_weights(named, complete=False)
                 if body.get("weight_version") is not None:
@@ -368,6 +386,27 @@ class SGLangDouble:
         except Exception as e:
             return 400, {"success": False, "message": f"Failed to update weights from tensor: {e}"}
         return 200, {"success": True, "message": "Success"}
+
+    # weight-update sessions (SGLang 0.5.23, scheduler_components/weight_updater.py)
+    def begin_weight_update(self, body: dict) -> tuple[int, Any]:
+        with self._meta:
+            if self.session_open:
+                return 400, {"success": False, "message": "a weight-update session is already open; "
+                                                          "call end_weight_update() first"}
+            self.session_open = True
+        return 200, {"success": True, "message": "Success"}
+
+    def end_weight_update(self, body: dict) -> tuple[int, Any]:
+        with self._meta:
+            if not self.session_open:
+                return 400, {"success": False,
+                             "message": "no weight-update session is open; call begin_weight_update() first"}
+            self.session_open = False
+        return 200, {"success": True, "message": "Success"}
+
+    def model_info(self) -> dict:
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+                "weight_version": self.weight_version, "model_type": "qwen3_moe"}
 
     def server_info(self) -> dict:
         return {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
@@ -392,12 +431,27 @@ class SGLangDouble:
             return self._route_router(method, path, body)
         if path == "/generate":
             return self.generate(body or {})
-        if path == "/get_model_info":
-            return 200, {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
+        ep = ENDPOINTS.get(path)
+        if ep is not None and ep.request_class is not None:
+            unknown = sorted(set(body or {}) - ep.fields)
+            if unknown:
+                return 422, {"detail": [{"type": "extra_forbidden", "loc": ["body", k],
+                                         "msg": f"not a field of {ep.request_class} this client may send"}
+                                        for k in unknown]}
+        if self.dp_size > 1 and path in DP1_ONLY:
+            return 500, {"detail": f"AssertionError: data-parallel replicas are not supported for {path}"}
+        if path in ("/model_info", "/get_model_info"):
+            return 200, self.model_info()
         if path in ("/get_server_info", "/server_info"):
             return 200, self.server_info()
-        if path == "/get_weight_version":
-            return 200, {"weight_version": self.weight_version}
+        if path == "/begin_weight_update":
+            return self.begin_weight_update(body or {})
+        if path == "/end_weight_update":
+            return self.end_weight_update(body or {})
+        if path in SESSION_ROUTES and not self.session_open:
+            what = path.lstrip("/")
+            return 400, {"success": False,
+                         "message": f"{what} must run between begin_weight_update() and end_weight_update()"}
         if path == "/flush_cache":
             return self.flush_cache()
         if path == "/abort_request":
@@ -433,6 +487,11 @@ class SGLangDouble:
             status, data = ServerClient(url, api_key=self.api_key).request_once("POST", path, body)
             return status, _Raw(data)
         return 404, {"detail": "Not Found"}
+
+
+# routes SGLang 0.5.23 asserts dp_size == 1 for (managers/tokenizer_control_mixin.py)
+DP1_ONLY = frozenset({"/init_weights_update_group", "/destroy_weights_update_group",
+                      "/update_weights_from_distributed", "/update_weights_from_tensor"})
 
 
 class _Raw(bytes):

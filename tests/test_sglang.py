@@ -11,6 +11,7 @@ over-sampled groups. Every wait is bounded (request and readiness timeouts; pyte
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -286,6 +287,10 @@ def test_launch_and_distributed_sync_over_gloo(model_dir, prompts, model_a, mode
         names = [n for u in upd if u["weight_version"] == "1" for n in u["names"]]
         assert sorted(names) == sorted(n for n, _ in hub_tensors(model_b))
         assert all(set(u["dtypes"]) == {"float32"} and len(u["shapes"]) == len(u["names"]) for u in upd)
+        # every push inside its own weight-update session (SGLang 0.5.23 refuses it otherwise)
+        seq = [r["path"] for r in recs if "weight_update" in r["path"] or r["path"] == "/update_weights_from_distributed"]
+        pushes = "".join("b" if p == "/begin_weight_update" else "e" if p == "/end_weight_update" else "u" for p in seq)
+        assert re.fullmatch(r"(bu+e){2}", pushes), pushes
         with open(eng.procs.log_paths[0]) as f:
             log = f.read()
         assert "--tp-size 1" in log and "--api-key k3y" in log and "--dtype float32" in log
@@ -559,3 +564,79 @@ def test_real_sglang_logprobs_and_weight_sync(mode, tmp_path, tok):
         assert eng.server_weight_versions() == {eng.workers[0].url: "1"}
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------------------------ SGLang 0.5.23 as it is
+def _paths(dbl) -> list[str]:
+    return [r.path for r in dbl.records]
+
+
+def test_tensor_sync_opens_and_closes_a_session_per_push_with_per_rank_payloads(model_dir, model_a, model_b,
+                                                                                monkeypatch):
+    """SGLang 0.5.23 applies update_weights_from_tensor only inside /begin_weight_update ...
+    /end_weight_update (the double refuses it otherwise, as the server does); every TP rank's
+    entry is serialized on its own (SGLang's Engine: one payload per rank)."""
+    from gspo_megatron.rollout import weight_sync
+
+    calls = []
+    real = weight_sync.serialize_named_tensors
+    monkeypatch.setattr(weight_sync, "serialize_named_tensors", lambda b: calls.append(len(b)) or real(b))
+    with start_double_and_engine(model_dir, double_kw={"tp_size": 2}, weight_sync="tensor",
+                                 bucket_mb=0.05, **FAST) as (dbl, eng):
+        for v in (1, 2):
+            eng.update_weights(hub_tensors(model_b if v == 1 else model_a), version=v)
+        seq = [p for p in _paths(dbl) if "weight_update" in p or p == "/update_weights_from_tensor"]
+        n = len(dbl.calls("/update_weights_from_tensor"))
+        assert n >= 4 and seq[0] == "/begin_weight_update" and seq[-1] == "/end_weight_update"
+        assert seq.count("/begin_weight_update") == seq.count("/end_weight_update") == 2  # one per push
+        first = seq.index("/end_weight_update")
+        assert set(seq[1:first]) == {"/update_weights_from_tensor"}
+        assert len(calls) == 2 * n  # two TP ranks, each entry serialized separately
+        assert not dbl.session_open
+
+
+def test_a_failed_push_still_closes_its_session(model_dir, model_b):
+    """A bucket the server refuses: the push fails naming the server, and the session is still
+    closed (else the next /begin_weight_update would be refused: 'already open')."""
+    with start_double_and_engine(model_dir, weight_sync="tensor", bucket_mb=0.05, **FAST) as (dbl, eng):
+        bad = [("model.layers.0.mlp.gate.weight", torch.ones(3, 3))] + hub_tensors(model_b)  # wrong shape
+        with pytest.raises(Exception, match="update_weights_from_tensor|shape"):
+            eng.update_weights(iter(bad), version=1)
+        assert _paths(dbl).count("/begin_weight_update") == _paths(dbl).count("/end_weight_update") == 1
+        assert not dbl.session_open
+        eng.update_weights(hub_tensors(model_b), version=2)  # a new session opens fine
+        assert dbl.weight_version == "2"
+
+
+def test_the_double_refuses_what_sglang_refuses(model_dir):
+    """Outside a session, unknown fields, dp > 1 for weight pushes, routes 0.5.23 does not have."""
+    from gspo_megatron.rollout.sglang_api import payload
+
+    with SGLangDouble(model_dir) as dbl:
+        c = ServerClient(dbl.url)
+        st, data = c.request_once("POST", "/update_weights_from_distributed",
+                                  payload("/update_weights_from_distributed", names=[], dtypes=[], shapes=[]))
+        assert st == 400 and b"must run between begin_weight_update() and end_weight_update()" in data
+        st, _ = c.request_once("POST", "/update_weights_from_disk", {"model_path": "x", "flush_caches": False})
+        assert st == 422
+        st, _ = c.request_once("GET", "/get_weight_version", None)
+        assert st == 404
+        assert c.get("/model_info")["weight_version"] == "default"
+        assert c.request_once("POST", "/begin_weight_update", {})[0] == 200
+        assert c.request_once("POST", "/begin_weight_update", {})[0] == 400  # already open
+        assert c.request_once("POST", "/end_weight_update", {})[0] == 200
+    with SGLangDouble(model_dir, dp_size=2) as dbl:
+        st, _ = ServerClient(dbl.url).request_once("POST", "/update_weights_from_tensor",
+                                                   {"serialized_named_tensors": []})
+        assert st == 500
+    with pytest.raises(KeyError, match="flush_caches"):
+        payload("/update_weights_from_disk", model_path="x", flush_caches=False)
+
+
+def test_weight_version_from_model_info_and_no_deprecated_endpoints(model_dir, model_b):
+    """server_weight_versions() reads /model_info (0.5.23 has no /get_weight_version); the engine
+    never calls /get_server_info (deprecated: /server_info)."""
+    with start_double_and_engine(model_dir, weight_sync="tensor", bucket_mb=0.05, **FAST) as (dbl, eng):
+        eng.update_weights(hub_tensors(model_b), version=5)
+        assert eng.server_weight_versions() == {dbl.url: "5"}
+        assert "/get_server_info" not in _paths(dbl) and "/get_weight_version" not in _paths(dbl)

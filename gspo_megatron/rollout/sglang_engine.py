@@ -81,6 +81,7 @@ from typing import Any, Mapping
 import torch
 
 from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
+from .sglang_api import payload as api_payload
 from .sglang_server import (
     LaunchSpec,
     RetryableHTTPError,
@@ -421,12 +422,8 @@ class SGLangEngine(RolloutEngine):
         return [s for gi in sorted(groups) for s in groups[gi]]
 
     def _run_group(self, gi: int, prompt: list[int], n: int, sp: dict, cancel: threading.Event) -> list[Sample]:
-        payload = {
-            "input_ids": [prompt] * n,
-            "sampling_params": sp,
-            "return_logprob": True,
-            "rid": [uuid.uuid4().hex for _ in range(n)],
-        }
+        payload = api_payload("/generate", input_ids=[prompt] * n, sampling_params=sp, return_logprob=True,
+                              rid=[uuid.uuid4().hex for _ in range(n)])
         tried: list[str] = []
         last: BaseException | None = None
         attempts = self.max_retries + 1
@@ -556,7 +553,7 @@ class SGLangEngine(RolloutEngine):
 
         def one(s: ServerClient):
             try:
-                s.request_once("POST", "/abort_request", {"abort_all": True}, timeout_s=10)
+                s.request_once("POST", "/abort_request", api_payload("/abort_request", abort_all=True), timeout_s=10)
             except RetryableHTTPError:
                 pass
 
@@ -593,12 +590,13 @@ class SGLangEngine(RolloutEngine):
                           dtype=self.sync_dtype, device=self.sync_device, timeout_s=timeout)
 
     def _ranks_per_server(self) -> list[int]:
-        """Each server's TP size (its ranks in the weight-update group), from /get_server_info."""
+        """Each server's TP size (its ranks in the weight-update group), from /server_info
+        (/get_server_info is deprecated in SGLang 0.5.23)."""
         out = []
         for s in self.workers:
             tp, dp, dp_attn, pp = int(self.cfg["tp"]), int(self.cfg["dp"]), False, 1
             try:
-                info = s.get("/get_server_info", timeout_s=30, retries=1)
+                info = s.get("/server_info", timeout_s=30, retries=1)
                 if isinstance(info, dict):
                     tp = int(info.get("tp_size", tp))
                     dp = int(info.get("dp_size", dp) or 1)
@@ -650,11 +648,12 @@ class SGLangEngine(RolloutEngine):
         self.metrics["last_sync_bytes"] = stats.get("bytes", 0)
 
     def server_weight_versions(self) -> dict[str, str | None]:
-        """GET /get_weight_version of every worker (None where it fails)."""
+        """The weight version every worker serves, from GET /model_info (SGLang 0.5.23 has no
+        /get_weight_version); None where it fails."""
         out = {}
         for s in self.workers:
             try:
-                r = s.get("/get_weight_version", timeout_s=10, retries=0)
+                r = s.get("/model_info", timeout_s=10, retries=0)
                 out[s.url] = r.get("weight_version") if isinstance(r, dict) else r
             except SGLangError:
                 out[s.url] = None
@@ -666,7 +665,8 @@ class SGLangEngine(RolloutEngine):
         self._check_open()
         for s in self.workers:
             flush_cache(s, timeout_s=self.request_timeout_s)
-            r = s.post("/release_memory_occupation", {"tags": tags}, timeout_s=self.request_timeout_s,
+            r = s.post("/release_memory_occupation", api_payload("/release_memory_occupation", tags=tags),
+                       timeout_s=self.request_timeout_s,
                        expect_json=False, ok_statuses=(200, 400))
             check_not_failed(_lenient_json(r), s.url, "/release_memory_occupation")
 
@@ -675,7 +675,8 @@ class SGLangEngine(RolloutEngine):
         weight sync, then ["kv_cache"] after it)."""
         self._check_open()
         for s in self.workers:
-            r = s.post("/resume_memory_occupation", {"tags": tags}, timeout_s=self.request_timeout_s,
+            r = s.post("/resume_memory_occupation", api_payload("/resume_memory_occupation", tags=tags),
+                       timeout_s=self.request_timeout_s,
                        expect_json=False, ok_statuses=(200, 400))
             check_not_failed(_lenient_json(r), s.url, "/resume_memory_occupation")
 

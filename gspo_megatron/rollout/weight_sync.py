@@ -18,9 +18,14 @@ All three take the HF-named full tensors that `gspo_megatron.model.export.iter_h
 * ``tensor``: colocated servers. Per bucket, ``POST /update_weights_from_tensor``
   {serialized_named_tensors: one entry per server TP rank, load_format: null, flush_cache: false,
   weight_version}. An entry is SGLang's ``MultiprocessingSerializer`` format: the list of
-  (name, tensor) pickled with torch's ``ForkingPickler`` (CUDA tensors travel as IPC handles),
-  base64-encoded. All TP ranks get the same entry (rank 0 holds full tensors; CUDA IPC maps them
-  on any GPU of the node).
+  (name, tensor) pickled with torch's ``ForkingPickler`` (CUDA tensors travel as IPC handles, the
+  device named by UUID with SGLang's patched reductions), base64-encoded; each TP rank's entry is
+  serialized separately, as SGLang's Engine does.
+
+``distributed`` and ``tensor`` pushes run inside a weight-update session (``POST
+/begin_weight_update`` on every server before the first bucket, ``POST /end_weight_update`` after
+the last, also when a bucket fails): SGLang 0.5.23 refuses those updates outside one.
+Request bodies are built with rollout/sglang_api.py, the one table of what we send.
 
 Every transport sends ``flush_cache: false`` and the engine flushes afterwards with
 ``POST /flush_cache``, retried while the server still has requests (SGLang's in-request flush asserts
@@ -44,6 +49,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
+from .sglang_api import payload as api_payload
 from .sglang_server import SGLangError, SGLangServerError, ServerClient, check_success
 
 WEIGHT_SYNC_MODES = ("disk", "distributed", "tensor")
@@ -129,6 +135,51 @@ def _parallel(servers: Sequence[ServerClient], fn) -> list[Any]:
         return out
 
 
+class weight_update_session:
+    """``POST /begin_weight_update`` on every server, the push, ``POST /end_weight_update`` on every
+    server: SGLang 0.5.23 applies update_weights_from_distributed / _from_tensor only inside such a
+    session (http_server.py:1458-1485; its weight updater answers success=False otherwise). The
+    session is closed on every server that opened it also when the push fails (the push's error
+    is the one raised; a failing close is then only added to its message)."""
+
+    def __init__(self, servers: Sequence[ServerClient], timeout_s: float):
+        self.servers = list(servers)
+        self.timeout_s = timeout_s
+        self.opened: list[ServerClient] = []
+
+    def _call(self, s: ServerClient, route: str) -> dict:
+        return check_success(s.post(route, api_payload(route), timeout_s=self.timeout_s, retries=0,
+                                    ok_statuses=(200, 400)), s.url, route)
+
+    def __enter__(self):
+        try:
+            for s in self.servers:
+                self._call(s, "/begin_weight_update")
+                self.opened.append(s)
+        except BaseException:
+            self._close(None)
+            raise
+        return self
+
+    def _close(self, error: BaseException | None) -> None:
+        failures = []
+        for s in self.opened:
+            try:
+                self._call(s, "/end_weight_update")
+            except Exception as e:  # every opened session gets its close attempt
+                failures.append(f"{s.url}: {e}")
+        self.opened = []
+        if failures and error is None:
+            raise SGLangError("closing the weight-update session failed: " + "; ".join(failures))
+        if failures and error is not None and error.args:
+            error.args = (f"{error.args[0]} (and closing the weight-update session failed: "
+                          f"{'; '.join(failures)})", *error.args[1:])
+
+    def __exit__(self, exc_type, exc, tb):
+        self._close(exc)
+        return False
+
+
 def flush_cache(server: ServerClient, timeout_s: float, poll_s: float = 0.2) -> int:
     """POST /flush_cache until it succeeds (SGLang answers 400 while requests are pending).
     Returns the number of attempts."""
@@ -137,7 +188,7 @@ def flush_cache(server: ServerClient, timeout_s: float, poll_s: float = 0.2) -> 
     last = ""
     while True:
         attempt += 1
-        status, data = _once_with_retries(server, "POST", "/flush_cache", {})
+        status, data = _once_with_retries(server, "POST", "/flush_cache", api_payload("/flush_cache"))
         if status == 200:
             return attempt
         last = f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}"
@@ -227,9 +278,10 @@ class DiskSync:
         path = version_dir(self.shared_dir, version)
         nbytes = _save_hf(named_tensors, path, self.hf_config, self.dtype, self.copy_from)
         t_write = time.perf_counter() - t0
-        payload = {"model_path": path, "weight_version": str(version), "flush_cache": False}
+        fields = {"model_path": path, "weight_version": str(version), "flush_cache": False}
         if self.load_format:
-            payload["load_format"] = self.load_format
+            fields["load_format"] = self.load_format
+        payload = api_payload("/update_weights_from_disk", **fields)
 
         def load(s: ServerClient):
             # not retried on 5xx beyond the client's policy: a reload is idempotent
@@ -350,11 +402,11 @@ class DistributedSync:
             futs = [
                 pool.submit(
                     s.post, "/init_weights_update_group",
-                    {
-                        "master_address": self.master_address, "master_port": self.master_port,
-                        "rank_offset": off, "world_size": self.world_size,
-                        "group_name": self.group_name, "backend": self.backend,
-                    },
+                    api_payload(
+                        "/init_weights_update_group", master_address=self.master_address,
+                        master_port=self.master_port, rank_offset=off, world_size=self.world_size,
+                        group_name=self.group_name, backend=self.backend,
+                    ),
                     timeout_s=self.timeout_s, retries=0,  # a half-formed group cannot be retried
                     ok_statuses=(200, 400),
                 )
@@ -384,16 +436,15 @@ class DistributedSync:
             raise SGLangError(f"the weight-update group is unusable after an earlier failure ({self.broken})")
         self.init_group()
         nbytes, nbuckets = 0, 0
-        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool, \
+                weight_update_session(self.servers, self.timeout_s):
             for bucket in iter_buckets(named_tensors, self.bucket_bytes, dtype=self.dtype, device=self.device):
-                payload = {
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket],
-                    "group_name": self.group_name,
-                    "flush_cache": False,
-                    "weight_version": str(version),
-                }
+                payload = api_payload(
+                    "/update_weights_from_distributed",
+                    names=[n for n, _ in bucket], dtypes=[dtype_name(t.dtype) for _, t in bucket],
+                    shapes=[list(t.shape) for _, t in bucket], group_name=self.group_name,
+                    flush_cache=False, weight_version=str(version),
+                )
                 futs = [
                     pool.submit(s.post, "/update_weights_from_distributed", payload,
                                 timeout_s=self.timeout_s, retries=0, ok_statuses=(200, 400))
@@ -435,7 +486,8 @@ class DistributedSync:
         if self.pg is not None:
             for s in self.servers:
                 try:
-                    s.post("/destroy_weights_update_group", {"group_name": self.group_name},
+                    s.post("/destroy_weights_update_group",
+                           api_payload("/destroy_weights_update_group", group_name=self.group_name),
                            timeout_s=10, retries=0)
                 except Exception:
                     pass
@@ -446,10 +498,25 @@ class DistributedSync:
 # ---------------------------------------------------------------------------------- tensor
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     """SGLang's MultiprocessingSerializer wire format with output_str: base64 of the
-    ForkingPickler pickle (CUDA tensors become IPC handles, CPU tensors shared memory)."""
+    ForkingPickler pickle (CUDA tensors become IPC handles, CPU tensors shared memory).
+
+    CUDA tensors are pickled with SGLang's patched torch reductions
+    (sglang/srt/utils/patch_torch.py monkey_patch_torch_reductions, which SGLang's Engine applies
+    before serializing): the device travels as its UUID, so the server finds the GPU whatever its
+    CUDA_VISIBLE_DEVICES. That needs sglang importable in this process; without it CUDA tensors
+    are refused with one line (CPU tensors, the tests' case, need no patch)."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions)
+
+    if any(t.is_cuda for _, t in named):
+        try:
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        except ImportError:
+            raise SGLangError("weight_sync=tensor with CUDA tensors needs sglang importable in the trainer "
+                              "process (its CUDA-IPC reductions name the GPU by UUID); install the sglang "
+                              "extra") from None
+        monkey_patch_torch_reductions()
 
     buf = io.BytesIO()
     ForkingPickler(buf).dump(named)
@@ -488,20 +555,25 @@ class TensorSync:
         self.load_format = load_format
 
     def update(self, named_tensors, version: int) -> dict:
+        with weight_update_session(self.servers, self.timeout_s):
+            return self._update(named_tensors, version)
+
+    def _update(self, named_tensors, version: int) -> dict:
         nbytes, nbuckets = 0, 0
         for bucket in iter_buckets(named_tensors, self.bucket_bytes, dtype=self.dtype, device=self.device):
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # data ready before IPC readers
-            ser = serialize_named_tensors(bucket)
 
             def send(s_r):
                 s, ranks = s_r
-                payload = {
-                    "serialized_named_tensors": [ser] * ranks,
-                    "load_format": self.load_format,
-                    "flush_cache": False,
-                    "weight_version": str(version),
-                }
+                # one payload per TP rank, each serialized on its own as SGLang's Engine does
+                # (entrypoints/engine.py _serialize_tensors_per_rank): a rank deserializes only
+                # its copy, so CUDA-IPC reference counts drop cleanly after every load
+                payload = api_payload(
+                    "/update_weights_from_tensor",
+                    serialized_named_tensors=[serialize_named_tensors(bucket) for _ in range(ranks)],
+                    load_format=self.load_format, flush_cache=False, weight_version=str(version),
+                )
                 return check_success(
                     s.post("/update_weights_from_tensor", payload, timeout_s=self.timeout_s, retries=0,
                            ok_statuses=(200, 400)),
@@ -516,7 +588,7 @@ class TensorSync:
                     list(pool.map(send, pairs))
             nbytes += sum(tensor_nbytes(t) for _, t in bucket)
             nbuckets += 1
-            del bucket, ser  # tensors must outlive the requests that map them
+            del bucket  # tensors must outlive the requests that map them
         return {"bytes": nbytes, "buckets": nbuckets}
 
     def close(self) -> None:

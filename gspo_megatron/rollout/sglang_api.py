@@ -1,0 +1,78 @@
+"""The part of SGLang's HTTP API this project uses, declared once.
+
+`SGLANG_VERSION` is the server version the engine is written against (the `sglang` extra in
+pyproject.toml pins the same). `ENDPOINTS` lists every route the engine and the weight sync call,
+with the HTTP method, the request class in `sglang/srt/managers/io_struct.py` whose fields the JSON
+body is decoded into, and the fields we send. `payload(route, **fields)` builds a body and refuses
+a field not declared here, so the engine cannot drift from this table; tests/test_sglang_contract.py
+checks the table against SGLang's own source (routes in `srt/entrypoints/http_server.py`, request
+classes in `srt/managers/io_struct.py`), and tests/sglang_double.py, the HTTP test double, refuses
+whatever is not in it.
+
+Facts from sglang 0.5.23's source that shape the client (file:line in that wheel):
+  * update_weights_from_distributed / update_weights_from_tensor succeed only inside a weight-update
+    session: POST /begin_weight_update ... POST /end_weight_update (http_server.py:1458-1485;
+    the scheduler's weight updater answers success=False outside one). Disk updates need none.
+  * the served weight version is in GET /model_info ("weight_version", http_server.py:812-826);
+    there is no /get_weight_version, and /get_server_info is deprecated in favour of /server_info.
+  * request bodies are decoded into io_struct classes (msgspec structs deriving BaseReq, and the
+    GenerateReqInput dataclass); a misspelt field is at best silently ignored, so the client only
+    sends fields declared here and the double refuses any other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SGLANG_VERSION = "0.5.23"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    method: str  # the method we use (the route may accept others)
+    route: str
+    request_class: str | None  # io_struct class of the JSON body; None: no body is read
+    fields: frozenset[str]  # the fields we may send
+
+
+def _ep(method: str, route: str, request_class: str | None, *fields: str) -> Endpoint:
+    return Endpoint(method, route, request_class, frozenset(fields))
+
+
+ENDPOINTS: dict[str, Endpoint] = {e.route: e for e in (
+    _ep("GET", "/health_generate", None),
+    _ep("GET", "/model_info", None),
+    _ep("GET", "/server_info", None),
+    _ep("POST", "/generate", "GenerateReqInput", "input_ids", "sampling_params", "return_logprob", "rid"),
+    _ep("POST", "/abort_request", "AbortReq", "abort_all"),
+    _ep("POST", "/flush_cache", None),
+    _ep("POST", "/update_weights_from_disk", "UpdateWeightFromDiskReqInput",
+        "model_path", "load_format", "weight_version", "flush_cache"),
+    _ep("POST", "/begin_weight_update", "BeginWeightUpdateReqInput"),
+    _ep("POST", "/end_weight_update", "EndWeightUpdateReqInput"),
+    _ep("POST", "/init_weights_update_group", "InitWeightsUpdateGroupReqInput",
+        "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
+    _ep("POST", "/update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
+        "names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"),
+    _ep("POST", "/destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", "group_name"),
+    _ep("POST", "/update_weights_from_tensor", "UpdateWeightsFromTensorReqInput",
+        "serialized_named_tensors", "load_format", "flush_cache", "weight_version"),
+    _ep("POST", "/release_memory_occupation", "ReleaseMemoryOccupationReqInput", "tags"),
+    _ep("POST", "/resume_memory_occupation", "ResumeMemoryOccupationReqInput", "tags"),
+)}
+
+# Routes of the sglang-router (a separate package), used only to find a router's workers.
+ROUTER_ROUTES = ("/list_workers", "/workers")
+
+# Weight pushes that must run inside a weight-update session.
+SESSION_ROUTES = frozenset({"/update_weights_from_distributed", "/update_weights_from_tensor"})
+
+
+def payload(route: str, **fields) -> dict:
+    """The JSON body for `route`; a field this table does not declare is a programming error."""
+    ep = ENDPOINTS.get(route)
+    if ep is None:
+        raise KeyError(f"{route}: not an SGLang endpoint this project declares (rollout/sglang_api.py)")
+    unknown = sorted(set(fields) - ep.fields)
+    if unknown:
+        raise KeyError(f"{route}: fields {unknown} are not declared for {ep.request_class} (rollout/sglang_api.py)")
+    return dict(fields)

@@ -1,0 +1,495 @@
+"""Contract test: rollout/sglang_api.py against SGLang's own source.
+
+What it keeps honest. `gspo_megatron/rollout/sglang_api.py` is the one table of the SGLang HTTP API
+this project uses (`SGLANG_VERSION`, `ENDPOINTS`: route, method, the io_struct request class the
+JSON body is decoded into, the fields we send). The engine builds every body through that table
+(`sglang_api.payload` refuses an undeclared field) and the HTTP test double in
+tests/sglang_double.py refuses whatever the table does not declare, so the CPU tests can only prove
+the engine and the double agree with the *table*. This test ties the table to SGLang itself: for
+the pinned version it reads
+
+  * `sglang/srt/entrypoints/http_server.py` (parsed with `ast`): every route registered with
+    `@app.get/post/put/delete/patch/head(path)` or `@app.api_route(path, methods=[...])` (FastAPI:
+    no `methods` means GET), anywhere in the file (also inside `if` blocks / functions); a path
+    that is not a string literal (e.g. `os.environ.get(...)`) is ignored, and so are routes of
+    routers included from other modules;
+  * `sglang/srt/managers/io_struct.py` (parsed with `ast`): each class's fields, i.e. the
+    annotated assignments of its body (ClassVar excluded) plus those of its bases defined in the
+    same file (`BaseReq` gives `rid`); dataclasses and msgspec structs alike;
+  * `sglang/api/v1/api_types.py`: the `/generate` contract gate's `SamplingParams`, which rejects
+    unknown keys, for the keys `sampling_to_sglang` sends;
+
+and checks that each declared route exists and accepts our method, that its handler decodes the
+body into exactly the declared class (or reads no body when the table says None), that every
+field we send is a field of that class, plus a few facts the client depends on (no
+/get_weight_version, /model_info reports weight_version, the weight-update session routes). The
+`sglang` extra in pyproject.toml must pin the same version (`sglang==SGLANG_VERSION`).
+
+Where SGLang comes from. The wheel `sglang==SGLANG_VERSION` is fetched once with
+`python -m pip download --no-deps` (about 40 MB; never installed, files are read from the zip) into
+$GSPO_SGLANG_WHEEL_CACHE, else ~/.cache/gspo-megatron/sglang-wheels; a wheel already there is
+reused, so later runs take well under a second. If the download fails or times out (no package
+registry), the tests that need the source are skipped with pip's reason; the pyproject and
+table-internal checks still run.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from gspo_megatron.rollout import sglang_api
+from gspo_megatron.rollout.sglang_api import ENDPOINTS, ROUTER_ROUTES, SESSION_ROUTES, SGLANG_VERSION
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE_ENV = "GSPO_SGLANG_WHEEL_CACHE"
+DEFAULT_CACHE = Path.home() / ".cache" / "gspo-megatron" / "sglang-wheels"
+DOWNLOAD_TIMEOUT_S = 300
+
+HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
+IO_STRUCT = "sglang/srt/managers/io_struct.py"
+API_TYPES = "sglang/api/v1/api_types.py"
+IO_STRUCT_MODULE = "sglang.srt.managers.io_struct"
+
+# @app.<attr>(path) -> HTTP method; api_route takes methods=[...] (FastAPI's default: GET).
+METHOD_DECORATORS = {"get", "post", "put", "delete", "patch", "head", "options"}
+# Parameter types FastAPI never reads from the JSON body.
+NON_BODY_TYPES = {"Request", "Response", "WebSocket", "BackgroundTasks", "HTTPConnection",
+                  "str", "int", "float", "bool", "bytes"}
+# FastAPI parameter markers that are not the body.
+NON_BODY_MARKERS = {"Query", "Path", "Header", "Cookie", "Depends", "Security", "File", "Form"}
+
+
+# ----------------------------------------------------------------------------------------------
+# The wheel
+# ----------------------------------------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else DEFAULT_CACHE
+
+
+def _cached_wheels(cache: Path, version: str) -> list[Path]:
+    return sorted(cache.glob(f"sglang-{version}-*.whl"))
+
+
+def _obtain_wheel(version: str) -> Path:
+    """The cached sglang==version wheel, downloaded first if absent; pytest.skip if that fails."""
+    cache = _cache_dir()
+    found = _cached_wheels(cache, version)
+    if found:
+        return found[0]
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        pytest.skip(f"cannot create the sglang wheel cache {cache}: {e}")
+    # Download into a private folder and move the finished wheel in, so a concurrent run never
+    # sees a half-written file.
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--no-input", "--quiet",
+               f"sglang=={version}", "-d", str(tmp)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"pip download sglang=={version} timed out after {DOWNLOAD_TIMEOUT_S}s "
+                        f"(no package registry?); set {CACHE_ENV} to a folder holding the wheel")
+        got = _cached_wheels(tmp, version)
+        if proc.returncode != 0 or not got:
+            lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+            why = lines[-1] if lines else f"exit status {proc.returncode}, no wheel"
+            pytest.skip(f"cannot download sglang=={version} (no package registry?): {why}")
+        target = cache / got[0].name
+        os.replace(got[0], target)
+        return target
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _literal_version(source: str) -> str | None:
+    """`__version__ = ... = "x"` in a module's source, or None."""
+    for node in ast.parse(source).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+                and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets)):
+            return node.value.value
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# http_server.py: routes
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Registration:
+    route: str
+    methods: frozenset[str]
+    handler: ast.FunctionDef | ast.AsyncFunctionDef
+    lineno: int  # of the decorator
+
+    @property
+    def name(self) -> str:
+        return self.handler.name
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _short(node: ast.AST) -> str | None:
+    """The last component of a (dotted) name: `fastapi.Body` -> `Body`."""
+    d = _dotted(node)
+    return d.rsplit(".", 1)[-1] if d else None
+
+
+def _route_of_decorator(dec: ast.AST) -> tuple[str, frozenset[str]] | None:
+    """(path, methods) for an `@app.<verb>(...)` / `@app.api_route(...)` decorator with a literal path."""
+    if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+            and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "app"):
+        return None
+    attr = dec.func.attr
+    if attr not in METHOD_DECORATORS and attr != "api_route":
+        return None  # exception_handler, middleware, websocket, ...
+    kwargs = {k.arg: k.value for k in dec.keywords if k.arg}
+    path = dec.args[0] if dec.args else kwargs.get("path")
+    if not (isinstance(path, ast.Constant) and isinstance(path.value, str)):
+        return None  # e.g. os.environ.get("AIP_PREDICT_ROUTE", ...): not a fixed route
+    if attr in METHOD_DECORATORS:
+        return path.value, frozenset({attr.upper()})
+    methods = kwargs.get("methods")
+    if methods is None:
+        return path.value, frozenset({"GET"})  # fastapi.routing.APIRoute: methods=None -> ["GET"]
+    try:
+        value = ast.literal_eval(methods)
+    except ValueError:
+        raise AssertionError(f"{HTTP_SERVER}:{dec.lineno}: methods of {path.value} is not a literal; "
+                             f"extend this test's parser") from None
+    return path.value, frozenset(m.upper() for m in value)
+
+
+def parse_routes(source: str) -> dict[str, list[Registration]]:
+    routes: dict[str, list[Registration]] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for dec in node.decorator_list:
+                got = _route_of_decorator(dec)
+                if got:
+                    routes.setdefault(got[0], []).append(Registration(got[0], got[1], node, dec.lineno))
+    return routes
+
+
+def _unwrap_annotated(ann: ast.AST) -> tuple[ast.AST, list[ast.AST]]:
+    """`Annotated[X, m1, m2]` -> (X, [m1, m2]); anything else -> (ann, [])."""
+    if isinstance(ann, ast.Subscript) and _short(ann.value) == "Annotated":
+        elts = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
+        return elts[0], list(elts[1:])
+    return ann, []
+
+
+def _marker_name(node: ast.AST | None) -> str | None:
+    """`Body()` / `Query(0.0, ge=0)` / `fastapi.Body` -> "Body" / "Query" / "Body"."""
+    if node is None:
+        return None
+    return _short(node.func) if isinstance(node, ast.Call) else _short(node)
+
+
+def body_params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tuple[str, str]]:
+    """(parameter, class name) for each parameter FastAPI decodes from the JSON body.
+
+    A body parameter is one annotated `Annotated[X, Body()]` or defaulting to `Body(...)`, or one
+    whose annotation is a plain class name that is neither a FastAPI non-body type (Request, ...),
+    a scalar (a query parameter), nor marked Query/Path/Header/Depends/...
+    """
+    a = fn.args
+    positional = a.posonlyargs + a.args
+    defaults: dict[str, ast.AST | None] = {p.arg: None for p in positional + a.kwonlyargs}
+    for p, d in zip(positional[len(positional) - len(a.defaults):], a.defaults):
+        defaults[p.arg] = d
+    for p, d in zip(a.kwonlyargs, a.kw_defaults):
+        defaults[p.arg] = d
+    out = []
+    for p in positional + a.kwonlyargs:
+        if p.annotation is None:
+            continue
+        inner, markers = _unwrap_annotated(p.annotation)
+        marks = {_marker_name(m) for m in markers} | {_marker_name(defaults[p.arg])}
+        name = _dotted(inner)
+        if "Body" in marks:
+            out.append((p.arg, name or ast.unparse(inner)))
+        elif marks & NON_BODY_MARKERS or name is None or _short(inner) in NON_BODY_TYPES:
+            continue  # Query/Depends/...; Request; a scalar or Optional[...] -> query parameter
+        else:
+            out.append((p.arg, name))
+    return out
+
+
+def first_param_annotation(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
+    params = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+    return ast.unparse(params[0].annotation) if params and params[0].annotation else None
+
+
+def io_struct_imports(source: str) -> set[str]:
+    """Names http_server.py imports from sglang.srt.managers.io_struct (anywhere in the file)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == IO_STRUCT_MODULE:
+            names |= {al.asname or al.name for al in node.names}
+    return names
+
+
+# ----------------------------------------------------------------------------------------------
+# io_struct.py / api_types.py: class fields
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_classvar(ann: ast.AST) -> bool:
+    target = ann.value if isinstance(ann, ast.Subscript) else ann
+    return _short(target) == "ClassVar"
+
+
+def parse_class_fields(source: str) -> dict[str, set[str]]:
+    """class name -> its fields, including those inherited from bases defined in the same file."""
+    own: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            own[node.name] = {s.target.id for s in node.body
+                              if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                              and not _is_classvar(s.annotation)}
+            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+
+    def fields(name: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        out = set(own[name])
+        for b in bases[name]:
+            if b in own and b not in seen:
+                out |= fields(b, seen | {name})
+        return out
+
+    return {name: fields(name) for name in own}
+
+
+# ----------------------------------------------------------------------------------------------
+# The parsed source, once per session
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SGLangSource:
+    wheel: Path
+    http_text: str
+    io_text: str
+    api_types_text: str | None
+    routes: dict[str, list[Registration]]
+    classes: dict[str, set[str]]
+    imported_from_io_struct: set[str]
+    versions: dict[str, str | None] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def sgl() -> SGLangSource:
+    wheel = _obtain_wheel(SGLANG_VERSION)
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile:
+        pytest.fail(f"{wheel} is not a readable wheel; delete it so the next run downloads it again")
+    with zf:
+        names = set(zf.namelist())
+
+        def read(path: str) -> str | None:
+            return zf.read(path).decode("utf-8") if path in names else None
+
+        http_text, io_text = read(HTTP_SERVER), read(IO_STRUCT)
+        missing = [p for p, t in ((HTTP_SERVER, http_text), (IO_STRUCT, io_text)) if t is None]
+        assert not missing, f"{wheel.name} lacks {missing}: SGLang moved its HTTP server / io_struct"
+        metadata = next((n for n in names if re.fullmatch(r"sglang-[^/]+\.dist-info/METADATA", n)), None)
+        meta_version = None
+        if metadata:
+            m = re.search(r"^Version:\s*(\S+)", read(metadata), re.M)
+            meta_version = m.group(1) if m else None
+        module_version = None
+        for p in ("sglang/version.py", "sglang/_version.py"):  # version.py imports _version.py
+            text = read(p)
+            module_version = module_version or (_literal_version(text) if text else None)
+        src = SGLangSource(
+            wheel=wheel, http_text=http_text, io_text=io_text, api_types_text=read(API_TYPES),
+            routes=parse_routes(http_text), classes=parse_class_fields(io_text),
+            imported_from_io_struct=io_struct_imports(http_text),
+            versions={"filename": wheel.name.split("-")[1], "METADATA": meta_version,
+                      "sglang/_version.py": module_version})
+    print(f"\n[sglang contract] {wheel} : {len(src.routes)} routes in {HTTP_SERVER}, "
+          f"{len(src.classes)} classes in {IO_STRUCT}")
+    return src
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+
+def test_wheel_is_the_declared_version(sgl):
+    wrong = {where: v for where, v in sgl.versions.items() if v != SGLANG_VERSION}
+    assert not wrong, (f"{sgl.wheel.name}: version {wrong} != sglang_api.SGLANG_VERSION "
+                       f"{SGLANG_VERSION!r}")
+    print(f"  wheel version {SGLANG_VERSION} (filename, METADATA, sglang/_version.py)")
+
+
+def test_pyproject_pins_the_declared_version():
+    """The `sglang` extra must be `sglang==SGLANG_VERSION` (server and client written together)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    path = REPO / "pyproject.toml"
+    text = path.read_text()
+    extras = tomllib.loads(text).get("project", {}).get("optional-dependencies", {})
+    assert "sglang" in extras, f"{path}: no `sglang` extra in [project.optional-dependencies]"
+    reqs = [Requirement(r) for r in extras["sglang"]]
+    pins = [r for r in reqs if canonicalize_name(r.name) == "sglang"]
+    assert pins, f"{path}: the `sglang` extra {extras['sglang']} does not name the sglang package"
+
+    def where(req: Requirement) -> str:
+        for i, line in enumerate(text.splitlines(), 1):
+            if re.match(r"\s*sglang\s*=", line) and re.search(r"[\"']sglang\b", line):
+                return f"{path.name}:{i}: `{line.strip()}`"
+        return f"{path.name}: `{req}`"
+
+    for req in pins:
+        specs = list(req.specifier)
+        exact = [s for s in specs if s.operator in ("==", "===") and "*" not in s.version]
+        assert len(specs) == 1 and exact, (
+            f"{where(req)} does not pin sglang exactly; make it \"sglang=={SGLANG_VERSION}\" "
+            f"(gspo_megatron/rollout/sglang_api.py SGLANG_VERSION)")
+        pinned = exact[0].version
+        assert pinned == SGLANG_VERSION or Version(pinned) == Version(SGLANG_VERSION), (
+            f"{where(req)} pins sglang {pinned} but sglang_api.SGLANG_VERSION is {SGLANG_VERSION}: "
+            f"change one to match the other")
+        print(f"  pyproject pins sglang=={pinned}")
+
+
+def check_endpoint(ep: sglang_api.Endpoint, sgl: SGLangSource) -> list[str]:
+    """One line per way `ep` disagrees with SGLang's source (empty: it agrees)."""
+    where = f"{ep.method} {ep.route}"
+    regs = sgl.routes.get(ep.route)
+    if not regs:
+        return [f"{where}: no such route in sglang {SGLANG_VERSION} {HTTP_SERVER}"]
+    failures = []
+    methods = frozenset().union(*(r.methods for r in regs))
+    if ep.method not in methods:
+        failures.append(f"{where}: the route accepts {sorted(methods)}, not {ep.method}")
+    for reg in regs:
+        if ep.method not in reg.methods and len(regs) > 1:
+            continue  # another registration of the route serves our method
+        at = f"{where} ({reg.name}, {HTTP_SERVER}:{reg.lineno})"
+        body = body_params(reg.handler)
+        print(f"  {where}: handler {reg.name}(), methods {sorted(reg.methods)}, "
+              f"first parameter annotation {first_param_annotation(reg.handler)}")
+        if ep.request_class is None:
+            if body:
+                failures.append(f"{at}: the handler decodes a body {body}, but sglang_api declares "
+                                f"request_class=None")
+            continue
+        if [cls for _, cls in body] != [ep.request_class]:
+            failures.append(f"{at}: the body is decoded into {[c for _, c in body] or 'nothing'}, "
+                            f"not {ep.request_class}")
+            continue
+        if ep.request_class not in sgl.classes:
+            failures.append(f"{at}: class {ep.request_class} is not defined in {IO_STRUCT}")
+            continue
+        if ep.request_class not in sgl.imported_from_io_struct:
+            failures.append(f"{at}: {HTTP_SERVER} does not import {ep.request_class} from "
+                            f"{IO_STRUCT_MODULE}")
+        known = sgl.classes[ep.request_class]
+        for f in sorted(ep.fields):
+            ok = f in known
+            print(f"    {ep.request_class}.{f}: {'ok' if ok else 'NOT A FIELD'}")
+            if not ok:
+                failures.append(f"{at}: field {f!r} is not a field of {ep.request_class} "
+                                f"(its fields: {sorted(known)})")
+    return failures
+
+
+@pytest.mark.parametrize("route", sorted(ENDPOINTS), ids=sorted(ENDPOINTS))
+def test_endpoint_matches_sglang(sgl, route):
+    failures = check_endpoint(ENDPOINTS[route], sgl)
+    assert not failures, "sglang_api.ENDPOINTS disagrees with SGLang's source:\n" + "\n".join(failures)
+
+
+def test_no_get_weight_version_route(sgl):
+    assert "/get_weight_version" not in sgl.routes, (
+        f"sglang {SGLANG_VERSION} registers /get_weight_version: the client's assumption that the "
+        f"served weight version is only in /model_info is out of date")
+    assert "/get_weight_version" not in ENDPOINTS
+
+
+def test_model_info_reports_weight_version(sgl):
+    regs = sgl.routes.get("/model_info")
+    assert regs, f"no /model_info route in {HTTP_SERVER}"
+    for reg in regs:
+        text = ast.get_source_segment(sgl.http_text, reg.handler) or ""
+        assert "weight_version" in text, (
+            f"/model_info's handler {reg.name}() ({HTTP_SERVER}:{reg.lineno}) does not mention "
+            f"weight_version: the client reads the served weight version there")
+        assert "GET" in reg.methods, f"/model_info accepts {sorted(reg.methods)}, not GET"
+        print(f"  GET /model_info -> {reg.name}() mentions weight_version")
+
+
+@pytest.mark.parametrize("route", ["/begin_weight_update", "/end_weight_update"])
+def test_weight_update_session_route_is_post(sgl, route):
+    regs = sgl.routes.get(route)
+    assert regs, f"no {route} route in sglang {SGLANG_VERSION} {HTTP_SERVER}"
+    methods = frozenset().union(*(r.methods for r in regs))
+    assert "POST" in methods, f"{route} accepts {sorted(methods)}, not POST"
+    assert ENDPOINTS[route].method == "POST"
+    print(f"  POST {route} -> {[r.name for r in regs]}")
+
+
+def test_session_routes_are_declared_endpoints():
+    assert SESSION_ROUTES <= set(ENDPOINTS), (
+        f"sglang_api.SESSION_ROUTES {sorted(SESSION_ROUTES - set(ENDPOINTS))} are not in ENDPOINTS")
+
+
+def test_router_routes_are_not_server_endpoints():
+    # /list_workers, /workers belong to the sglang-router package, not http_server.py.
+    both = set(ROUTER_ROUTES) & set(ENDPOINTS)
+    assert not both, f"sglang_api.ROUTER_ROUTES {sorted(both)} are declared as server ENDPOINTS"
+
+
+def test_sampling_params_keys_pass_the_generate_contract_gate(sgl):
+    """/generate checks the body against sglang/api/v1/api_types.py before decoding it, and that
+    schema's SamplingParams *rejects* unknown keys: every key sampling_to_sglang emits must be one."""
+    if sgl.api_types_text is None:
+        pytest.skip(f"{sgl.wheel.name} has no {API_TYPES} (no /generate contract gate)")
+    from gspo_megatron.rollout.base import SamplingParams
+    from gspo_megatron.rollout.sglang_engine import sampling_to_sglang
+
+    schema = parse_class_fields(sgl.api_types_text)
+    assert "SamplingParams" in schema, f"{API_TYPES} has no SamplingParams"
+    allowed = schema["SamplingParams"]
+    sent = set()
+    for sp in (SamplingParams(), SamplingParams(temperature=0.0),
+               SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=8,
+                              stop=("\n\n",), stop_token_ids=(2,))):
+        sent |= set(sampling_to_sglang(sp))
+    bad = sorted(sent - allowed)
+    for k in sorted(sent):
+        print(f"    sampling_params.{k}: {'ok' if k in allowed else 'REJECTED'}")
+    assert not bad, (f"/generate sampling_params keys {bad} are not fields of {API_TYPES} "
+                     f"SamplingParams, which rejects unknown keys (fields: {sorted(allowed)})")
