@@ -336,8 +336,9 @@ class LossConfig:
 class SGLangConfig:
     # Base URLs of running SGLang servers (http://host:port); used when launch is false.
     urls: list[str] = field(default_factory=list)
-    # Start the servers ourselves (from global rank 0: single-process runs and tests; colocated
-    # training on the same GPUs is not supported yet) instead of using urls.
+    # Colocated engines instead of urls: every node's local rank 0 starts GPUs-per-node / (tp*dp)
+    # servers on the trainer's own GPUs (--enable-memory-saver); their memory is released while the
+    # trainer trains and resumed for the weight push and generation (rollout/colocate.py).
     launch: bool = False
     # Model the servers load at start; null = model.hf_dir.
     model_path: Optional[str] = None
@@ -370,6 +371,9 @@ class SGLangConfig:
     shared_dir: Optional[str] = None
     # Extra command-line arguments for `python -m sglang.launch_server` (launch only).
     extra_args: list[str] = field(default_factory=list)
+    # Command that starts one server instead of [this python, -m, sglang.launch_server] (launch
+    # only), e.g. [/opt/sglang-venv/bin/python, -m, sglang.launch_server]; the server arguments follow.
+    server_command: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

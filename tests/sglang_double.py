@@ -22,7 +22,8 @@ field names and shapes, and refuses what that SGLang refuses:
 (joins the trainer's group over gloo and receives the broadcasts), ``/destroy_weights_update_group``,
 ``/update_weights_from_tensor`` (ForkingPickler/base64 payloads; the in-process double can open
 CPU tensors shared by the same process), ``/release_memory_occupation``,
-``/resume_memory_occupation``, ``/pause_generation``, ``/continue_generation``; and, as a router,
+``/resume_memory_occupation`` (frees only with ``memory_saver`` / ``--enable-memory-saver``, as
+SGLang; /generate and weight updates then fail until resumed), ``/pause_generation``, ``/continue_generation``; and, as a router,
 ``/list_workers`` (``router_of=[urls]``: /generate is forwarded round-robin).
 
 Generation is transformers' on a local HF directory through `HFEngine` (so log-probs are
@@ -100,6 +101,7 @@ class SGLangDouble:
         faults: Faults | None = None,
         router_of: list[str] | None = None,
         weight_version: str = "default",
+        memory_saver: bool = False,
     ):
         self.model_path = model_path
         self.host, self.port = host, port
@@ -118,6 +120,8 @@ class SGLangDouble:
         self._answered = 0
         self._arrived = 0
         self._groups: dict[str, Any] = {}
+        self.print_requests = False  # as a process: one "[request] METHOD /path" line per request (its log)
+        self.memory_saver = memory_saver  # --enable-memory-saver: release really frees (else a no-op)
         self.memory_released = False
         self.session_open = False  # a /begin_weight_update ... /end_weight_update session
         self.httpd: ThreadingHTTPServer | None = None
@@ -415,6 +419,8 @@ class SGLangDouble:
 
     def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         """(status, payload); payload None -> empty body, str -> text, else JSON."""
+        if self.print_requests and not path.startswith("/_double"):
+            print(f"[request] {method} {path}", flush=True)
         if path == "/_double/records":
             with self._meta:
                 return 200, [asdict(r) for r in self.records]
@@ -448,6 +454,9 @@ class SGLangDouble:
             return self.begin_weight_update(body or {})
         if path == "/end_weight_update":
             return self.end_weight_update(body or {})
+        if self.memory_released and (path == "/generate" or path.startswith("/update_weights")):
+            return 500, {"detail": f"{path}: the weights and KV cache are released "
+                                   "(/release_memory_occupation); resume first"}
         if path in SESSION_ROUTES and not self.session_open:
             what = path.lstrip("/")
             return 400, {"success": False,
@@ -457,7 +466,9 @@ class SGLangDouble:
         if path == "/abort_request":
             return self.abort_request(body or {})
         if path == "/release_memory_occupation":
-            self.memory_released = True
+            # SGLang releases only with --enable-memory-saver (its TorchMemorySaverAdapter is a no-op
+            # otherwise, managers/scheduler.py:1490)
+            self.memory_released = self.memory_saver
             return 200, None
         if path == "/resume_memory_occupation":
             self.memory_released = False
@@ -638,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-gpu-id", type=int, default=0)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--enable-memory-saver", action="store_true")
     ap.add_argument("--double-never-ready", action="store_true")
     ap.add_argument("--double-exit-code", type=int, default=None, help="exit at once with this code")
     args, unknown = ap.parse_known_args(argv)
@@ -658,7 +670,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     d = SGLangDouble(None if args.double_never_ready else args.model_path, host=args.host, port=args.port,
                      tp_size=args.tp_size, dp_size=args.dp_size, api_key=args.api_key, dtype=args.dtype,
+                     memory_saver=args.enable_memory_saver,
                      faults=Faults(never_ready=args.double_never_ready))
+    d.print_requests = True
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     d.start()

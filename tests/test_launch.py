@@ -210,10 +210,13 @@ def test_sglang_sbatch_multinode_servers_and_colocated(tmp_path):
     assert server[-3:] == ["--enable-memory-saver", "--log-level", "warning"]
     assert not any(a.startswith("--container-image") for a in trainer)
 
-    # Colocated engines are refused until they work with SGLang 0.5.23 (per-node launch, memory
-    # saver, release/resume around training): one line, exit 2, nothing started.
-    render(script, [preset("qwen3_30b_a3b"), "x.y=1"], env={"SGLANG_MODE": "colocated"}, nodes=["a", "b"],
-           tmp_path=tmp_path, expect_rc=2)
+    (trainer,) = render(script, [preset("qwen3_30b_a3b"), "x.y=1"],
+                        env={"SGLANG_MODE": "colocated"}, nodes=["a", "b"], tmp_path=tmp_path)
+    assert opt(trainer, "--nnodes") == "2"
+    args = train_args(trainer)
+    assert args[:3] == ["--config", preset("qwen3_30b_a3b"), "checkpoint.resume=auto"]
+    assert "rollout.sglang.launch=true" in args and args[-1] == "x.y=1"
+    assert "rollout.sglang.host=0.0.0.0" in args  # rank 0 reaches the other node's servers
 
     # Errors: no server model, no node left for training, uneven multi-node servers.
     render(script, [preset("qwen3_30b_a3b")], nodes=["a", "b"], tmp_path=tmp_path, expect_rc=2)

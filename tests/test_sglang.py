@@ -225,7 +225,7 @@ def test_tensor_sync_and_sleep_wake(model_dir, prompts, model_b):
     """update_weights_from_tensor: one serialized entry per TP rank (the double claims TP=2 and
     opens entry 0: in-process, ForkingPickler's CPU shared memory works)."""
     sp = SamplingParams(temperature=1.0, max_new_tokens=5)
-    with start_double_and_engine(model_dir, double_kw={"tp_size": 2}, weight_sync="tensor",
+    with start_double_and_engine(model_dir, double_kw={"tp_size": 2, "memory_saver": True}, weight_sync="tensor",
                                  bucket_mb=0.05, **FAST) as (dbl, eng):
         eng.sleep()
         assert dbl.memory_released
@@ -640,3 +640,35 @@ def test_weight_version_from_model_info_and_no_deprecated_endpoints(model_dir, m
         eng.update_weights(hub_tensors(model_b), version=5)
         assert eng.server_weight_versions() == {dbl.url: "5"}
         assert "/get_server_info" not in _paths(dbl) and "/get_weight_version" not in _paths(dbl)
+
+
+def test_colocated_engines_per_node_command_lines(monkeypatch):
+    """rollout.sglang.launch=true on 2 nodes x 8 GPUs with tp 4: each node's local rank 0 starts
+    2 servers on GPUs 0-3 and 4-7 with --enable-memory-saver (rendered, no GPU needed); the
+    trainer's torchrun variables are kept out of the servers' environment; layouts SGLang 0.5.23
+    cannot serve are refused with one line."""
+    import dataclasses
+
+    from gspo_megatron.config import SGLangConfig
+    from gspo_megatron.rollout.colocate import NodeLayout, check_colocated, node_launch_spec
+    from gspo_megatron.rollout.sglang_server import SGLangError
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    layout = NodeLayout.from_env(rank=8, world_size=16)
+    assert (layout.node_rank, layout.nnodes, layout.local_rank, layout.gpus_per_node) == (1, 2, 0, 8)
+    sg = SGLangConfig(launch=True, tp=4, ep=4, host="0.0.0.0", weight_sync="distributed", port=31000)
+    spec = node_launch_spec(sg, model_path="/m", layout=layout)
+    argvs = [spec.argv(i) for i in range(spec.num_servers)]
+    assert len(argvs) == 2
+    for i, a in enumerate(argvs):
+        assert a[a.index("--base-gpu-id") + 1] == str(4 * i) and a[a.index("--tp-size") + 1] == "4"
+        assert a[a.index("--port") + 1] == str(31000 + i) and "--enable-memory-saver" in a
+    assert {"RANK", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"} <= set(spec.unset_env)
+    check_colocated(sg, nnodes=2)
+    for bad, needle in [(dict(tp=3), "do not split"), (dict(weight_sync="tensor"), "weight_sync=tensor"),
+                        (dict(host="127.0.0.1"), "not reachable"), (dict(tp=2, dp=2), "data-parallel")]:
+        with pytest.raises(SGLangError, match=needle):
+            s2 = dataclasses.replace(sg, **bad)
+            check_colocated(s2, nnodes=2)
+            node_launch_spec(s2, model_path="/m", layout=layout)

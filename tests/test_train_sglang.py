@@ -52,3 +52,62 @@ def test_training_loop_with_sglang_disk_sync(tmp_path):
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
     assert any(x.path == "/flush_cache" for x in records)
+
+
+def _two_free_ports() -> int:
+    """A base port p with p and p + 1 free now (the double binds them itself: a rare collision
+    fails the launch with the server's own error, not silently)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            p = a.getsockname()[1]
+            if p >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", p + 1))
+                except OSError:
+                    continue
+            return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.mark.timeout(600)
+def test_colocated_engines_release_train_resume_push_every_step(tmp_path):
+    """rollout.sglang.launch=true: local rank 0 starts GPUs-per-node / tp = 2 servers (the double,
+    as SGLang's command line gets them) with --enable-memory-saver and one GPU each; every step
+    the servers see  release -> (training) -> resume -> weight-update session -> generate, and the
+    double refuses generation and weight updates while released, so a wrong order fails the run."""
+    import re
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_double.py")
+    hf_dir = _tiny_hf_dir(tmp_path / "hf0")
+    out = tmp_path / "run"
+    port = _two_free_ports()
+    args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
+            f"train.max_steps={STEPS}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
+            "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
+            "rollout.backend=sglang", "rollout.sglang.urls=[]", "rollout.sglang.launch=true",
+            f"rollout.sglang.port={port}", "rollout.sglang.weight_sync=distributed",
+            f"rollout.sglang.server_command=[{sys.executable},{script}]",
+            "rollout.sglang.extra_args=[--dtype,float32]", "rollout.sglang.request_timeout_s=60",
+            "rollout.sglang.ready_timeout_s=120", "rollout.sglang.max_retries=2",
+            "rollout.sglang.bucket_mb=1"]
+    r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    logs = sorted((out / "sglang_logs" / "node0").glob("sglang_server_*.log"))
+    assert len(logs) == 2  # 2 GPUs (local ranks) per node / tp 1
+    for i, path in enumerate(logs):
+        argv = path.read_text().splitlines()[0]
+        assert "--enable-memory-saver" in argv and f"--base-gpu-id {i}" in argv and f"--port {port + i}" in argv
+    rows = gspo_rows(out)
+    assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
+    code = {"/release_memory_occupation": "R", "/resume_memory_occupation": "W", "/begin_weight_update": "b",
+            "/update_weights_from_distributed": "u", "/end_weight_update": "e", "/generate": "G"}
+    for path in logs:
+        seq = "".join(code[m] for m in re.findall(r"^\[request\] \w+ (\S+)$", path.read_text(), re.M) if m in code)
+        # startup: release; then per step: resume, push, generate, release (then the step trains)
+        assert re.fullmatch(rf"R(Wbu+eG*R){{{STEPS}}}Wbu+e", seq), (path.name, seq)

@@ -322,14 +322,16 @@ def init_weight_update_group(
     a TCP-store rendezvous at tcp://master_address:master_port, the group's keys prefixed by
     `group_name`, a process group of `backend` registered under that name. Needs no default
     process group, and leaves any existing one untouched."""
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    host = f"[{master_address}]" if ":" in master_address else master_address
-    store, rank, world_size = next(
-        c10d.rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
+    # The TCP store directly, not c10d.rendezvous("tcp://..."): under torchrun the trainer's
+    # environment has TORCHELASTIC_USE_AGENT_STORE=True, with which the tcp rendezvous never hosts
+    # a store (it expects torchrun's agent store at that address), so rank 0 would wait as a
+    # client for a server nobody starts (found by tests/test_train_sglang.py, colocated).
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
     store = c10d.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     opt_name = "backend_options" if "backend_options" in params else "pg_options"

@@ -81,8 +81,11 @@ def _reporter(parts: RunParts) -> bool:
 
 
 def push_weights(parts: RunParts, version: int) -> float:
-    """Stream the current policy into the rollout engine (rank 0 owns the engine)."""
+    """Stream the current policy into the rollout engine (rank 0 owns the engine). Colocated
+    engines first take their GPU memory back (rollout/colocate.py)."""
     t0 = time.perf_counter()
+    if parts.colocation is not None:
+        parts.colocation.before_push()
     stream = iter_hf_tensors(parts.model, parts.ctx, parts.arch)
     if parts.engine is not None:
         parts.engine.update_weights(stream, version)
@@ -309,6 +312,8 @@ def train(cfg, *, world_size: int) -> dict:
             else:
                 payload = None
             samples, rstats = _broadcast(payload)
+            if parts.colocation is not None:  # the engines release their memory for training
+                parts.colocation.after_rollout()
             t_rollout = time.perf_counter() - t0
             random.Random(cfg.train.seed * 7 + step).shuffle(samples)
             metrics = gspo_step(parts, samples) if samples else {}

@@ -150,6 +150,7 @@ class RunParts:
     score: Callable
     engine: Any  # rank 0 only
     reference: ReferencePolicy | None
+    colocation: Any  # rollout/colocate.py Colocation when the SGLang engines share our GPUs, else None
     seq_multiple: int
     pad_id: int
     stop_ids: list[int]
@@ -205,6 +206,8 @@ class RunParts:
 
         if self.engine is not None:
             self.engine.close()
+        if self.colocation is not None:
+            self.colocation.close()
         destroy_parallel()
 
 
@@ -240,9 +243,16 @@ def _make_hf_engine(cfg, hf_config, tokenizer, dtype):
     return HFEngine(model, device=device, tokenizer=tokenizer)
 
 
-def _make_sglang_engine(cfg, hf_config, tokenizer, dtype):
+def _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls: list[str] | None = None):
+    """The SGLang engine of global rank 0: to the configured urls, or to the colocated servers'
+    `urls` (rollout/colocate.py started them)."""
+    import dataclasses
+
     from gspo_megatron.rollout.sglang_engine import SGLangEngine
 
+    if urls is not None:
+        sg = dataclasses.replace(cfg.rollout.sglang, launch=False, urls=list(urls))
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, sglang=sg))
     return SGLangEngine.from_config(cfg)
 
 
@@ -304,6 +314,12 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
 
     # ---- heavy work ------------------------------------------------------------------------
     ctx = init_parallel(cfg.parallel, seed=cfg.model.init_seed, model_dims=None)
+    colocated, node_servers, engine = cfg.rollout.backend == "sglang" and cfg.rollout.sglang.launch, None, None
+    if colocated:  # the servers start (and release their memory) before the model takes the GPUs
+        from gspo_megatron.rollout.colocate import start_colocated
+
+        engine, node_servers = start_colocated(
+            cfg, ctx, make_engine=lambda urls: _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls))
     chunks, tconfig = build_policy(ctx, arch, reader=reader, dtype=dtype,
                                    recompute=cfg.train.recompute,
                                    fused_logprobs=cfg.model.fused_logprobs)
@@ -324,11 +340,18 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     from gspo_megatron.parallel.state import seed_rng
 
     seed_rng(ctx, cfg.train.seed)
-    engine = ENGINES[cfg.rollout.backend](cfg, hf_config, tokenizer, dtype) if ctx.rank == 0 else None
+    if not colocated and ctx.rank == 0:
+        engine = ENGINES[cfg.rollout.backend](cfg, hf_config, tokenizer, dtype)
+    colocation = None
+    if colocated:
+        from gspo_megatron.rollout.colocate import Colocation
+
+        colocation = Colocation(ctx, engine, model, optimizer, dtype, node_servers)
     stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     parts = RunParts(
         cfg=cfg, ctx=ctx, arch=arch, hf_config=hf_config, dtype=dtype, model=model, optimizer=optimizer,
         scheduler=scheduler, tokenizer=tokenizer, prompts=prompts, score=score, engine=engine, reference=None,
+        colocation=colocation,
         seq_multiple=pad_multiple(cfg.parallel), pad_id=tokenizer.pad_token_id or 0, stop_ids=stop_ids,
     )
     if cfg.loss.kl_coef > 0:
