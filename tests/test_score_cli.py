@@ -15,12 +15,16 @@ from megatron_utils import hf_token_logprobs, make_tiny_hf, random_sequences
 CLI_TIMEOUT_S = 180
 
 
-def run_score(*args, cwd=None):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+def _clean_env(**extra) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **extra)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
+    return env
+
+
+def run_score(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "gspo_megatron.score", *args], capture_output=True, text=True,
-                          timeout=CLI_TIMEOUT_S, env=env, cwd=cwd)
+                          timeout=CLI_TIMEOUT_S, env=_clean_env(), cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -157,12 +161,9 @@ def test_unsupported_qwen_variants_are_rejected():
 def run_score_torchrun(nproc, *args):
     from dist_utils import free_port
 
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                            f"--master-port={free_port()}", "-m", "gspo_megatron.score", *args],
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env)
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=_clean_env(OMP_NUM_THREADS="1"))
 
 
 @pytest.mark.timeout(400)
