@@ -48,16 +48,20 @@ def copy_ckpt(src, dst, edit=None):
     return dst
 
 
+def _assert_scores_like_transformers(out_path, model, seqs) -> None:
+    out = [json.loads(line)["token_logprobs"] for line in out_path.read_text().splitlines()]
+    with torch.no_grad():
+        ref = hf_token_logprobs(model, seqs)
+    assert [len(o) for o in out] == [len(s) - 1 for s in seqs]
+    assert max((torch.tensor(o) - r_).abs().max().item() for o, r_ in zip(out, ref)) <= 1e-4
+
+
 @pytest.mark.timeout(200)
 def test_cli_scores_like_transformers(ckpt):
     d, model, seqs = ckpt
     r = run_score("--hf-dir", str(d / "hf"), "--input", str(d / "in.jsonl"), "--output", str(d / "out.jsonl"))
     assert r.returncode == 0, r.stderr[-2000:]
-    out = [json.loads(line)["token_logprobs"] for line in (d / "out.jsonl").read_text().splitlines()]
-    with torch.no_grad():
-        ref = hf_token_logprobs(model, seqs)
-    assert [len(o) for o in out] == [len(s) - 1 for s in seqs]
-    assert max((torch.tensor(o) - r_).abs().max().item() for o, r_ in zip(out, ref)) <= 1e-4
+    _assert_scores_like_transformers(d / "out.jsonl", model, seqs)
     assert not [f for f in os.listdir(d) if ".tmp." in f]  # atomic write left nothing behind
 
 
@@ -182,8 +186,4 @@ def test_context_parallel_scoring_matches_transformers(ckpt, tmp_path, nproc, ex
     r = run_score_torchrun(nproc, "--hf-dir", str(d / "hf"), "--input", str(inp), "--output",
                            str(tmp_path / "out.jsonl"), *extra)
     assert r.returncode == 0, r.stderr[-3000:]
-    out = [json.loads(line)["token_logprobs"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    with torch.no_grad():
-        ref = hf_token_logprobs(model, seqs)
-    assert [len(o) for o in out] == [len(s) - 1 for s in seqs]
-    assert max((torch.tensor(o) - r_).abs().max().item() for o, r_ in zip(out, ref)) <= 1e-4
+    _assert_scores_like_transformers(tmp_path / "out.jsonl", model, seqs)
