@@ -218,29 +218,68 @@ def test_fused_logprobs_trains_like_the_logits_head(tmp_path):
     assert max((ha[k] - hb[k]).abs().max().item() for k in ha) < 1e-4
 
 
+# `python -m gspo_megatron.train`, with the heavy phase's entry points (process groups, model
+# build) recording their calls in the file named by the first argument.
+_HEAVY_SPY = """
+import runpy, sys
+import gspo_megatron.model.factory as factory
+import gspo_megatron.parallel.state as state
+marker = sys.argv.pop(1)
+def spy(mod, name):
+    real = getattr(mod, name)
+    def called(*a, **k):
+        with open(marker, "a") as f:
+            f.write(name + "\\n")
+        return real(*a, **k)
+    setattr(mod, name, called)
+spy(state, "init_parallel")
+spy(factory, "build_policy")
+sys.argv[0] = "gspo_megatron.train"
+runpy.run_module("gspo_megatron.train", run_name="__main__", alter_sys=True)
+"""
+
+
 def _train_fails(tmp_path, *overrides):
-    t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY,
+    """The one error line of a run that must fail on bad input, and which heavy-phase functions
+    (init_parallel: process groups, build_policy: the model) it reached before failing."""
+    marker = tmp_path / "heavy_calls.txt"
+    marker.unlink(missing_ok=True)
+    r = subprocess.run([sys.executable, "-c", _HEAVY_SPY, str(marker), "--config", TINY,
                         f"out_dir={tmp_path / 'bad'}", *overrides], capture_output=True, text=True,
                        timeout=120, env=_env(), cwd=REPO)
     lines = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
     assert r.returncode == 2, r.stderr[-2000:]
     assert len(lines) == 1, r.stderr[-2000:]
     assert not (tmp_path / "bad" / "checkpoints").exists()
-    return lines[0], time.monotonic() - t0
+    return lines[0], marker.read_text().split() if marker.exists() else []
 
 
 @pytest.mark.timeout(300)
 def test_bad_input_fails_early_with_one_line(tmp_path):
-    line, _ = _train_fails(tmp_path, "train.max_stepz=3")
-    assert "train.max_stepz" in line
-    line, _ = _train_fails(tmp_path, "parallel.tp=3")
-    assert "parallel.tp" in line or "tp=3" in line
-    line, _ = _train_fails(tmp_path, "data.source=file", f"data.path={tmp_path / 'nope.jsonl'}", "reward.fn=math")
-    assert "nope.jsonl" in line
-    line, dt = _train_fails(tmp_path, "reward.fn=no_such_module_xyz:score", "parallel.tp=1", "parallel.sequence_parallel=false")
+    line, heavy = _train_fails(tmp_path, "train.max_stepz=3")
+    assert "train.max_stepz" in line and heavy == []
+    line, heavy = _train_fails(tmp_path, "parallel.tp=3")
+    assert ("parallel.tp" in line or "tp=3" in line) and heavy == []
+    line, heavy = _train_fails(tmp_path, "data.source=file", f"data.path={tmp_path / 'nope.jsonl'}", "reward.fn=math")
+    assert "nope.jsonl" in line and heavy == []
+    line, heavy = _train_fails(tmp_path, "reward.fn=no_such_module_xyz:score", "parallel.tp=1",
+                               "parallel.sequence_parallel=false")
     assert "no_such_module_xyz" in line
-    assert dt < 60  # failed before building models / process groups
+    assert heavy == []  # failed before building models / process groups
+    # an explicit resume directory that is not a trainer checkpoint (was found only after the model
+    # was built), and parallel.device=cuda without CUDA (was a traceback)
+    (tmp_path / "not_a_checkpoint").mkdir()
+    line, heavy = _train_fails(tmp_path, f"checkpoint.resume={tmp_path / 'not_a_checkpoint'}", "parallel.tp=1",
+                               "parallel.sequence_parallel=false")
+    assert "not a trainer checkpoint" in line and heavy == [], (line, heavy)
+    line, heavy = _train_fails(tmp_path, "parallel.device=cuda", "parallel.tp=1", "parallel.sequence_parallel=false")
+    assert "CUDA is not available" in line and heavy == [], (line, heavy)
+    # negative control for the spy: an input found bad only after setup (no SGLang server at the
+    # configured url: the engine is built after the model) is seen reaching process groups and model
+    line, heavy = _train_fails(tmp_path, "parallel.tp=1", "parallel.sequence_parallel=false", "rollout.backend=sglang",
+                               "rollout.sglang.urls=[http://127.0.0.1:9]", "rollout.sglang.ready_timeout_s=1")
+    assert "not ready" in line and "127.0.0.1:9" in line
+    assert heavy == ["init_parallel", "build_policy"], heavy
 
 
 @pytest.mark.timeout(600)
@@ -300,8 +339,9 @@ def test_no_silent_slicing_or_ignored_data(tmp_path):
     train and export a 98-row model; data.path without data.source=file used to train on the
     synthetic task. Both are now one line before any weights move."""
     mc = _converted(tmp_path, vocab_size=128)
-    line, dt = _train_fails(tmp_path, f"model.load={mc}", "parallel.tp=1", "parallel.sequence_parallel=false")
+    line, heavy = _train_fails(tmp_path, f"model.load={mc}", "parallel.tp=1", "parallel.sequence_parallel=false")
     assert "vocab_size=98" in line and "vocab_size=128" in line, line
-    assert dt < 60
-    line, _ = _train_fails(tmp_path, f"data.path={tmp_path / 'prompts.jsonl'}", "reward.fn=math")
+    assert heavy == []  # before any process group or model exists, let alone weights moving
+    line, heavy = _train_fails(tmp_path, f"data.path={tmp_path / 'prompts.jsonl'}", "reward.fn=math")
     assert "data.source=file" in line and "prompts.jsonl" in line, line
+    assert heavy == []

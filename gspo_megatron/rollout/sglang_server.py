@@ -33,6 +33,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from gspo_megatron.cli_util import InputError
+
 
 class SGLangError(RuntimeError):
     """Base class of every SGLang-engine error."""
@@ -51,8 +53,10 @@ class SGLangProtocolError(SGLangError):
     """A server answered something that is not what its API promises (malformed JSON, fields)."""
 
 
-class SGLangNotReadyError(SGLangError):
-    """A server did not become healthy within the readiness timeout (or its process died)."""
+class SGLangNotReadyError(SGLangError, InputError):
+    """A server did not become healthy within the readiness timeout (or its process died). Also an
+    InputError: at startup it usually means a wrong rollout.sglang.urls / port, and entry points
+    report it as one line (cli_util.user_errors)."""
 
 
 class RetryableHTTPError(SGLangServerError):

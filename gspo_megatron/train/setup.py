@@ -274,14 +274,17 @@ class Inputs:
 def check_inputs(cfg, *, world_size: int) -> Inputs:
     """Architecture (and its agreement with every checkpoint given), layout, HF checkpoint index,
     tokenizer (fits the vocabulary), data (file readable, keys in every record, the first records
-    render), warm start vs data source, reward (imports). One InputError/ConfigError line on bad
-    input."""
+    render), warm start vs data source, reward (imports), an explicit checkpoint.resume path (a
+    trainer checkpoint). One InputError/ConfigError/CheckpointError line on bad input."""
     from gspo_megatron.model.hf_io import HFCheckpointReader
 
     hf_config = cfg.hf_config_dict()
     sources = cfg.model_sources()
     arch = Qwen3MoeArch.from_hf_dict(hf_config, source=sources[0][0] if sources else "model.hf_config")
     cfg.validate_world(world_size, hf_config)
+    from gspo_megatron.parallel.state import resolve_device
+
+    resolve_device(cfg.parallel.device)  # parallel.device=cuda without CUDA: one line, before any work
     reader = None
     if cfg.model.hf_dir:
         reader = HFCheckpointReader(cfg.model.hf_dir)
@@ -296,6 +299,10 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
                          "data.source=synthetic has: set train.sft_warmup_steps=0 (start from an SFT model)")
     prompts.check_render()
     score = resolve_reward(cfg, prompts.task)
+    if cfg.checkpoint.resume not in ("auto", "never"):  # an explicit path: a trainer checkpoint
+        from gspo_megatron.train.checkpoint import read_trainer_state
+
+        read_trainer_state(cfg.checkpoint.resume)  # one CheckpointError line naming the path
     return Inputs(hf_config, arch, reader, tokenizer, prompts, score)
 
 
