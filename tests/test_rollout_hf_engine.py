@@ -83,9 +83,16 @@ def test_logprobs_match_teacher_forcing_and_grouping(engine, prompts, sp):
     if sp.top_k == 5:  # sampled inside the top-5, yet log-probs are of the untruncated distribution
         for s in samples:
             _, logits = teacher_forced_logprobs(engine.model, s.prompt_ids, s.response_ids, 1.0)
-            ranks = (logits > logits.gather(1, torch.tensor(s.response_ids)[:, None])).sum(1)
+            ids = torch.tensor(s.response_ids)[:, None]
+            ranks = (logits > logits.gather(1, ids)).sum(1)
             assert (ranks < 5).all()
-        assert sum(s.response_logprobs[0] for s in samples) < 0  # not renormalised to 1 over the top-k
+            # not renormalised over the top-k: per token, the engine's log-prob is log_softmax(logits / T)
+            # over the whole vocabulary (teacher forcing on the same model) ...
+            lp = torch.log_softmax(logits / sp.temperature, -1)
+            torch.testing.assert_close(torch.tensor(s.response_logprobs), lp.gather(1, ids).squeeze(1),
+                                       atol=1e-5, rtol=0)
+            # ... which 1e-5 tells apart from the top-5-renormalised one (log-prob - log(top-5 mass))
+            assert (-torch.logsumexp(lp.topk(5, -1).values, -1) > 1e-3).all()
     # the 3 samples of one prompt differ (sampling), and seeded runs reproduce exactly
     assert len({tuple(s.response_ids) for s in samples[:3]}) > 1
     again = engine.generate(prompts, 3, sp, seed=11)

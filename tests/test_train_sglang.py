@@ -29,16 +29,37 @@ def _tiny_hf_dir(path):
 
 @pytest.mark.timeout(600)
 def test_training_loop_with_sglang_disk_sync(tmp_path):
+    import re
+
+    import torch
+    from safetensors.torch import load_file
+
+    from gspo_megatron.rollout.hf_engine import hub_weight_targets
+
     hf_dir = _tiny_hf_dir(tmp_path / "hf0")
+    shared = str(tmp_path / "sync")
     with SGLangDouble(hf_dir) as server:
+        # what each /generate answered, and how many weight updates had reached the double before it
+        served = []
+        real_generate = server.generate
+
+        def generate(body):
+            n_updates = len(server.calls("/update_weights_from_disk"))
+            status, res = real_generate(body)
+            rows = res if isinstance(res, list) else [res] if status == 200 else []
+            served.append((n_updates, status, [r["meta_info"].get("weight_version") for r in rows]))
+            return status, res
+
+        server.generate = generate
         out = tmp_path / "run"
         args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
                 f"train.max_steps={STEPS}", "train.sft_warmup_steps=2", "checkpoint.interval=0",
-                "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
-                *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))]
+                "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=true",
+                *sglang_overrides(server.url, weight_sync="disk", shared_dir=shared)]
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
         assert r.returncode == 0, r.stderr[-4000:]
         records = list(server.records)
+        served_weights = {k: t.get().detach().clone() for k, t in hub_weight_targets(server.engine.model).items()}
     gens = [x for x in records if x.path == "/generate"]
     updates = [x.body for x in records if x.path == "/update_weights_from_disk"]
     assert len(gens) >= STEPS * 8  # one request per prompt, 8 prompts per step
@@ -47,11 +68,34 @@ def test_training_loop_with_sglang_disk_sync(tmp_path):
     versions = [int(u["weight_version"]) for u in updates]
     print("weight versions pushed:", versions)
     assert versions == list(range(STEPS + 1))  # +1 per update, starting from the run's step
-    assert all(os.path.isabs(u["model_path"]) or u["model_path"] for u in updates)
-    # generations after each update carried the new version
+    # every push names its own version directory v<N> in the run's shared dir
+    for u, v in zip(updates, versions):
+        path = u["model_path"]
+        assert os.path.isabs(path) and os.path.dirname(path) == os.path.abspath(shared), path
+        assert re.fullmatch(rf"v0*{v}", os.path.basename(path)), (path, v)
+    # generations after each update carried the new version: every /generate answered (200) with
+    # the version of the last update before it, and every step's rollout ran after its own update
+    assert len(served) == len(gens)
+    assert all(status == 200 and ver and set(ver) == {str(n - 1)} for n, status, ver in served), served
+    assert sorted({n for n, _, _ in served}) == list(range(1, STEPS + 1))  # none before the first push, none after the last
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
     assert any(x.path == "/flush_cache" for x in records)
+    # after the run the double serves exactly the trainer's final weights (fp32, bit for bit) ...
+    exported = {}
+    for f in sorted(os.listdir(out / "hf")):
+        if f.endswith(".safetensors"):
+            exported.update(load_file(str(out / "hf" / f)))
+    assert set(served_weights) == set(exported)
+    assert all(t.dtype == torch.float32 for t in exported.values())
+    differ = [k for k in exported if not torch.equal(served_weights[k], exported[k])]
+    assert not differ, differ[:5]
+    # ... which are not the weights it started with (negative control: the comparison can fail)
+    initial = {}
+    for f in sorted(os.listdir(hf_dir)):
+        if f.endswith(".safetensors"):
+            initial.update(load_file(os.path.join(hf_dir, f)))
+    assert any(not torch.equal(initial[k], exported[k]) for k in exported)
 
 
 def _two_free_ports() -> int:
