@@ -282,9 +282,6 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     sources = cfg.model_sources()
     arch = Qwen3MoeArch.from_hf_dict(hf_config, source=sources[0][0] if sources else "model.hf_config")
     cfg.validate_world(world_size, hf_config)
-    from gspo_megatron.parallel.state import resolve_device
-
-    resolve_device(cfg.parallel.device)  # parallel.device=cuda without CUDA: one line, before any work
     reader = None
     if cfg.model.hf_dir:
         reader = HFCheckpointReader(cfg.model.hf_dir)
@@ -315,6 +312,11 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
 
     # ---- everything that can fail on bad input, before process groups and models ----------
     inputs = check_inputs(cfg, world_size=world_size)
+    from gspo_megatron.parallel.state import resolve_device
+
+    # parallel.device=cuda without CUDA: one line before any work (not in check_inputs, which
+    # --dry-run shares: a GPU preset is checked on a laptop)
+    resolve_device(cfg.parallel.device)
     hf_config, arch, reader, tokenizer = inputs.hf_config, inputs.arch, inputs.reader, inputs.tokenizer
     prompts, score = inputs.prompts, inputs.score
     dtype = parse_dtype(cfg.model.dtype)
