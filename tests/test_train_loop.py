@@ -97,22 +97,45 @@ def _hf_tensors(d):
 DP2_DISTOPT = ["parallel.tp=1", "parallel.sequence_parallel=false", "optimizer.use_distributed_optimizer=true"]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first-found order, deepest last), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 @pytest.mark.timeout(900)
 def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     """kill -9 mid-run with the distributed optimizer at DP2, then resume=auto: final weights
     bit-identical, Adam moments in the final checkpoint equal, and the trainer checkpoint exports
     (gspo-convert mcore-to-hf) to exactly the run's own <out_dir>/hf."""
+    # long enough that the kill lands mid-run: with 6 steps the whole run (~0.1 s a step) used to
+    # finish between two polls, and "resume" started from the final checkpoint
+    steps = 30
+    long = [*SMALL, *DP2_DISTOPT, f"train.max_steps={steps}"]
     ref = tmp_path / "ref"
-    run_train(ref, *SMALL, *DP2_DISTOPT)
+    run_train(ref, *long)
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(torchrun_cmd(2, "--config", TINY, f"out_dir={out}", *SMALL, *DP2_DISTOPT), env=_env(), cwd=REPO,
+    proc = subprocess.Popen(torchrun_cmd(2, "--config", TINY, f"out_dir={out}", *long), env=_env(), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     latest = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 600
     try:
         while time.monotonic() < deadline:
-            if latest.exists() and latest.read_text().strip() == "step_00000004":
+            if latest.exists() and latest.read_text().strip() >= "step_00000004":
                 break
             if proc.poll() is not None:
                 pytest.fail("trainer exited before the step-4 checkpoint")
@@ -120,20 +143,31 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
         else:
             pytest.fail("no step-4 checkpoint within 600 s")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # our own session: torchrun and its workers
+        # torchrun starts its workers in process groups of their own: SIGKILL every process under
+        # our torchrun (found by parent pid in /proc), workers first, not just torchrun's group
+        for pid in _descendants(proc.pid) + [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=60)
     assert not (out / "hf").exists()
-    run_train(out, *SMALL, *DP2_DISTOPT, "checkpoint.resume=auto")
+    resumed_at = latest.read_text().strip()  # the newest complete checkpoint when it was killed
+    r = run_train(out, *long, "checkpoint.resume=auto")
+    step = int(resumed_at.split("_")[1])
+    assert f"resumed from {out / 'checkpoints' / resumed_at} at step {step}" in r.stderr + r.stdout, \
+        (r.stderr + r.stdout)[-2000:]
+    assert 4 <= step < steps  # it really resumed mid-run (not from scratch, not after the end)
 
     a, b = _hf_tensors(ref / "hf"), _hf_tensors(out / "hf")
     assert set(a) == set(b)
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     assert diff == 0.0, f"resumed run differs from the uninterrupted one by {diff}"
-    assert [r["step"] for r in gspo_rows(out)] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in gspo_rows(out)] == list(range(1, steps + 1))
     ra, rb = gspo_rows(ref), gspo_rows(out)
     assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rb]
 
-    final = "checkpoints/step_00000006"
+    final = f"checkpoints/step_{steps:08d}"
     ma, mb = dcp_tensors(ref / final, "optimizer.state."), dcp_tensors(out / final, "optimizer.state.")
     moments = [k for k in ma if ".exp_avg" in k]
     assert moments and set(ma) == set(mb)
