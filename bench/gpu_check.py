@@ -31,7 +31,6 @@ import glob
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,12 +39,6 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
 MEGATRON = "megatron-core==0.16.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -137,7 +130,7 @@ def main(argv=None) -> int:
 
     def launch(tag: str, steps: int):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-               f"--master-port={_free_port()}", "-m", "gspo_megatron.train", "--config", CONFIG,
+               "--standalone", "-m", "gspo_megatron.train", "--config", CONFIG,
                *overrides, f"train.max_steps={steps}", f"checkpoint.export_hf={'true' if steps == 3 else 'false'}"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_env(), cwd=REPO)
         logs[tag] = r.stderr

@@ -1,7 +1,8 @@
 """Spawn gloo ranks for multi-process tests.
 
-Each test picks a free port in the parent, starts `world_size` processes with the spawn method,
-bounds the whole run with a timeout and terminates only the processes it started. Rank functions
+Each test picks a free port in the parent (retried with a fresh one if it is taken before rank 0
+binds it), starts `world_size` processes with the spawn method, bounds the whole run with a
+timeout and terminates only the processes it started. Rank functions
 must be module-level (picklable) and receive `(rank, world_size, *args)`; whatever rank returns is
 sent back to the parent, which gets a list indexed by rank.
 """
@@ -50,9 +51,48 @@ def _worker(fn, rank, world_size, port, args, queue):
             dist.destroy_process_group()
 
 
+PORT_TAKEN = ("address already in use", "eaddrinuse")
+
+
+def port_collision(text: str) -> bool:
+    """Whether a failure is the port picked by free_port() being taken before its user bound it
+    (the race between releasing the probe socket and the rendezvous binding the port)."""
+    low = text.lower()
+    return any(s in low for s in PORT_TAKEN)
+
+
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, attempts: int = 3
 ) -> list[Any]:
+    """Run `fn` on `world_size` gloo ranks; a rendezvous port taken by someone else in between
+    is retried with a fresh port (up to `attempts` runs), any other failure is raised."""
+    for attempt in range(attempts):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except RuntimeError as e:
+            if attempt + 1 == attempts or not port_collision(str(e)):
+                raise
+
+
+def with_free_port(run: Callable[[int], Any], attempts: int = 3, free: Callable[[], int] | None = None) -> Any:
+    """run(port) with a port free now; when `run` reports that someone took the port before the
+    process it started could bind it (an exception, or a CompletedProcess failing, whose text
+    says so), again with a fresh port. For servers and rendezvous the test cannot bind itself."""
+    for attempt in range(attempts):
+        port = (free or free_port)()
+        try:
+            out = run(port)
+        except Exception as e:
+            if attempt + 1 == attempts or not port_collision(str(e)):
+                raise
+            continue
+        failed = getattr(out, "returncode", 0) != 0
+        if failed and attempt + 1 < attempts and port_collision(f"{out.stdout}{out.stderr}"):
+            continue
+        return out
+
+
+def _run_once(fn, world_size, args, timeout):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from dist_utils import free_port, run_distributed
+from dist_utils import run_distributed
 from megatron_utils import dcp_tensors
 
 VOCAB = 98  # tiny_cpu.yaml
@@ -56,7 +56,7 @@ def _train_tp2(out, *extra):
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                        f"--master-port={free_port()}", "-m", "gspo_megatron.train", "--config", TINY,
+                        "--standalone", "-m", "gspo_megatron.train", "--config", TINY,
                         f"out_dir={out}", *SMALL, *extra], capture_output=True, text=True, timeout=600, env=env,
                        cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dist_utils import free_port, run_distributed
+from dist_utils import run_distributed
 from megatron_utils import hf_token_logprobs, make_tiny_hf, random_sequences
 
 LOGPROB_TOL = 1e-4
@@ -346,8 +346,8 @@ def test_cli_under_torchrun(ckpts, tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
     def torchrun(*args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "-m", "converters.cli", *args, "--no-progress"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               "-m", "converters.cli", *args, "--no-progress"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
 

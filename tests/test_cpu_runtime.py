@@ -16,6 +16,14 @@ import torch
 from dist_utils import run_distributed
 
 
+def pins(*keys: str):
+    """Marks the test that pins these cpu_runtime.ASSUMPTIONS entries."""
+    def mark(fn):
+        fn.pins = keys
+        return fn
+    return mark
+
+
 def test_proxied_modules_still_assume_cuda():
     from gspo_megatron.parallel import cpu_runtime
 
@@ -24,6 +32,7 @@ def test_proxied_modules_still_assume_cuda():
         assert re.search(r"torch\.cuda\.|device=['\"]cuda", src), f"{modname} no longer mentions cuda: drop it from PROXIED_MODULES ({reason})"
 
 
+@pins("cuda-streams")
 def test_proxy_redirects_only_cuda_devices():
     from gspo_megatron.parallel import cpu_runtime
 
@@ -46,6 +55,7 @@ def test_runtime_is_inert_for_cuda_devices():
     assert schedules.torch is torch and not cpu_runtime.is_active()
 
 
+@pins("te-general-gemm")
 def test_te_general_gemm_is_unbound_without_te():
     from megatron.core.transformer.moe import moe_utils
 
@@ -65,6 +75,7 @@ def test_te_general_gemm_is_unbound_without_te():
     assert not hasattr(moe_utils, "te_general_gemm")
 
 
+@pins("a2a-split-sizes")
 def test_split_sizes_stay_tensors_in_megatron_helper():
     from megatron.core.transformer.moe import moe_utils
 
@@ -153,6 +164,7 @@ def _rank_runtime(rank, world):
     return seen
 
 
+@pins("cuda-tensors", "cuda-rng-tracker")
 @pytest.mark.timeout(120)
 def test_megatron_needs_the_runtime_on_cpu_and_works_with_it():
     seen = run_distributed(_rank_runtime, 1, timeout=100)[0]
@@ -185,6 +197,7 @@ def test_gloo_all_to_all_rejects_tensor_split_sizes():
     assert res[0][1] == [0.0, 1.0, 10.0, 11.0]
 
 
+@pins("clip-grad-dtype-assert")
 def test_megatron_clip_grad_asserts_cuda_and_cpu_replacement_scales():
     from megatron.core.optimizer import clip_grads
 
@@ -203,24 +216,43 @@ def test_megatron_clip_grad_asserts_cuda_and_cpu_replacement_scales():
 
 
 def test_every_assumption_is_pinned_here():
+    """Every entry of cpu_runtime.ASSUMPTIONS has a test here that pins it (@pins), every @pins
+    names a real entry, and the Megatron symbol each entry names exists in the installed
+    Megatron-Core (an upgrade that moves one fails here, not silently at run time)."""
+    import importlib
+    import sys
+
     from gspo_megatron.parallel import cpu_runtime
 
-    src = inspect.getsource(inspect.getmodule(test_every_assumption_is_pinned_here))
-    pinned = {"cuda-tensors": "test_megatron_needs_the_runtime_on_cpu_and_works_with_it",
-              "cuda-streams": "test_proxy_redirects_only_cuda_devices",
-              "cuda-rng-tracker": "rng_without", "te-general-gemm": "test_te_general_gemm_is_unbound_without_te",
-              "a2a-split-sizes": "test_split_sizes_stay_tensors_in_megatron_helper",
-              "clip-grad-dtype-assert": "test_megatron_clip_grad_asserts_cuda_and_cpu_replacement_scales",
-              "cuda-tensor-methods": "test_megatron_optimizers_compare_cuda_type_names",
-              "torch-adam-distopt-load": "test_distributed_optimizer_torch_adam_load_gaps_are_still_there",
-              "recompute-cuda-rng": "test_activation_recompute_saves_the_cuda_generator",
-              "te-fp8-recompute-names": "test_checkpoint_without_output_asks_te_for_fp8",
-              "rope-cp-slice": "test_rope_cp_slice_needs_cuda_and_the_replacement_slices_the_same"}
-    assert {a.key for a in cpu_runtime.ASSUMPTIONS} == set(pinned)
-    for needle in pinned.values():
-        assert needle in src
+    module = sys.modules[__name__]
+    pinned: dict[str, list[str]] = {}
+    for name, fn in vars(module).items():
+        for key in getattr(fn, "pins", ()):
+            assert name.startswith("test_") and callable(fn), name  # collected by pytest
+            pinned.setdefault(key, []).append(name)
+    assert set(pinned) == {a.key for a in cpu_runtime.ASSUMPTIONS}, set(pinned) ^ {a.key for a in cpu_runtime.ASSUMPTIONS}
+    for a in cpu_runtime.ASSUMPTIONS:
+        m = re.match(r"(megatron\.core(?:\.\w+)+)", a.where)
+        if m is None:  # "the modules in PROXIED_MODULES" / "the methods in ...": lists in cpu_runtime
+            continue
+        parts = m.group(1).split(".")
+        for cut in range(len(parts), 1, -1):  # longest importable module prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                if not hasattr(obj, attr):  # bound only when TE imports (te-general-gemm): named in the source
+                    assert re.search(rf"\b{attr}\b", inspect.getsource(obj)), (a.key, m.group(1), attr)
+                    break
+                obj = getattr(obj, attr)
+            break
+        else:
+            raise AssertionError(f"{a.key}: {m.group(1)} does not import")
 
 
+
+@pins("cuda-tensor-methods")
 def test_megatron_optimizers_compare_cuda_type_names():
     """Megatron sorts parameters by CUDA type names and moves checkpoint shards with .cuda(); the
     runtime answers both for CPU tensors inside those methods only, and the optimizer builds."""
@@ -249,6 +281,7 @@ def test_megatron_optimizers_compare_cuda_type_names():
     assert torch.Tensor.type.__name__ == "type" and x.type() == "torch.BFloat16Tensor"
 
 
+@pins("torch-adam-distopt-load")
 def test_distributed_optimizer_torch_adam_load_gaps_are_still_there():
     """Without TE/apex Megatron's DistributedOptimizer runs over torch's Adam, whose checkpoint path
     has three gaps the runtime covers (see ASSUMPTIONS); the resume tests show the covered path."""
@@ -271,6 +304,7 @@ def test_distributed_optimizer_torch_adam_load_gaps_are_still_there():
     assert float(next(iter(adam.state.values()))["step"]) == 1.0
 
 
+@pins("recompute-cuda-rng")
 def test_activation_recompute_saves_the_cuda_generator():
     """Megatron's CheckpointFunction saves the CUDA generator (fails on CPU torch); the runtime's
     stand-ins leave the CPU generator, which the same functions save and restore, in charge
@@ -294,6 +328,7 @@ def test_activation_recompute_saves_the_cuda_generator():
         cpu_runtime.deactivate()
 
 
+@pins("te-fp8-recompute-names")
 def test_checkpoint_without_output_asks_te_for_fp8():
     """Selective recompute of norms/activations (CheckpointWithoutOutput) asks TE's FP8 state even
     with fp8 off; without TE the name is unbound. The runtime binds a no-FP8 stand-in."""
@@ -340,6 +375,7 @@ class _Group:
         return self._rank
 
 
+@pins("rope-cp-slice")
 def test_rope_cp_slice_needs_cuda_and_the_replacement_slices_the_same():
     """Megatron's RoPE slice for a CP rank moves its indices to CUDA; the runtime's version takes
     the same zigzag rows (checked against parallel/seq_reduce.py zigzag_positions)."""

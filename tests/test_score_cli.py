@@ -163,10 +163,9 @@ def test_unsupported_qwen_variants_are_rejected():
 
 
 def run_score_torchrun(nproc, *args):
-    from dist_utils import free_port
 
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                           f"--master-port={free_port()}", "-m", "gspo_megatron.score", *args],
+                           "--standalone", "-m", "gspo_megatron.score", *args],
                           capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=_clean_env(OMP_NUM_THREADS="1"))
 
 

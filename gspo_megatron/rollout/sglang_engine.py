@@ -92,7 +92,6 @@ from .sglang_server import (
     ServerClient,
     ServerProcesses,
     check_not_failed,
-    free_port,
     local_address_towards,
     parse_json,
     wait_until_ready,
@@ -580,7 +579,7 @@ class SGLangEngine(RolloutEngine):
         ranks = self._ranks_per_server()
         if mode == "distributed":
             addr = self._sync_master_address or local_address_towards(self.workers[0].url)
-            port = self._sync_master_port or free_port("0.0.0.0" if addr != "127.0.0.1" else addr)
+            port = self._sync_master_port or 0  # 0: the trainer binds a free port when it hosts the store
             return DistributedSync(
                 self.workers, ranks_per_server=ranks, master_address=addr, master_port=port,
                 backend=self.sync_backend, group_name=self.sync_group_name, bucket_bytes=bucket,

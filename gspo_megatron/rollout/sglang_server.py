@@ -489,8 +489,3 @@ def local_address_towards(url: str) -> str:
     except OSError:
         return socket.gethostbyname(socket.gethostname())
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

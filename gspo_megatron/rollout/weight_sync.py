@@ -308,6 +308,21 @@ def _save_hf(named_tensors, path, hf_config, dtype, copy_from) -> int:
 
 
 # ---------------------------------------------------------------------------------- distributed
+def host_store(master_address: str, master_port: int, world_size: int, timeout_s: float):
+    """Rank 0's TCP store of the weight-update rendezvous, bound now; port 0 lets the OS pick a
+    free one (read it back from `.port`): the port is bound by the process that serves it, so
+    nothing can take it between choosing and binding.
+
+    The TCP store directly, not c10d.rendezvous("tcp://..."): under torchrun the trainer's
+    environment has TORCHELASTIC_USE_AGENT_STORE=True, with which the tcp rendezvous never hosts
+    a store (it expects torchrun's agent store at that address), so rank 0 would wait as a
+    client for a server nobody starts (found by tests/test_train_sglang.py, colocated)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(master_address, int(master_port), world_size, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 def init_weight_update_group(
     *,
     master_address: str,
@@ -317,21 +332,20 @@ def init_weight_update_group(
     group_name: str,
     backend: str,
     timeout_s: float = 600.0,
+    store=None,
 ):
     """Join (or, as rank 0, host) the weight-update process group the way SGLang's servers do:
     a TCP-store rendezvous at tcp://master_address:master_port, the group's keys prefixed by
-    `group_name`, a process group of `backend` registered under that name. Needs no default
-    process group, and leaves any existing one untouched."""
+    `group_name`, a process group of `backend` registered under that name. Rank 0 may pass the
+    store it already hosts (host_store). Needs no default process group, and leaves any existing
+    one untouched."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    # The TCP store directly, not c10d.rendezvous("tcp://..."): under torchrun the trainer's
-    # environment has TORCHELASTIC_USE_AGENT_STORE=True, with which the tcp rendezvous never hosts
-    # a store (it expects torchrun's agent store at that address), so rank 0 would wait as a
-    # client for a server nobody starts (found by tests/test_train_sglang.py, colocated).
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    if store is None:
+        store = host_store(master_address, master_port, world_size, timeout_s) if rank == 0 else dist.TCPStore(
+            master_address, int(master_port), world_size, is_master=False, timeout=timeout)
     store = c10d.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     opt_name = "backend_options" if "backend_options" in params else "pg_options"
@@ -396,10 +410,17 @@ class DistributedSync:
         return out
 
     def init_group(self) -> None:
-        """Form the group: every server joins over HTTP while this process joins as rank 0."""
+        """Form the group: this process hosts the rendezvous store (on master_port, or on a port
+        the OS picks when it is 0) and joins as rank 0 while every server joins over HTTP."""
         if self.pg is not None:
             return
         offsets = self.rank_offsets()
+        try:
+            store = host_store(self.master_address, self.master_port, self.world_size, self.timeout_s)
+        except Exception as e:
+            raise SGLangError(f"weight-update group {self.group_name!r}: cannot host its store at "
+                              f"{self.master_address}:{self.master_port}: {e}") from e
+        self.master_port = store.port
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
             futs = [
                 pool.submit(
@@ -418,7 +439,7 @@ class DistributedSync:
                 pg = init_weight_update_group(
                     master_address=self.master_address, master_port=self.master_port, rank=0,
                     world_size=self.world_size, group_name=self.group_name, backend=self.backend,
-                    timeout_s=self.timeout_s,
+                    timeout_s=self.timeout_s, store=store,
                 )
             except Exception as e:
                 errs = [f.exception() for f in futs if f.done() and f.exception() is not None]
