@@ -289,6 +289,11 @@ class LossConfig:
     old_logprobs: Literal["engine", "recompute"] = "recompute"
     # Truncated importance sampling cap on π_old / π_engine per token; null = off.
     tis_cap: Optional[float] = None
+    # Sequence-level mismatch masking [low, high]: a sequence whose mean token log-ratio
+    # log π_old - log π_engine (trainer vs rollout engine on the same tokens) lies outside the
+    # band leaves the loss (its terms are zeroed; the normaliser stays the minibatch's sequence
+    # count); counted in mis_masked. null = off. Needs old_logprobs=recompute. E.g. [-0.05, 0.05].
+    mis: Optional[list[float]] = None
 
     def __post_init__(self):
         lo_d, hi_d = DEFAULT_EPS[self.type]
@@ -307,6 +312,12 @@ class LossConfig:
                     "loss.tis_cap needs loss.old_logprobs=recompute (TIS reweights by "
                     "π_old/π_engine, which is 1 when π_old is the engine's)"
                 )
+        if self.mis is not None:
+            if len(self.mis) != 2 or not self.mis[0] < self.mis[1]:
+                raise ConfigError(f"loss.mis must be [low, high] with low < high, got {self.mis!r}")
+            if self.old_logprobs == "engine":
+                raise ConfigError("loss.mis needs loss.old_logprobs=recompute (it masks by log π_old - log π_engine, "
+                                  "which is 0 when π_old is the engine's)")
         if self.type in ("gspo", "gspo_token") and max(self.eps_low, self.eps_high) >= GSPO_EPS_WARN:
             warnings.warn(
                 f"loss.type={self.type} with eps_low={self.eps_low}, eps_high={self.eps_high}: "

@@ -455,3 +455,43 @@ def test_ref_log_probs_without_coef_only_reports_kl():
     l1, g1, _, m1 = run_impl(gspo_loss, d, PAPER, use_ref=True, use_eng=True)
     assert torch.equal(l0, l1) and torch.equal(g0, g1)
     assert m1["kl_ref"].item() > 0 and "engine_log_ratio" in m1 and "kl_ref" not in m0
+
+
+# ------------------------------------------------------------------ train-inference mismatch
+def test_mismatch_sums_and_sequence_mask_against_float64_loops():
+    """algorithms/mismatch.py against plain float64 loops: per-row sums, the report, the step
+    metrics, and the sequence band (inclusive bounds, empty sequences kept)."""
+    from gspo_megatron.algorithms.mismatch import (mismatch_metrics, mismatch_report, mismatch_row_sums,
+                                                   sequence_mismatch_keep)
+
+    g = torch.Generator().manual_seed(5)
+    train = torch.randn(4, 6, generator=g) - 2
+    engine = train + 0.1 * torch.randn(4, 6, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0] * 6, [0, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    engine[~mask] = float("nan")  # never read outside the mask
+    sums = mismatch_row_sums(train, engine, mask)
+    rows, n, abs_s, k3_s, tok_max, seq_max = [], 0, 0.0, 0.0, 0.0, 0.0
+    for i in range(4):
+        ds = [float(train[i, t]) - float(engine[i, t]) for t in range(6) if mask[i, t]]
+        rows.append(ds)
+        n += len(ds)
+        abs_s += sum(abs(d) for d in ds)
+        k3_s += sum(math.exp(d) - 1 - d for d in ds)
+        tok_max = max([tok_max] + [abs(d) for d in ds])
+        if ds:
+            seq_max = max(seq_max, abs(sum(ds) / len(ds)))
+        assert float(sums[i, 0]) == pytest.approx(sum(ds), abs=1e-6)
+        assert float(sums[i, 3]) == len(ds)
+    rep = mismatch_report(sums)
+    m = mismatch_metrics({k: float(rep[k]) for k in ("mm_abs_sum", "mm_k3_sum", "mm_tokens")},
+                         {k: float(rep[k]) for k in ("mm_tok_max", "mm_seq_max")})
+    assert m["mismatch_logprob_abs"] == pytest.approx(abs_s / n, rel=1e-6)
+    assert m["mismatch_k3"] == pytest.approx(k3_s / n, rel=1e-5)
+    assert m["mismatch_logprob_max"] == pytest.approx(tok_max, rel=1e-6)
+    assert m["mismatch_seq_ratio_max"] == pytest.approx(seq_max, rel=1e-6)
+
+    means = [sum(d) / len(d) if d else 0.0 for d in rows]
+    lo, hi = sorted(means[:2])  # the band's edges are two of the means: inclusive
+    keep = sequence_mismatch_keep(sums[:, 0], sums[:, 3], lo, hi)
+    assert keep.tolist() == [(lo <= x <= hi) or not rows[i] for i, x in enumerate(means)]
+    assert keep[2]  # the empty sequence is kept (it has no loss terms anyway)

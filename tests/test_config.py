@@ -257,6 +257,11 @@ def test_loss_checks(tmp_path):
     load_config(minimal(tmp_path), ["loss.tis_cap=2", "loss.old_logprobs=recompute"])
     assert "loss.kl_coef" in err(minimal(tmp_path), ["loss.kl_coef=-0.1"])
     assert "loss.eps_low" in err(minimal(tmp_path), ["loss.eps_low=1.5"])
+    assert load_config(minimal(tmp_path), ["loss.mis=[-0.05,0.05]"]).loss.mis == [-0.05, 0.05]
+    assert "loss.mis must be [low, high]" in err(minimal(tmp_path), ["loss.mis=[0.05,-0.05]"])
+    assert "loss.mis must be [low, high]" in err(minimal(tmp_path), ["loss.mis=[0.05]"])
+    assert "loss.mis needs loss.old_logprobs=recompute" in err(minimal(tmp_path), ["loss.mis=[-1,1]",
+                                                                                   "loss.old_logprobs=engine"])
     # kl_coef is kept for every loss type (not silently dropped for GSPO).
     with pytest.warns(ConfigWarning, match="reference"):
         cfg = load_config(minimal(tmp_path), ["loss.kl_coef=0.01"])

@@ -79,7 +79,16 @@ def reference(model, samples, settings, old_shift, tis_engine="engine"):
         opts.update(ref_log_probs=old - REF_SHIFT, kl_coef=settings["kl_coef"])
     if settings.get("tis_cap") is not None:
         opts.update(engine_log_probs=eng if tis_engine == "engine" else old, tis_cap=settings["tis_cap"])
-    loss, metrics = fn(lp, old, adv, mask, eps_low=settings["eps_low"], eps_high=settings["eps_high"], **opts)
+    rows = torch.arange(B)
+    if settings.get("mis") is not None:
+        # float64: a sequence's mean log(π_old / π_engine) outside [low, high] leaves the loss;
+        # the normaliser stays B (the loss over the kept sequences only, / B)
+        d = ((old.double() - eng.double()) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        lo, hi = settings["mis"]
+        rows = torch.nonzero((d >= lo) & (d <= hi)).flatten()
+        opts = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in opts.items()} | {"num_sequences": B}
+    loss, metrics = fn(lp[rows], old[rows], adv[rows], mask[rows], eps_low=settings["eps_low"],
+                       eps_high=settings["eps_high"], **opts)
     loss.backward()
     grads = hub_named_grads(model)
     model.zero_grad()
@@ -90,6 +99,7 @@ def reference(model, samples, settings, old_shift, tis_engine="engine"):
             if settings["type"] != "grpo":
                 log_w = (log_w.sum(-1) / mask.sum(-1)).unsqueeze(-1).expand_as(log_w)
             extra["tis_capped"] = float((log_w >= math.log(settings["tis_cap"]))[mask].float().mean())
+    extra["mis_masked"] = B - len(rows)
     return float(loss.detach()), {k: float(v) for k, v in metrics.items()} | extra, grads
 
 
@@ -130,7 +140,8 @@ def _rank_train_options(rank, world, hf_dir, layout, samples, budget, settings_k
         seq_length=max(mb.seq_length for mb in mbs), micro_batch_size=mbs[0].micro_batch_size,
         forward_only=False)
     reporter = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0
-    tot = reduce_report(reports, reporter, ("loss", "sequences", "entropy", "tis_weight_mean"), ctx.device)
+    tot = reduce_report(reports, reporter, ("loss", "sequences", "entropy", "tis_weight_mean", "mis_masked",
+                                                    "metric_weight", "kl_ref", "clip_frac"), ctx.device)
     grads = dict(iter_hf_tensors(model, ctx, arch, tensor_of=grad_tensor))
     n_micro = len(mbs)
     destroy_parallel()
@@ -170,6 +181,16 @@ CASES = [
     # entropy bonus of the tempered policy (value and gradient, /T) with experts split
     pytest.param(EP2, 40, True, dict(type="gspo", eps_low=3e-4, eps_high=4e-4, entropy_coef=0.05,
                                      temperature=TEMPERATURE), 0.0, "entropy_coef", id="gspo-entropy-T0.7-ep2-packed"),
+    # sequence-level mismatch masking (loss.mis) of π_old vs π_engine, GSPO and a token loss, over
+    # microbatches (EP2) and zigzag CP halves of each sequence (CP2: the band is on the whole sequence)
+    pytest.param(EP2, 40, False, dict(type="gspo", eps_low=0.01, eps_high=0.015, mis=(-0.045, 0.045)), SHIFT, "mis",
+                 id="gspo-mis-ep2"),
+    pytest.param(dict(cp=2), 60, True, dict(type="grpo", eps_low=0.1, eps_high=0.15, mis=(-0.015, 0.015)), SHIFT,
+                 "mis", id="grpo-mis-cp2-packed"),
+    # token-level losses under CP: gradients per rank's tokens, the reported loss and metrics
+    # combined over the CP ranks (each holds a zigzag half of every sequence)
+    pytest.param(dict(cp=2), 60, True, dict(type="gspo_token", eps_low=0.01, eps_high=0.015, entropy_coef=0.05,
+                                             kl_coef=0.1), SHIFT, "entropy_coef+kl_coef", id="gspo_token-kl-entropy-cp2-packed"),
     # entropy assembled over vocab shards, and kl_coef honoured by a token loss
     pytest.param(TP2SP, 40, True, dict(type="grpo", eps_low=1.5e-3, eps_high=3e-3, entropy_coef=0.05, kl_coef=0.1),
                  0.0, "entropy_coef+kl_coef", id="grpo-entropy-kl-tp2sp-packed"),
@@ -190,8 +211,10 @@ def test_loss_option_matches_single_process_reference(setup, layout, budget, pac
     # non-vacuous: clipping is partial, and each option really reaches the gradient
     assert 0 < ref_m["clip_frac"] < 1, ref_m["clip_frac"]
     for opt in option.split("+") if option else ():
-        off = {opt: None if opt == "tis_cap" else 0.0}
+        off = {opt: None if opt in ("tis_cap", "mis") else 0.0}
         assert rel_diff(reference(model, samples, settings | off, old_shift)[2], ref_grads)[0] > SEVERAL, opt
+    if option == "mis":  # some sequences masked, some kept
+        assert 0 < ref_m["mis_masked"] < len(samples), ref_m["mis_masked"]
     if option == "tis_cap":
         assert 0 < ref_m["tis_capped"] < 1, ref_m["tis_capped"]
         mixed = reference(model, samples, settings, old_shift, tis_engine="old")[2]
@@ -203,10 +226,16 @@ def test_loss_option_matches_single_process_reference(setup, layout, budget, pac
         assert n_micro >= 2  # the microbatch split (the per-sequence normalisation) is exercised
     n = tot["sequences"]
     assert n == len(samples)
+    assert tot["mis_masked"] == ref_m["mis_masked"]  # exactly the sequences outside the band
     assert tot["loss"] / n == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
-    assert tot["entropy"] / n == pytest.approx(ref_m["entropy"], rel=1e-4)
+    assert tot["metric_weight"] == n - ref_m["mis_masked"]  # metrics are means over the sequences in the loss
+    assert tot["entropy"] / tot["metric_weight"] == pytest.approx(ref_m["entropy"], rel=1e-4)
+    if settings.get("kl_coef"):
+        assert tot["kl_ref"] / tot["metric_weight"] == pytest.approx(ref_m["kl_ref"], rel=1e-4)
+    if settings["type"] == "gspo":  # a fraction of sequences: exact over microbatches too
+        assert tot["clip_frac"] / tot["metric_weight"] == pytest.approx(ref_m["clip_frac"], abs=1e-6)
     if settings.get("tis_cap") is not None and settings["type"] == "gspo":  # a sequence mean: exact
-        assert tot["tis_weight_mean"] / n == pytest.approx(ref_m["tis_weight_mean"], rel=1e-5)
+        assert tot["tis_weight_mean"] / tot["metric_weight"] == pytest.approx(ref_m["tis_weight_mean"], rel=1e-5)
     worst = rel_diff(grads, ref_grads)
     print(f"max relative gradient difference {worst[0]:.2e} at {worst[1]}")
     assert worst[0] <= RTOL, f"relative gradient difference {worst[0]:.2e} at {worst[1]}"

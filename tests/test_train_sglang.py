@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from dist_utils import with_free_port
 from sglang_double import SGLangDouble, sglang_overrides
 from test_train_loop import REPO, TINY, _env, gspo_rows, torchrun_cmd
 
@@ -81,6 +82,9 @@ def test_training_loop_with_sglang_disk_sync(tmp_path):
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
     assert any(x.path == "/flush_cache" for x in records)
+    # after every sync the double's log-probs of the tokens it sampled equal the trainer's π_old
+    # pass on them (fp32): it served the weights of the step, not older ones
+    assert all(x["mismatch_logprob_max"] < 1e-5 for x in rows), [x["mismatch_logprob_max"] for x in rows]
     # after the run the double serves exactly the trainer's final weights (fp32, bit for bit) ...
     exported = {}
     for f in sorted(os.listdir(out / "hf")):
@@ -99,8 +103,8 @@ def test_training_loop_with_sglang_disk_sync(tmp_path):
 
 
 def _two_free_ports() -> int:
-    """A base port p with p and p + 1 free now (the double binds them itself: a rare collision
-    fails the launch with the server's own error, not silently)."""
+    """A base port p with p and p + 1 free now (the doubles bind them themselves; a collision
+    in between is retried by with_free_port)."""
     import socket
 
     for _ in range(50):
@@ -130,8 +134,14 @@ def test_colocated_engines_release_train_resume_push_every_step(tmp_path):
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_double.py")
     hf_dir = _tiny_hf_dir(tmp_path / "hf0")
     out = tmp_path / "run"
-    port = _two_free_ports()
-    args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
+    used = []
+
+    def launch(port):  # the servers bind port and port + 1: retried with fresh ones if either was taken
+        used.append(port)
+        return subprocess.run(torchrun_cmd(2, *args(port)), capture_output=True, text=True, timeout=560, env=_env(),
+                              cwd=REPO)
+
+    args = lambda port: ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
             f"train.max_steps={STEPS}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
             "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
             "rollout.backend=sglang", "rollout.sglang.urls=[]", "rollout.sglang.launch=true",
@@ -140,8 +150,9 @@ def test_colocated_engines_release_train_resume_push_every_step(tmp_path):
             "rollout.sglang.extra_args=[--dtype,float32]", "rollout.sglang.request_timeout_s=60",
             "rollout.sglang.ready_timeout_s=120", "rollout.sglang.max_retries=2",
             "rollout.sglang.bucket_mb=1"]
-    r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+    r = with_free_port(launch, free=_two_free_ports)
     assert r.returncode == 0, r.stderr[-4000:]
+    port = used[-1]
     logs = sorted((out / "sglang_logs" / "node0").glob("sglang_server_*.log"))
     assert len(logs) == 2  # 2 GPUs (local ranks) per node / tp 1
     for i, path in enumerate(logs):
@@ -149,6 +160,7 @@ def test_colocated_engines_release_train_resume_push_every_step(tmp_path):
         assert "--enable-memory-saver" in argv and f"--base-gpu-id {i}" in argv and f"--port {port + i}" in argv
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
+    assert all(x["mismatch_logprob_max"] < 1e-5 for x in rows), [x["mismatch_logprob_max"] for x in rows]
     code = {"/release_memory_occupation": "R", "/resume_memory_occupation": "W", "/begin_weight_update": "b",
             "/update_weights_from_distributed": "u", "/end_weight_update": "e", "/generate": "G"}
     for path in logs:

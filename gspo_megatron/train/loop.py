@@ -20,12 +20,15 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.algorithms import group_advantages
+from gspo_megatron.algorithms.mismatch import MAX_KEYS as MISMATCH_MAXES
+from gspo_megatron.algorithms.mismatch import SUM_KEYS as MISMATCH_SUMS
+from gspo_megatron.algorithms.mismatch import mismatch_metrics
 from gspo_megatron.model.export import iter_hf_tensors
 from gspo_megatron.rollout.base import Sample, SamplingParams
 from gspo_megatron.train import checkpoint
 from gspo_megatron.train.batch import TrainSample, split_minibatches
 from gspo_megatron.train.loss import WEIGHTED_METRICS, LossSettings, fill_logprobs_step, policy_loss_step, sft_loss_step
-from gspo_megatron.train.metrics import MetricsWriter, plot, reduce_report
+from gspo_megatron.train.metrics import MetricsWriter, plot, reduce_max, reduce_report
 from gspo_megatron.train.setup import RunParts, setup_run
 
 log = logging.getLogger("gspo_megatron.train")
@@ -189,10 +192,14 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
     flat = [mb for mbs in minibatches for mb in mbs]
     t0 = time.perf_counter()
     temperature = cfg.rollout.temperature
+    mismatch = {}
     if cfg.loss.old_logprobs == "recompute":
-        # one forward-only pass before the first update: π_old is the policy that generated
-        _run_schedule(parts, fill_logprobs_step(ctx, parts.arch.vocab_size, temperature, "old_logprobs"), flat,
-                      forward_only=True)
+        # one forward-only pass before the first update: π_old is the policy that generated; it
+        # also measures how far the engine's log-probs of the same tokens are (mismatch_*)
+        reports = _run_schedule(parts, fill_logprobs_step(ctx, parts.arch.vocab_size, temperature, "old_logprobs",
+                                                          compare_engine=True), flat, forward_only=True)
+        mismatch = mismatch_metrics(reduce_report(reports, _reporter(parts), MISMATCH_SUMS, ctx.device),
+                                    reduce_max(reports, _reporter(parts), MISMATCH_MAXES, ctx.device))
     else:
         for mb in flat:  # paper §5.4: the engine's likelihoods serve as π_old directly
             mb.old_logprobs = mb.engine_logprobs
@@ -201,9 +208,10 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
     t_old = time.perf_counter() - t0
 
     settings = LossSettings(cfg.loss.type, cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.kl_coef,
-                            cfg.loss.entropy_coef, cfg.loss.tis_cap, temperature)
+                            cfg.loss.entropy_coef, cfg.loss.tis_cap, temperature,
+                            mis=tuple(cfg.loss.mis) if cfg.loss.mis is not None else None)
     step_fn = policy_loss_step(ctx, parts.arch.vocab_size, settings)
-    keys = ("loss", "sequences") + WEIGHTED_METRICS
+    keys = ("loss", "sequences", "mis_masked", "metric_weight") + WEIGHTED_METRICS
     totals = dict.fromkeys(keys, 0.0)
     grad_norms = []
     t1 = time.perf_counter()
@@ -215,15 +223,21 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
         # per-minibatch loss (sum of sequence losses / sequences), averaged over minibatches below
         totals["loss"] += tot["loss"] / n
         totals["sequences"] += tot["sequences"]
+        totals["mis_masked"] += tot["mis_masked"]
+        totals["metric_weight"] += tot["metric_weight"]
         for k in WEIGHTED_METRICS:
             totals[k] += tot[k]
     t_train = time.perf_counter() - t1
     n_all = max(totals["sequences"], 1.0)
     present = {"kl_ref": cfg.loss.kl_coef > 0, "tis_weight_mean": cfg.loss.tis_cap is not None}
-    out = {k: totals[k] / n_all for k in WEIGHTED_METRICS if present.get(k, True)}
+    out = {k: totals[k] / max(totals["metric_weight"], 1.0) for k in WEIGHTED_METRICS if present.get(k, True)}
+    if settings.mis is not None:  # sequences of the step taken out of the loss by loss.mis
+        out["mis_masked"] = totals["mis_masked"]
+        out["mis_masked_frac"] = totals["mis_masked"] / n_all
     out["loss"] = totals["loss"] / len(minibatches)
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["lr"] = parts.optimizer.param_groups[0]["lr"]
+    out.update(mismatch)
     out["t_old_logprobs"] = t_old
     out["t_train"] = t_train
     out["train_tokens"] = sum(x.length for x in samples)

@@ -18,13 +18,14 @@ from typing import Callable
 import torch
 
 from gspo_megatron.algorithms import gspo_loss_from_stats, gspo_sequence_stats, gspo_token_loss, grpo_loss
+from gspo_megatron.algorithms.mismatch import mismatch_report, mismatch_row_sums, sequence_mismatch_keep
 from gspo_megatron.parallel.fused_head import head_weight
 from gspo_megatron.parallel.logprobs import fused_vocab_parallel_log_probs, vocab_parallel_log_probs
-from gspo_megatron.parallel.seq_reduce import cp_all_reduce_sum
+from gspo_megatron.parallel.seq_reduce import cp_all_reduce_sum, cp_all_reduce_sum_many
 from gspo_megatron.train.batch import MicroBatch
 
-# Metrics summed over microbatches/ranks, each weighted by the microbatch's sequence count, then
-# divided by the total count when reported.
+# Metrics summed over microbatches/ranks, each weighted by the microbatch's count of sequences in
+# the loss ("metric_weight": all of them unless loss.mis masks some), then divided by the total.
 WEIGHTED_METRICS = ("clip_frac", "ratio_mean", "approx_kl", "entropy", "kl_ref", "tis_weight_mean")
 
 
@@ -37,6 +38,7 @@ class LossSettings:
     entropy_coef: float = 0.0
     tis_cap: float | None = None
     temperature: float = 1.0  # the rollout's sampling temperature: π_θ is the tempered policy
+    mis: tuple[float, float] | None = None  # sequence-level mismatch band (algorithms/mismatch.py)
 
 
 def _gspo(lp, mb: MicroBatch, stats, s: LossSettings, entropy):
@@ -116,16 +118,27 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
             lp, ent = token_logprobs(ctx, model, output, mb.targets, vocab_size, settings.temperature, entropy=True)
             lp, ent = mb.to_rows(lp), mb.to_rows(ent)
             ent = ent if settings.entropy_coef else ent.detach()
+            batch, masked = mb, None
+            if settings.mis is not None:
+                batch, masked = _mask_mismatched(ctx, mb, settings.mis)
             stats = gspo_sequence_stats(
-                lp, mb.old_logprobs, mb.loss_mask, ref_log_probs=mb.ref_logprobs, entropy=ent,
-                engine_log_probs=mb.engine_logprobs if settings.tis_cap is not None else None,
+                lp, batch.old_logprobs, batch.loss_mask, ref_log_probs=batch.ref_logprobs, entropy=ent,
+                engine_log_probs=batch.engine_logprobs if settings.tis_cap is not None else None,
             )
             if ctx.parallel.cp > 1:
                 stats = stats.reduce(lambda t: cp_all_reduce_sum(t, ctx.cp_group))
-            loss, metrics = loss_impl(lp, mb, stats, settings, ent)
+            loss, metrics = loss_impl(lp, batch, stats, settings, ent)
+            reported = loss.detach()
+            if ctx.parallel.cp > 1 and settings.type != "gspo":
+                reported, metrics = _cp_token_loss_report(ctx, settings.type, reported, metrics, batch.loss_mask)
             n = mb.num_sequences
-            report = {k: metrics[k].detach() * n for k in WEIGHTED_METRICS if k in metrics}
-            report["loss"] = loss.detach()
+            # metrics are means over the sequences in the loss: weighted by their number
+            w = n - masked if masked is not None else torch.tensor(float(n), device=ctx.device)
+            report = {k: metrics[k].detach() * w for k in WEIGHTED_METRICS if k in metrics}
+            report["metric_weight"] = w
+            if masked is not None:
+                report["mis_masked"] = masked
+            report["loss"] = reported
             report["sequences"] = torch.tensor(float(n), device=ctx.device)
             count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int, device=ctx.device)
             return loss, count, report
@@ -135,9 +148,56 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
     return forward_step
 
 
-def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str):
+# Token-level losses under CP: each CP rank's loss and metrics cover its own tokens only (the
+# gradient is right: every rank back-propagates its share). For the report, the per-sequence
+# token-mean terms (the loss, entropy, kl_ref) are partial sums over the same global token counts,
+# so they add up over CP; the token fractions/means of `TOKEN_MEANS` combine weighted by each
+# rank's token count. Sequence-level metrics (from the CP-reduced stats) are already whole.
+TOKEN_MEANS = {"grpo": ("clip_frac", "ratio_mean", "approx_kl", "tis_weight_mean"), "gspo_token": ("clip_frac",)}
+CP_SUMMED = ("entropy", "kl_ref")
+
+
+def _cp_token_loss_report(ctx, loss_type: str, loss: torch.Tensor, metrics: dict, loss_mask: torch.Tensor):
+    import torch.distributed as dist
+
+    summed = [k for k in CP_SUMMED if k in metrics]
+    means = [k for k in TOKEN_MEANS[loss_type] if k in metrics]
+    tokens = loss_mask.sum().to(torch.float64)
+    vec = torch.stack([loss.to(torch.float64)] + [metrics[k].detach().to(torch.float64) for k in summed]
+                      + [metrics[k].detach().to(torch.float64) * tokens for k in means] + [tokens])
+    dist.all_reduce(vec, group=ctx.cp_group)
+    out = dict(metrics)
+    for i, k in enumerate(summed):
+        out[k] = vec[1 + i]
+    for i, k in enumerate(means):
+        out[k] = vec[1 + len(summed) + i] / vec[-1].clamp(min=1)
+    return vec[0].to(loss.dtype), out
+
+
+def _mask_mismatched(ctx, mb: MicroBatch, band):
+    """`mb` with the sequences outside the mismatch band taken out of the loss (loss mask and
+    advantage zeroed: every term of theirs vanishes, for every loss type), and how many there
+    were. The band applies to the whole sequence's mean log π_old - log π_engine, so under CP the
+    two per-sequence sums are reduced first (every CP rank then drops the same sequences)."""
+    import dataclasses
+
+    mask = mb.loss_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    d_sum = torch.where(mask, mb.old_logprobs.float() - mb.engine_logprobs.float(), zero).sum(-1)
+    count = mask.sum(-1).float()
+    if ctx.parallel.cp > 1:
+        d_sum, count = cp_all_reduce_sum_many([d_sum, count], ctx.cp_group)
+    keep = sequence_mismatch_keep(d_sum, count, band[0], band[1])
+    masked = (~keep & (count > 0)).sum().float()
+    return dataclasses.replace(mb, loss_mask=mb.loss_mask & keep[:, None],
+                               advantages=torch.where(keep, mb.advantages, torch.zeros_like(mb.advantages))), masked
+
+
+def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str, *, compare_engine: bool = False):
     """Forward-only step storing token log-probs (rows layout) on each MicroBatch as `attr`
-    (last stage)."""
+    (last stage). With compare_engine, each microbatch also reports the train-inference mismatch
+    of these log-probs against the engine's (algorithms/mismatch.py): sums for reduce_report and
+    maxima for reduce_max, CP-reduced so the CP-rank-0 reporter holds whole sequences'."""
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator).to_(ctx.device)
@@ -145,8 +205,20 @@ def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str):
 
         def loss_func(output):
             lp = token_logprobs(ctx, model, output, mb.targets, vocab_size, temperature)
-            setattr(mb, attr, mb.to_rows(lp.detach().float()))
-            return torch.zeros((), device=ctx.device), {}
+            rows = mb.to_rows(lp.detach().float())
+            setattr(mb, attr, rows)
+            report = {}
+            if compare_engine:
+                sums = mismatch_row_sums(rows, mb.engine_logprobs, mb.loss_mask)
+                if ctx.parallel.cp > 1:
+                    import torch.distributed as dist
+
+                    part, top = sums[:, :4].contiguous(), sums[:, 4].contiguous()
+                    dist.all_reduce(part, group=ctx.cp_group)
+                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ctx.cp_group)
+                    sums = torch.cat([part, top[:, None]], -1)
+                report = mismatch_report(sums)
+            return torch.zeros((), device=ctx.device), report
 
         return output, loss_func
 

@@ -29,6 +29,20 @@ def reduce_report(reports: list[dict], reporter: bool, keys: tuple[str, ...],
     return dict(zip(keys, vec.tolist()))
 
 
+def reduce_max(reports: list[dict], reporter: bool, keys: tuple[str, ...],
+                device: torch.device | str = "cpu") -> dict[str, float]:
+    """Like reduce_report, with the maximum instead of the sum (for non-negative metrics: the
+    ranks that do not report add zeros)."""
+    vec = torch.zeros(len(keys), dtype=torch.float64, device=device)
+    if reporter:
+        for r in reports:
+            for i, k in enumerate(keys):
+                if k in r:
+                    vec[i] = max(vec[i], float(r[k]))
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, vec.tolist()))
+
+
 class MetricsWriter:
     def __init__(self, out_dir: str, *, tensorboard: bool, resume_step: int = 0):
         self.path = os.path.join(out_dir, "metrics.jsonl")
