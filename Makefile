@@ -26,7 +26,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 NPROC=2 PYTHON=$(VPY) launch/torchrun.sh launch/configs/tiny_cpu.yaml out_dir=runs/demo $(ARGS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q tests $(ARGS)
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q --durations=25 tests $(ARGS)
 
 # On a GPU machine (torch + transformers present, no network): the default cluster path on one GPU
 # (bf16 + fp32 masters, distributed optimizer, NCCL, SFT, checkpoint, resume, HF export), a

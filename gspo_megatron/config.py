@@ -404,6 +404,9 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     # Extra sampling rounds dynamic sampling may run per step before training on what it has.
     max_oversample_rounds: int = 3
+    # The engine returns the experts it routed every token to (SGLang: --enable-return-routed-experts);
+    # the trainer then reports routing_agreement every step. Implied by train.routing_replay=rollout.
+    return_routing: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def __post_init__(self):
@@ -555,6 +558,10 @@ class TrainConfig:
     # Pack each microbatch's sequences into one THD row (attention stays within each sequence;
     # padding only to what CP and SP need); false = right-padded [b, s] rows.
     packing: bool = True
+    # MoE routing replay (Megatron's RouterReplay): none; old (R2: the π_old pass records each
+    # layer's top-k experts, the updates on the same samples replay them); rollout (R3: the
+    # rollout engine's experts are replayed in the π_old pass and the updates).
+    routing_replay: Literal["none", "old", "rollout"] = "none"
 
     def __post_init__(self):
         _positive("train.max_steps", self.max_steps, allow_zero=True)
@@ -623,6 +630,13 @@ class Config:
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} (a whole sample, prompt "
                 "included, must fit in one microbatch)"
             )
+        if self.train.routing_replay == "old" and self.loss.old_logprobs != "recompute":
+            raise ConfigError("train.routing_replay=old needs loss.old_logprobs=recompute (the π_old pass records "
+                              "the routing the updates replay)")
+        if self.train.routing_replay != "none" and self.train.recompute == "full" and self.parallel.pp > 1:
+            raise ConfigError("train.routing_replay with train.recompute=full and parallel.pp > 1 is not supported: "
+                              "1F1B interleaves microbatches, so a layer recomputed in backward would replay another "
+                              "microbatch's experts (use train.recompute=selective, or pp=1)")
         if self.data.source == "file" and self.reward.fn is None:
             raise ConfigError(
                 "data.source=file needs reward.fn ('math' or 'module:function'); null means the "
@@ -646,6 +660,11 @@ class Config:
                 ConfigWarning,
                 stacklevel=2,
             )
+
+    @property
+    def engine_routing(self) -> bool:
+        """Whether the rollout engine must return the experts it routed each token to."""
+        return self.rollout.return_routing or self.train.routing_replay == "rollout"
 
     # ---- architecture -------------------------------------------------------------------
 

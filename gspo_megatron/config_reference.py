@@ -34,7 +34,7 @@ def field_comments(cls) -> dict[str, str]:
             continue
         in_comment = False
         m = _FIELD.match(line)
-        if m and not s.startswith(("def ", "return", "@")) and block:
+        if m and not s.startswith(("def ", "return ", "@")) and block:
             out[m.group(1)] = " ".join(block)
         elif not m:
             block = []

@@ -12,9 +12,11 @@ field names and shapes, and refuses what that SGLang refuses:
   * routes SGLang 0.5.23 does not have (``/get_weight_version``): 404. The weight version is in
     ``/model_info``.
 ``/generate`` (``input_ids`` single or batched,
-``sampling_params`` dict or list, ``return_logprob``, ``rid``; answers ``text``, ``output_ids``,
+``sampling_params`` dict or list, ``return_logprob``, ``rid``, ``return_routed_experts``,
+``routed_experts_start_len``; answers ``text``, ``output_ids``,
 ``meta_info`` {``id``, ``finish_reason`` {type, ...}, ``prompt_tokens``, ``completion_tokens``,
-``output_token_logprobs`` [[logprob, token_id, null], ...], ``weight_version``}), ``/health``,
+``output_token_logprobs`` [[logprob, token_id, null], ...], ``weight_version``,
+``routed_experts``}), ``/health``,
 ``/health_generate``, ``/model_info``, ``/get_model_info``, ``/server_info``, ``/get_server_info``
 (deprecated in SGLang, still answered), ``/begin_weight_update``, ``/end_weight_update``,
 ``/flush_cache`` (400 while "busy"), ``/abort_request`` ({abort_all} or {rid}),
@@ -25,6 +27,20 @@ CPU tensors shared by the same process), ``/release_memory_occupation``,
 ``/resume_memory_occupation`` (frees only with ``memory_saver`` / ``--enable-memory-saver``, as
 SGLang; /generate and weight updates then fail until resumed), ``/pause_generation``, ``/continue_generation``; and, as a router,
 ``/list_workers`` (``router_of=[urls]``: /generate is forwarded round-robin).
+
+Routed experts mirror SGLang 0.5.23: only a double started with ``enable_return_routed_experts``
+(``--enable-return-routed-experts``) returns ``meta_info.routed_experts``; without it the field is
+silently absent (SGLang's capturer is None, state_capturer/routed_experts.py `create`, and
+batch_result_processor.py `_maybe_collect_routed_experts` returns early). ``routed_experts_start_len``
+outside [0, prompt length] is refused whenever ``return_routed_experts`` is set (flag or not), with
+SGLang's message and HTTP 400 (managers/scheduler.py ~3300: the request is aborted with a 400
+finish reason, which the tokenizer manager raises as ValueError and http_server.py answers as
+{"error": {"message": ...}}). The payload is base64 (standard alphabet) of the C-order int32
+bytes of [seqlen - 1 - start_len, num_hidden_layers, num_experts_per_tok] for positions
+start_len .. seqlen - 2, seqlen = prompt + response (state_capturer/base.py `get_topk`,
+detokenizer_manager.py `_b64_encode_per_request`). The experts are transformers' own router's:
+after generating, the served model runs once on prompt + response with forward hooks on every
+``model.layers[i].mlp.gate`` (Qwen3MoeTopKRouter returns (logits, scores, top-k indices)).
 
 Generation is transformers' on a local HF directory through `HFEngine` (so log-probs are
 ``log_softmax(logits / T)``, untruncated, as SGLang reports by default); weights are fp32 unless
@@ -75,6 +91,8 @@ class Faults:
     delay_after: int = 0  # ... from the (delay_after+1)-th /generate request to arrive on
     never_ready: bool = False  # /health_generate answers 503 forever
     flush_busy: int = 0  # /flush_cache answers 400 ("requests pending") this many times
+    routed_experts_short: int = 0  # /generate: routed_experts payloads 4 bytes short (one int32 missing)
+    routed_experts_extra_row: int = 0  # /generate: routed_experts payloads one position too long
 
 
 @dataclass
@@ -102,6 +120,7 @@ class SGLangDouble:
         router_of: list[str] | None = None,
         weight_version: str = "default",
         memory_saver: bool = False,
+        enable_return_routed_experts: bool = False,
     ):
         self.model_path = model_path
         self.host, self.port = host, port
@@ -123,6 +142,8 @@ class SGLangDouble:
         self.print_requests = False  # as a process: one "[request] METHOD /path" line per request (its log)
         self.memory_saver = memory_saver  # --enable-memory-saver: release really frees (else a no-op)
         self.memory_released = False
+        # --enable-return-routed-experts: without it, return_routed_experts requests get no field
+        self.enable_return_routed_experts = enable_return_routed_experts
         self.session_open = False  # a /begin_weight_update ... /end_weight_update session
         self.httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -134,7 +155,9 @@ class SGLangDouble:
             return
         from gspo_megatron.rollout.hf_engine import HFEngine
 
-        self.engine = HFEngine(self.model_path, dtype=self.dtype, max_batch_size=64)
+        # with the flag, the experts are those generation routed (prefill and each decode step)
+        self.engine = HFEngine(self.model_path, dtype=self.dtype, max_batch_size=64,
+                               return_routing=bool(self.enable_return_routed_experts))
 
     @property
     def url(self) -> str:
@@ -182,12 +205,33 @@ class SGLangDouble:
 
     # ------------------------------------------------------------------ endpoints
     def generate(self, body: dict) -> tuple[int, Any]:
+        unknown = sorted(set(body) - ENDPOINTS["/generate"].fields)
+        if unknown:
+            return 422, {"detail": [{"type": "extra_forbidden", "loc": ["body", k],
+                                     "msg": "not a field of GenerateReqInput this client may send"} for k in unknown]}
         ids = body.get("input_ids")
         if ids is None:
             return 400, {"error": {"message": "input_ids is required (the double takes no text)"}}
         single = bool(ids) and isinstance(ids[0], int)
         rows = [ids] if single else ids
         n = len(rows)
+        want_routing = bool(body.get("return_routed_experts", False))
+        start_len = body.get("routed_experts_start_len", 0)
+        if not isinstance(start_len, int) or isinstance(start_len, bool):  # api_types.py: _expect_int i64
+            return 400, {"error": "routed_experts_start_len: expected i64"}
+        if want_routing:
+            for r in rows:  # managers/scheduler.py ~3300, checked whether or not the server has the flag
+                msg = None
+                if start_len < 0:
+                    msg = (f"recv_req.routed_experts_start_len={start_len!r} is lower than 0. "
+                           "Please use a non-negative routed_experts_start_len.")
+                if start_len > len(r):
+                    msg = (f"recv_req.routed_experts_start_len={start_len!r} is higher than the number of input "
+                           f"tokens len(req.origin_input_ids)={len(r)!r}. Please use a smaller "
+                           "routed_experts_start_len.")
+                if msg is not None:
+                    return 400, {"error": {"message": msg}}
+        routing = start_len if want_routing and self.enable_return_routed_experts else None
         sps = body.get("sampling_params") or {}
         sps = sps if isinstance(sps, list) else [sps] * n
         rids = body.get("rid") or [uuid.uuid4().hex for _ in range(n)]
@@ -206,7 +250,7 @@ class SGLangDouble:
         if self._is_aborted(epoch, rids) or self.take("server_abort"):
             out = [self._abort_row(r, rid) for r, rid in zip(rows, rids)]
         else:
-            out = self._generate_rows(rows, sps, rids, body.get("return_logprob", False))
+            out = self._generate_rows(rows, sps, rids, body.get("return_logprob", False), routing)
             if isinstance(out, tuple):
                 return out
         if self.take("stale"):
@@ -228,7 +272,7 @@ class SGLangDouble:
             "prompt_tokens": len(prompt), "completion_tokens": 0, "output_token_logprobs": [],
             "weight_version": self.weight_version}}
 
-    def _generate_rows(self, rows, sps, rids, return_logprob):
+    def _generate_rows(self, rows, sps, rids, return_logprob, routing_start: int | None = None):
         from gspo_megatron.rollout.base import SamplingParams
 
         out: list[dict | None] = [None] * len(rows)
@@ -252,7 +296,9 @@ class SGLangDouble:
                     return 400, {"error": {"message": "memory released: resume_memory_occupation first"}}
                 samples = self.engine.generate([rows[i] for i in idx], 1, params)
                 version = self.weight_version
-            for i, s in zip(idx, samples):
+                routed = ([self._routed_experts(s, routing_start) for s in samples]
+                          if routing_start is not None else [None] * len(samples))
+            for i, s, re_ in zip(idx, samples, routed):
                 if s.finish_reason == "stop":
                     fr = {"type": "stop", "matched": s.response_ids[-1]}
                 else:
@@ -262,8 +308,53 @@ class SGLangDouble:
                         "weight_version": version}
                 if return_logprob:
                     meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.response_logprobs, s.response_ids)]
+                if re_ is not None:
+                    meta["routed_experts"] = re_
                 out[i] = {"text": s.text or "", "output_ids": list(s.response_ids), "meta_info": meta}
         return out
+
+    def route_experts(self, ids: list[int]):
+        """int32 [len(ids), num_hidden_layers, num_experts_per_tok]: the experts the served model's
+        routers pick at every position of `ids` (one forward, hooks on each layer's mlp.gate;
+        a layer without a router, e.g. a dense one, keeps zeros). Caller holds self._lock."""
+        import torch
+
+        model = self.engine.model
+        cfg = getattr(model.config, "text_config", None) or model.config
+        layers, k = model.model.layers, int(cfg.num_experts_per_tok)
+        got: dict[int, torch.Tensor] = {}
+        hooks = [layer.mlp.gate.register_forward_hook(
+                     lambda mod, args, out, i=i: got.__setitem__(i, out[2].detach()))  # (logits, scores, indices)
+                 for i, layer in enumerate(layers) if getattr(layer.mlp, "gate", None) is not None]
+        try:
+            with torch.no_grad():
+                model(torch.tensor([list(ids)], device=self.engine.device))
+        finally:
+            for h in hooks:
+                h.remove()
+        res = torch.zeros((len(ids), len(layers), k), dtype=torch.int32)
+        for i, idx in got.items():
+            res[:, i, :] = idx.reshape(len(ids), k).to(device="cpu", dtype=torch.int32)
+        return res
+
+    def _routed_experts(self, s, start_len: int) -> str:
+        """SGLang's meta_info.routed_experts of a generated sample: rows start_len .. seqlen - 2."""
+        import base64
+
+        import torch
+
+        seq = list(s.prompt_ids) + list(s.response_ids)
+        routed = getattr(s, "routed_experts", None)  # an HFEngine that records routing, else compute it
+        if routed is None:
+            routed = self.route_experts(seq)[: len(seq) - 1]
+        start = min(start_len, len(seq) - 1)  # state_capturer/base.py get_topk
+        arr = routed[start : len(seq) - 1].to(torch.int32).contiguous()
+        if self.take("routed_experts_extra_row"):
+            arr = torch.cat([arr, arr[-1:] if len(arr) else torch.zeros((1, *arr.shape[1:]), dtype=torch.int32)])
+        data = arr.numpy().tobytes()  # detokenizer_manager.py: pybase64.b64encode(item.numpy().tobytes())
+        if self.take("routed_experts_short"):
+            data = data[:-4]
+        return base64.b64encode(data).decode("utf-8")
 
     def abort_request(self, body: dict) -> tuple[int, Any]:
         with self._meta:
@@ -415,7 +506,7 @@ class SGLangDouble:
     def server_info(self) -> dict:
         return {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
                 "pp_size": 1, "enable_dp_attention": False, "weight_version": self.weight_version,
-                "version": "test-double"}
+                "enable_return_routed_experts": self.enable_return_routed_experts, "version": "test-double"}
 
     def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         """(status, payload); payload None -> empty body, str -> text, else JSON."""
@@ -650,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--enable-memory-saver", action="store_true")
+    ap.add_argument("--enable-return-routed-experts", action="store_true")
     ap.add_argument("--double-never-ready", action="store_true")
     ap.add_argument("--double-exit-code", type=int, default=None, help="exit at once with this code")
     args, unknown = ap.parse_known_args(argv)
@@ -671,6 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     d = SGLangDouble(None if args.double_never_ready else args.model_path, host=args.host, port=args.port,
                      tp_size=args.tp_size, dp_size=args.dp_size, api_key=args.api_key, dtype=args.dtype,
                      memory_saver=args.enable_memory_saver,
+                     enable_return_routed_experts=args.enable_return_routed_experts,
                      faults=Faults(never_ready=args.double_never_ready))
     d.print_requests = True
     stop = threading.Event()

@@ -44,3 +44,22 @@ def test_scaled_30b_preset_trains_on_cpu(tmp_path):
     assert wide[0]["reward_mean"] == rows[0]["reward_mean"]
     assert all(x["clip_frac"] == 0.0 for x in wide), [x["clip_frac"] for x in wide]
     assert wide[0]["loss"] != pytest.approx(rows[0]["loss"], rel=1e-3)
+
+
+@pytest.mark.timeout(600)
+def test_routing_agreement_and_rollout_replay_on_the_scaled_30b_preset(tmp_path):
+    """Issue 14 on the scaled 30B-A3B preset (EP2, 32 experts, top-2): with bf16 weights on both
+    sides the engine (transformers) and the trainer (Megatron) route some token x layers
+    differently (routing_agreement < 1, measured every step by the π_old pass); with
+    train.routing_replay=rollout the trainer uses the engine's experts (agreement exactly 1) and,
+    in fp32 with the same weights, its log-probs equal the engine's within 1e-5."""
+    _, plain = _run(tmp_path / "bf16", "model.dtype=bfloat16", "rollout.return_routing=true", "train.max_steps=2")
+    assert [x["step"] for x in plain] == [1, 2]
+    for x in plain:
+        assert 0.5 < x["routing_agreement"] < 1.0, x["routing_agreement"]
+        assert x["mismatch_logprob_abs"] > 1e-4
+    _, replayed = _run(tmp_path / "r3", "train.routing_replay=rollout", "train.max_steps=2")
+    assert [x["step"] for x in replayed] == [1, 2]
+    for x in replayed:
+        assert x["routing_agreement"] == 1.0
+        assert x["mismatch_logprob_abs"] < 1e-5 and x["mismatch_logprob_max"] < 1e-4, x

@@ -244,3 +244,27 @@ def test_update_weights_tied_and_dense_layers(tok, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(eng.model(ids).logits, src(ids).logits, atol=1e-6, rtol=0)
     assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight
+
+
+def test_return_routing_records_the_experts_generation_used(model_dir, prompts):
+    """return_routing: Sample.routed_experts [P + R - 1, layers, top_k] equals the experts a
+    teacher-forced pass of the same model chooses at every position (hooks on transformers'
+    routers), rows 0 .. P + R - 2; samples of different lengths in one left-padded batch."""
+    eng = HFEngine(model_dir, seed=5, return_routing=True)
+    model = eng.model
+    samples = eng.generate(prompts, 3, SamplingParams(temperature=1.0, max_new_tokens=7))
+    L, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    assert len({len(s.prompt_ids) for s in samples}) > 1  # left padding exercised
+    for s in samples:
+        seq = s.prompt_ids + s.response_ids
+        chosen = []
+        hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: chosen.append(o[2]))
+                 for layer in model.model.layers]
+        with torch.no_grad():
+            model(torch.tensor([seq]))
+        for h in hooks:
+            h.remove()
+        ref = torch.stack(chosen, 1)[: len(seq) - 1]
+        assert s.routed_experts.shape == (len(seq) - 1, L, k) and s.routed_experts.dtype == torch.int32
+        assert torch.equal(s.routed_experts.sort(-1).values, ref.sort(-1).values.to(torch.int32))
+    assert HFEngine(model_dir).generate(prompts[:1], 1, SamplingParams(max_new_tokens=2))[0].routed_experts is None

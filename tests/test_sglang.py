@@ -5,8 +5,10 @@ What the double-based tests prove: the engine's requests carry SGLang's field na
 (checked on the recorded requests), its parsing of SGLang-shaped answers yields log-probs equal to
 teacher forcing on the served model, grouping per prompt, the three weight-sync transports really
 replace the served weights (generations / log-probs then equal another model's), versions, cache
-flushes, stale-version detection, retries / clear errors under injected faults, and abort of
-over-sampled groups. Every wait is bounded (request and readiness timeouts; pytest-timeout).
+flushes, stale-version detection, retries / clear errors under injected faults, abort of
+over-sampled groups, and routed experts (return_routing) equal to the served model's own router
+choices, with SGLang's start_len rule, flag and failure modes. Every wait is bounded (request and
+readiness timeouts; pytest-timeout).
 """
 from __future__ import annotations
 
@@ -745,6 +747,9 @@ def test_colocated_engines_per_node_command_lines(monkeypatch):
         assert a[a.index("--base-gpu-id") + 1] == str(4 * i) and a[a.index("--tp-size") + 1] == "4"
         assert a[a.index("--port") + 1] == str(31000 + i) and "--enable-memory-saver" in a
     assert {"RANK", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"} <= set(spec.unset_env)
+    assert all("--enable-return-routed-experts" not in a for a in argvs)
+    routed = node_launch_spec(sg, model_path="/m", layout=layout, return_routed_experts=True)  # R3 runs
+    assert all("--enable-return-routed-experts" in routed.argv(i) for i in range(routed.num_servers))
     check_colocated(sg, nnodes=2)
     for bad, needle in [(dict(tp=3), "do not split"), (dict(weight_sync="tensor"), "weight_sync=tensor"),
                         (dict(host="127.0.0.1"), "not reachable"), (dict(tp=2, dp=2), "data-parallel")]:
@@ -752,3 +757,219 @@ def test_colocated_engines_per_node_command_lines(monkeypatch):
             s2 = dataclasses.replace(sg, **bad)
             check_colocated(s2, nnodes=2)
             node_launch_spec(s2, model_path="/m", layout=layout)
+
+
+# ------------------------------------------------------------------------------ routed experts (R3)
+# SGLang 0.5.23's return_routed_experts: meta_info.routed_experts = base64 of the int32 C-order
+# bytes of [seqlen - 1 - start_len, num_hidden_layers, num_experts_per_tok], positions
+# start_len .. seqlen - 2 (tests/test_sglang_contract.py checks these facts against the source).
+ROUTING = dict(return_routing=True, **FAST)
+ROUTING_DOUBLE = {"enable_return_routed_experts": True}
+
+
+def reference_routing(model, ids: list[int]) -> torch.Tensor:
+    """The test's own reference: [len(ids) - 1, L, k] top-k expert indices of `model`'s routers
+    (hooks on every layer's mlp.gate, Qwen3MoeTopKRouter -> (logits, scores, indices)) over the
+    whole sequence, rows 0 .. len(ids) - 2."""
+    got = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, a, out, i=i: got.__setitem__(i, out[2]))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(got) == list(range(len(model.model.layers)))
+    return torch.stack([got[i] for i in sorted(got)], dim=1)[:-1].to(torch.int32)
+
+
+def _decode(b64: str, layers: int = 2, k: int = 2) -> torch.Tensor:
+    import base64
+
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(base64.b64decode(b64), dtype=np.int32).copy()).view(-1, layers, k)
+
+
+def test_routed_experts_equal_an_independent_reference(model_dir, prompts, model_a):
+    """return_routing: every request asks for return_routed_experts; each Sample.routed_experts is
+    int32 [P + R - 1, L, k] and equals the transformers model's own router choices on
+    prompt + response (stop-token-ended and length-ended samples alike); off, nothing is asked."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=7)
+    with start_double_and_engine(model_dir, double_kw=ROUTING_DOUBLE, **ROUTING) as (dbl, eng):
+        eng._warned_unsynced = True
+        assert eng.routing_shape == (2, 2)
+        out = eng.generate(prompts, 3, sp)
+        greedy = eng.generate(prompts[:1], 1, SamplingParams(temperature=0.0, max_new_tokens=6))
+        stop_tok = greedy[0].response_ids[2]
+        stopped = eng.generate(prompts[:1], 1, SamplingParams(temperature=0.0, max_new_tokens=6,
+                                                               stop_token_ids=(stop_tok,)))
+        assert stopped[0].finish_reason == "stop" and stopped[0].response_ids[-1] == stop_tok
+        for r in dbl.calls("/generate"):
+            assert r["return_routed_experts"] is True and "routed_experts_start_len" not in r
+    distinct = set()
+    for s in out + greedy + stopped:
+        P, R = len(s.prompt_ids), len(s.response_ids)
+        assert s.routed_experts.dtype == torch.int32 and s.routed_experts.shape == (P + R - 1, 2, 2)
+        ref = reference_routing(model_a, s.prompt_ids + s.response_ids)
+        assert torch.equal(s.routed_experts, ref), (s.routed_experts, ref)
+        distinct |= set(ref.flatten().tolist())
+        assert not torch.equal(ref[1:], ref[:-1])  # the rows really differ: a shifted payload would fail
+    assert distinct == {0, 1, 2, 3}  # every expert is used somewhere: not a degenerate routing
+
+    with start_double_and_engine(model_dir, double_kw=ROUTING_DOUBLE, **FAST) as (dbl, eng):
+        eng._warned_unsynced = True
+        assert all(s.routed_experts is None for s in eng.generate(prompts[:1], 2, sp))
+        assert "return_routed_experts" not in dbl.calls("/generate")[0]
+
+
+def test_double_routed_experts_start_len_follows_sglang(model_dir, prompts, model_a):
+    """The double against SGLang's rule (scheduler.py ~3300, state_capturer/base.py get_topk):
+    rows start_len .. seqlen - 2 for 0 <= start_len <= prompt length; outside it HTTP 400 with
+    SGLang's message whether or not the server has the flag; without the flag a valid request
+    gets no routed_experts field at all; batched rows get one payload each."""
+    prompt = prompts[0]
+    P = len(prompt)
+    base = {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": 5},
+            "return_routed_experts": True}
+    with SGLangDouble(model_dir, enable_return_routed_experts=True) as dbl:
+        c = ServerClient(dbl.url)
+        full = c.post("/generate", base)
+        seq = prompt + full["output_ids"]
+        ref = reference_routing(model_a, seq)
+        assert torch.equal(_decode(full["meta_info"]["routed_experts"]), ref)
+        for start in (0, 1, P - 1, P):
+            got = c.post("/generate", dict(base, routed_experts_start_len=start))
+            assert got["output_ids"] == full["output_ids"]  # greedy: the same sequence
+            rows = _decode(got["meta_info"]["routed_experts"])
+            assert rows.shape[0] == len(seq) - 1 - start and torch.equal(rows, ref[start:]), start
+        for bad, needle in ((-1, b"is lower than 0"), (P + 1, b"is higher than the number of input tokens")):
+            st, data = c.request_once("POST", "/generate", dict(base, routed_experts_start_len=bad))
+            assert st == 400 and needle in data and b"routed_experts_start_len" in data, (st, data)
+        # start_len is only checked when routing is asked for (as in SGLang)
+        st, _ = c.request_once("POST", "/generate", dict(base, return_routed_experts=False,
+                                                         routed_experts_start_len=P + 1))
+        assert st == 200
+        batch = c.post("/generate", dict(base, input_ids=[prompts[1], prompts[2]]))
+        for p, row in zip((prompts[1], prompts[2]), batch):
+            assert torch.equal(_decode(row["meta_info"]["routed_experts"]),
+                               reference_routing(model_a, p + row["output_ids"]))
+        assert c.get("/server_info")["enable_return_routed_experts"] is True
+        st, _ = c.request_once("POST", "/generate", {"input_ids": prompt, "return_routed_expert": True})
+        assert st == 422  # a misspelt field is refused, not silently ignored
+    with SGLangDouble(model_dir) as dbl:  # launched without --enable-return-routed-experts
+        c = ServerClient(dbl.url)
+        got = c.post("/generate", dict(base, routed_experts_start_len=1))
+        assert got["output_ids"] and "routed_experts" not in got["meta_info"]
+        st, data = c.request_once("POST", "/generate", dict(base, routed_experts_start_len=P + 1))
+        assert st == 400 and b"is higher than the number of input tokens" in data
+        assert c.get("/server_info")["enable_return_routed_experts"] is False
+
+
+def test_routing_from_a_server_without_the_flag_is_one_clear_line(model_dir, prompts, monkeypatch):
+    """Caught at construction from /server_info; a server that does not report the argument is
+    caught on the first response (SGLang then silently omits the field)."""
+    from gspo_megatron.rollout.sglang_engine import SGLangRoutingNotEnabledError
+
+    with SGLangDouble(model_dir) as dbl:
+        with pytest.raises(SGLangRoutingNotEnabledError) as err:
+            SGLangEngine({"urls": [dbl.url]}, model_path=model_dir, **ROUTING)
+        msg = str(err.value)
+        assert "\n" not in msg and dbl.url in msg and "--enable-return-routed-experts" in msg, msg
+        assert "enable_return_routed_experts=false" in msg
+        info = dbl.server_info()
+        info.pop("enable_return_routed_experts")
+        monkeypatch.setattr(dbl, "server_info", lambda: info)
+        eng = SGLangEngine({"urls": [dbl.url]}, model_path=model_dir, **ROUTING)
+        try:
+            eng._warned_unsynced = True
+            with pytest.raises(SGLangRoutingNotEnabledError) as err:
+                eng.generate(prompts[:1], 2, SamplingParams(max_new_tokens=3))
+            msg = str(err.value)
+            assert "\n" not in msg and dbl.url in msg, msg
+            assert re.search(r"no meta_info\.routed_experts .*must be launched with --enable-return-routed-experts",
+                             msg), msg
+            assert len(dbl.calls("/generate")) == 1  # a configuration error: not retried
+        finally:
+            eng.close()
+    with pytest.raises(ValueError, match="return_routing needs num_hidden_layers and num_experts_per_tok"):
+        SGLangEngine({"urls": ["http://127.0.0.1:9"]}, hf_config={"model_type": "llama"}, wait_ready=False,
+                     **ROUTING)
+
+
+def test_corrupted_routed_experts_are_a_protocol_error_naming_the_field(model_dir, prompts, monkeypatch):
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4)
+    with start_double_and_engine(model_dir, double_kw=ROUTING_DOUBLE, **ROUTING) as (dbl, eng):
+        eng._warned_unsynced = True
+        dbl.faults.routed_experts_short = 1
+        with pytest.raises(SGLangProtocolError, match=rf"SGLang server {dbl.url}: .*meta_info\.routed_experts has "
+                                                      r"\d+ bytes, not a whole number of positions of 2 layers x 2 "
+                                                      r"experts x int32 \(16 bytes each\)") as err:
+            eng.generate(prompts[:1], 2, sp)
+        assert "\n" not in str(err.value) and len(dbl.calls("/generate")) == 1  # not retried
+        dbl.faults.routed_experts_extra_row = 1
+        with pytest.raises(SGLangProtocolError, match=r"meta_info\.routed_experts covers (\d+) positions, "
+                                                      r"expected prompt \d+ \+ response \d+ - 1 = \d+"):
+            eng.generate(prompts[:1], 2, sp)
+        monkeypatch.setattr(dbl, "_routed_experts", lambda s, start: "not base64!")
+        with pytest.raises(SGLangProtocolError, match=r"meta_info\.routed_experts is not valid base64"):
+            eng.generate(prompts[:1], 1, sp)
+        monkeypatch.undo()
+        assert all(s.routed_experts is not None for s in eng.generate(prompts[:1], 2, sp))  # healthy again
+
+
+def test_launched_servers_get_the_routing_flag(model_dir, prompts, model_a, tmp_path):
+    """return_routing with launch=true: the server command line carries
+    --enable-return-routed-experts (once, even if extra_args has it too), and the launched double,
+    which honours the flag as SGLang does, returns routing equal to the reference."""
+    spec = LaunchSpec(model_path="/m", return_routed_experts=True)
+    assert spec.argv(0).count("--enable-return-routed-experts") == 1
+    both = LaunchSpec(model_path="/m", return_routed_experts=True, extra_args=["--enable-return-routed-experts"])
+    assert both.argv(0).count("--enable-return-routed-experts") == 1
+    assert "--enable-return-routed-experts" not in LaunchSpec(model_path="/m").argv(0)
+    eng = with_free_port(lambda port: SGLangEngine(
+        {"launch": True, "model_path": model_dir, "port": port, "extra_args": ["--dtype", "float32"]},
+        server_command=[sys.executable, DOUBLE_SCRIPT], log_dir=str(tmp_path / "logs"),
+        server_env={"OMP_NUM_THREADS": "1"}, return_routing=True, **dict(FAST, ready_timeout_s=90.0),
+    ), free=_free_port)
+    try:
+        assert "--enable-return-routed-experts" in eng.procs.spec.argv(0)
+        with open(eng.procs.log_paths[0]) as f:
+            first = f.readline()
+        assert first.startswith("$ ") and "--enable-return-routed-experts" in first.split()
+        eng._warned_unsynced = True
+        for s in eng.generate(prompts[:1], 2, SamplingParams(temperature=1.0, max_new_tokens=4)):
+            assert torch.equal(s.routed_experts, reference_routing(model_a, s.prompt_ids + s.response_ids))
+    finally:
+        eng.close()
+
+
+def test_from_config_reads_the_routing_option(model_dir, tmp_path):
+    """from_config: return_routing <- Config.engine_routing when the Config has it, else
+    rollout.return_routing when the rollout section has it, else off."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gspo_megatron.config import RolloutConfig, load_config
+
+    from sglang_double import sglang_overrides
+
+    with SGLangDouble(model_dir, enable_return_routed_experts=True) as d:
+        args = [f"model.hf_dir={model_dir}", f"out_dir={tmp_path / 'run'}", *sglang_overrides(d.url)]
+        cfg = load_config(None, args)
+        eng = SGLangEngine.from_config(cfg, retry_backoff_s=0.01)
+        assert eng.return_routing is False and eng.routing_shape is None
+        eng.close()
+        if "return_routing" in {f.name for f in dataclasses.fields(RolloutConfig)}:
+            eng = SGLangEngine.from_config(load_config(None, [*args, "rollout.return_routing=true"]),
+                                           retry_backoff_s=0.01)
+            assert eng.return_routing and eng.routing_shape == (2, 2)
+            eng.close()
+        for ns in (SimpleNamespace(model=cfg.model, out_dir=cfg.out_dir,
+                                   rollout=SimpleNamespace(sglang=cfg.rollout.sglang, return_routing=True)),
+                   SimpleNamespace(model=cfg.model, out_dir=cfg.out_dir, engine_routing=True,
+                                   rollout=SimpleNamespace(sglang=cfg.rollout.sglang))):
+            eng = SGLangEngine.from_config(ns, retry_backoff_s=0.01)
+            assert eng.return_routing and eng.routing_shape == (2, 2)
+            eng.close()

@@ -25,6 +25,16 @@ field we send is a field of that class, plus a few facts the client depends on (
 /get_weight_version, /model_info reports weight_version, the weight-update session routes). The
 `sglang` extra in pyproject.toml must pin the same version (`sglang==SGLANG_VERSION`).
 
+Routed experts (`return_routed_experts`, decoded by SGLangEngine with return_routing and encoded by
+the double): the request fields and the contract gate; the server flag (`--enable-return-routed-
+experts` from the ServerArgs field, reported by /server_info; no capturer, hence no field, without
+it); and the wire format from the source of state_capturer/ (int32 host buffer (tokens, num_layers,
+topk_size), rows start_len .. seqlen - 2, layers/top-k from hf_text_config), the detokenizer and
+tokenizer manager (standard base64 of the raw bytes in meta_info.routed_experts), the batch result
+processor (seqlen = prompt + output through the stop) and the scheduler's start_len rule. These
+are compared as normalised statements (`ast.unparse`), so a reformatting passes but any change of
+what they compute fails with the file and function to re-read.
+
 Where SGLang comes from. The wheel `sglang==SGLANG_VERSION` is fetched once with
 `python -m pip download --no-deps` (about 40 MB; never installed, files are read from the zip) into
 $GSPO_SGLANG_WHEEL_CACHE, else ~/.cache/gspo-megatron/sglang-wheels; a wheel already there is
@@ -493,3 +503,177 @@ def test_sampling_params_keys_pass_the_generate_contract_gate(sgl):
         print(f"    sampling_params.{k}: {'ok' if k in allowed else 'REJECTED'}")
     assert not bad, (f"/generate sampling_params keys {bad} are not fields of {API_TYPES} "
                      f"SamplingParams, which rejects unknown keys (fields: {sorted(allowed)})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Routed experts (return_routed_experts): what the engine decodes and the double encodes
+# ----------------------------------------------------------------------------------------------
+
+ROUTED_EXPERTS = "sglang/srt/state_capturer/routed_experts.py"
+CAPTURER_BASE = "sglang/srt/state_capturer/base.py"
+DETOKENIZER = "sglang/srt/managers/detokenizer_manager.py"
+TOKENIZER_MANAGER = "sglang/srt/managers/tokenizer_manager.py"
+BATCH_RESULT = "sglang/srt/managers/scheduler_components/batch_result_processor.py"
+SCHEDULER = "sglang/srt/managers/scheduler.py"
+EXEC_FIELDS = "sglang/srt/arg_groups/fields/exec_.py"
+ARG_UTILS = "sglang/srt/arg_groups/arg_utils.py"
+FIELD_ORDER = "sglang/srt/arg_groups/field_order.py"
+COMMON = "sglang/srt/utils/common.py"
+ROUTING_FILES = (ROUTED_EXPERTS, CAPTURER_BASE, DETOKENIZER, TOKENIZER_MANAGER, BATCH_RESULT, SCHEDULER,
+                 EXEC_FIELDS, ARG_UTILS, FIELD_ORDER, COMMON)
+
+
+@pytest.fixture(scope="module")
+def routing_src(sgl) -> dict[str, str]:
+    """path -> source of the wheel files behind the routed-experts wire format."""
+    with zipfile.ZipFile(sgl.wheel) as zf:
+        names = set(zf.namelist())
+        missing = [p for p in ROUTING_FILES if p not in names]
+        assert not missing, f"{sgl.wheel.name} lacks {missing}: SGLang moved its routed-experts code"
+        return {p: zf.read(p).decode("utf-8") for p in ROUTING_FILES}
+
+
+def _function(source: str, name: str, cls: str | None = None) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The (first) function `name`, inside class `cls` when given."""
+    tree = ast.parse(source)
+    scopes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls] if cls else [tree]
+    for scope in scopes:
+        for node in ast.walk(scope):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                return node
+    return None
+
+
+def _code(snippet: str) -> str:
+    """`snippet` as ast.unparse writes it (so spacing and quotes do not matter)."""
+    return ast.unparse(ast.parse(snippet))
+
+
+def _require(source: str, path: str, func: str, snippets: list[str], cls: str | None = None, why: str = "") -> None:
+    fn = _function(source, func, cls)
+    where = f"{path} {cls + '.' if cls else ''}{func}()"
+    assert fn is not None, f"{where} is gone in sglang {SGLANG_VERSION}: {why}"
+    body = ast.unparse(fn)
+    stmts = {ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.stmt)}  # multi-line snippets: whole statements
+    for s in snippets:
+        assert _code(s) in body or _code(s) in stmts, (
+            f"{where} no longer does `{_code(s)}` (sglang {SGLANG_VERSION}, line {fn.lineno}): {why}")
+        print(f"  {where}: {_code(s)}")
+
+
+def test_routed_experts_request_fields_are_generate_fields(sgl):
+    """return_routed_experts / routed_experts_start_len are GenerateReqInput fields (bool False,
+    int 0 by default), and the api/v1 contract gate lets them through: it knows
+    routed_experts_start_len and ignores the keys it does not know (return_routed_experts)."""
+    ep = ENDPOINTS["/generate"]
+    wanted = {"return_routed_experts", "routed_experts_start_len"}
+    assert wanted <= ep.fields, f"sglang_api.ENDPOINTS['/generate'] does not declare {sorted(wanted - ep.fields)}"
+    assert wanted <= sgl.classes["GenerateReqInput"], f"{IO_STRUCT} GenerateReqInput lacks {sorted(wanted)}"
+    cls = next(n for n in ast.walk(ast.parse(sgl.io_text))
+               if isinstance(n, ast.ClassDef) and n.name == "GenerateReqInput")
+    defaults = {s.target.id: (ast.unparse(s.annotation), s.value.value if isinstance(s.value, ast.Constant) else None)
+                for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    assert defaults["return_routed_experts"] == ("bool", False), defaults["return_routed_experts"]
+    assert defaults["routed_experts_start_len"] == ("int", 0), defaults["routed_experts_start_len"]
+    print(f"  GenerateReqInput.return_routed_experts: bool = False, .routed_experts_start_len: int = 0")
+    if sgl.api_types_text is None:
+        return
+    gate = parse_class_fields(sgl.api_types_text).get("GenerateRequest", set())
+    decoder = _function(sgl.api_types_text, "decode_GenerateRequest")
+    assert decoder is not None, f"{API_TYPES} has no decode_GenerateRequest"
+    rejects_unknown = "_unknown_field" in ast.unparse(decoder)
+    assert "routed_experts_start_len" in gate, f"{API_TYPES} GenerateRequest lacks routed_experts_start_len"
+    for f in sorted(ep.fields):
+        assert f in gate or not rejects_unknown, (
+            f"{API_TYPES} decode_GenerateRequest now rejects unknown keys and {f!r} is not a GenerateRequest "
+            f"field: /generate would answer 400")
+    print(f"  api/v1 GenerateRequest: unknown keys {'REJECTED' if rejects_unknown else 'ignored'}; "
+          f"not in its schema: {sorted(ep.fields - gate)}")
+
+
+def test_routed_experts_server_flag(routing_src):
+    """--enable-return-routed-experts is the CLI form of the ServerArgs bool field
+    enable_return_routed_experts (store_true), a flat ServerArgs field that /server_info reports."""
+    from gspo_megatron.rollout.sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG
+
+    field_ann = None
+    for node in ast.walk(ast.parse(routing_src[EXEC_FIELDS])):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and node.target.id == ROUTED_EXPERTS_SERVER_ARG:
+            field_ann = node.annotation
+    assert field_ann is not None, f"{EXEC_FIELDS} has no field {ROUTED_EXPERTS_SERVER_ARG}"
+    inner, rest = (field_ann.slice.elts[0], field_ann.slice.elts[1:]) if isinstance(field_ann, ast.Subscript) \
+        and isinstance(field_ann.slice, ast.Tuple) else (field_ann, [])
+    assert ast.unparse(inner) == "bool", f"{EXEC_FIELDS} {ROUTED_EXPERTS_SERVER_ARG} is {ast.unparse(field_ann)}"
+    assert all(isinstance(r, ast.Constant) for r in rest), (
+        f"{EXEC_FIELDS} {ROUTED_EXPERTS_SERVER_ARG} has Arg(...) metadata (a custom CLI name?): "
+        f"{ast.unparse(field_ann)}")
+    _require(routing_src[ARG_UTILS], ARG_UTILS, "_field_to_cli_name", ['"--" + name.replace("_", "-")'],
+             why="the CLI flag is no longer --<field name with dashes>")
+    assert "--" + ROUTED_EXPERTS_SERVER_ARG.replace("_", "-") == ROUTED_EXPERTS_FLAG
+    _require(routing_src[ARG_UTILS], ARG_UTILS, "add_cli_args_from_dataclass", ['kwargs = dict(action="store_true", '
+             'help=arg_meta.help, **dest_kwarg)'], why="bool fields are no longer store_true flags")
+    assert re.search(rf'^\s*"{ROUTED_EXPERTS_SERVER_ARG}",\s*$', routing_src[FIELD_ORDER], re.M), (
+        f"{FIELD_ORDER} no longer lists {ROUTED_EXPERTS_SERVER_ARG} among ServerArgs' flat fields")
+    _require(routing_src[COMMON], COMMON, "build_server_info", ["result = server_args.resolved_dict()"],
+             why="/server_info no longer reports every server argument (the engine's startup check reads it)")
+    _require(routing_src[ROUTED_EXPERTS], ROUTED_EXPERTS, "create",
+             ["if not get_exec().features.enable_return_routed_experts:\n    return None"], cls="RoutedExpertsCapturer",
+             why="without the flag there is no capturer")
+    _require(routing_src[BATCH_RESULT], BATCH_RESULT, "_maybe_collect_routed_experts",
+             ["if capturer is None:\n    return"],
+             why="without a capturer a request asking for routed experts gets none (silently)")
+
+
+def test_routed_experts_response_encoding(routing_src):
+    """meta_info.routed_experts: standard base64 of the raw bytes of an int32 tensor
+    [seqlen - 1 - start_len, num_hidden_layers, num_experts_per_tok], C order, positions
+    start_len .. seqlen - 2, seqlen = prompt + output through the stop. SGLangEngine decodes
+    exactly this, and tests/sglang_double.py encodes it."""
+    _require(routing_src[ROUTED_EXPERTS], ROUTED_EXPERTS, "extract_routed_experts_from_meta_info", [
+        'routed_experts_base64 = data["meta_info"].get("routed_experts", None)',
+        'np.frombuffer(pybase64.b64decode(routed_experts_base64.encode("utf-8")), dtype=np.int32)',
+    ], why="the payload is no longer base64 of int32 bytes in meta_info.routed_experts")
+    _require(routing_src[DETOKENIZER], DETOKENIZER, "_b64_encode_per_request",
+             ['pybase64.b64encode(item.numpy().tobytes()).decode("utf-8")'],
+             why="the detokenizer no longer sends standard base64 of the tensor's raw bytes")
+    _require(routing_src[TOKENIZER_MANAGER], TOKENIZER_MANAGER, "_handle_batch_output", [
+        'val = pybase64.b64encode(val.numpy().tobytes()).decode("utf-8")',
+        'meta_info["routed_experts"] = val',
+    ], why="meta_info.routed_experts is no longer the base64 string")
+    _require(routing_src[CAPTURER_BASE], CAPTURER_BASE, "__init__", [
+        "self.buffer = alloc((num_tokens, num_layers, topk_size), dtype=torch.int32, device='cpu', pin_memory=True, "
+        "allocator=HostTensorAllocator())",
+    ], cls="BaseHostCache", why="the host buffer is no longer int32 (tokens, num_layers, topk_size)")
+    _require(routing_src[CAPTURER_BASE], CAPTURER_BASE, "get_topk", [
+        "start_len = min(start_len, seqlen - 1)",
+        "cache_pool_idx = req_to_token_pool.req_to_token[req_pool_idx][start_len:seqlen - 1].cpu().clone()",
+        "return self.host_cache.buffer[cache_pool_idx]",
+    ], cls="BaseTopkCapturer", why="the rows are no longer positions start_len .. seqlen - 2")
+    _require(routing_src[ROUTED_EXPERTS], ROUTED_EXPERTS, "__init__", [
+        "topk_size = model_config.hf_text_config.num_experts_per_tok",
+        "num_layers = model_config.hf_text_config.num_hidden_layers",
+    ], cls="RoutedExpertsCapturer", why="the last two dims are no longer (num_hidden_layers, num_experts_per_tok)")
+    _require(routing_src[BATCH_RESULT], BATCH_RESULT, "_maybe_collect_routed_experts", [
+        "start_len = req.routed_experts_start_len",
+        "seqlen = len(req.origin_input_ids) + len(req.output_ids_through_stop)",
+        "expected_rows = max(0, seqlen - 1 - start_len)",
+    ], why="seqlen is no longer prompt + output tokens through the stop")
+
+
+def test_routed_experts_start_len_rule(routing_src):
+    """0 <= routed_experts_start_len <= prompt length, checked (request aborted with a 400) whenever
+    return_routed_experts is set: what tests/sglang_double.py enforces, with these messages."""
+    src = routing_src[SCHEDULER]
+    tree = ast.parse(src)
+    guard = next((n for n in ast.walk(tree) if isinstance(n, ast.If)
+                  and ast.unparse(n.test) == "recv_req.return_routed_experts"), None)
+    assert guard is not None, f"{SCHEDULER}: no `if recv_req.return_routed_experts:` check any more"
+    body = ast.unparse(guard)
+    for s in ("recv_req.routed_experts_start_len < 0", "recv_req.routed_experts_start_len > len(req.origin_input_ids)",
+              "req.set_finish_with_abort(error_msg)"):
+        assert _code(s) in body, f"{SCHEDULER}:{guard.lineno}: the start_len check no longer does `{s}`"
+    for text in ("is lower than 0. ", "Please use a non-negative routed_experts_start_len.",
+                 "is higher than the ", "number of input tokens ", "use a smaller routed_experts_start_len."):
+        assert text in src, f"{SCHEDULER}: message text {text!r} changed (the test double repeats it)"
+    print(f"  {SCHEDULER}:{guard.lineno}: 0 <= routed_experts_start_len <= len(origin_input_ids), else abort")

@@ -17,13 +17,13 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def build_policy(ctx, arch: Qwen3MoeArch, *, hf_dir: str | None = None, dtype=torch.float32, recompute="none",
-                 reader: HFCheckpointReader | None = None, fused_logprobs: bool = False):
+                 reader: HFCheckpointReader | None = None, fused_logprobs: bool = False, routing_replay: bool = False):
     """Model chunks for this rank; loaded from `hf_dir` when given (else Megatron's random init).
 
     ``fused_logprobs``: the last stage returns final hidden states instead of logits, for the
     fused hidden -> log-prob path (parallel/fused_head.py); train/loss.py picks the path from the
     model, so every forward step works with either."""
-    chunks, config = build_model_chunks(arch, ctx, dtype=dtype, recompute=recompute)
+    chunks, config = build_model_chunks(arch, ctx, dtype=dtype, recompute=recompute, routing_replay=routing_replay)
     if fused_logprobs:
         from gspo_megatron.parallel.fused_head import install_hidden_head
 

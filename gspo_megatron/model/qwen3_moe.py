@@ -143,8 +143,12 @@ def transformer_config(
     use_te: bool = False,
     dispatcher: str | None = None,
     recompute: str = "none",
+    routing_replay: bool = False,
 ):
     """Megatron TransformerConfig for `arch` under `parallel` (a gspo_megatron.config.ParallelConfig).
+
+    ``routing_replay``: every router gets Megatron's RouterReplay (record / replay top-k;
+    parallel/routing_replay.py drives it); with no action set it routes as usual.
 
     RL-specific choices: no auxiliary load-balancing loss (the policy gradient is the only
     objective, as RL peers do), fp32 routing (router decisions are sensitive to rounding, and
@@ -218,6 +222,7 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         **recompute_settings(recompute, grouped_experts=use_te),
         variable_seq_lengths=variable_seq_lengths,
+        moe_enable_routing_replay=routing_replay,
     )
 
 
@@ -300,7 +305,8 @@ def recompute_settings(recompute: str, *, grouped_experts: bool) -> dict:
     raise ValueError(f"train.recompute must be none, selective or full, got {recompute!r}")
 
 
-def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.float32, recompute: str = "none"):
+def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.float32, recompute: str = "none",
+                       routing_replay: bool = False):
     """This rank's model chunk(s) for the layout in `ctx` (a parallel.state.ParallelContext).
 
     Returns (chunks, transformer_config). One chunk per rank (no virtual pipeline stages yet).
@@ -310,7 +316,8 @@ def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.fl
         # Megatron moves the last stage's copy of the shared embedding with `.cuda()`.
         raise ModelConfigError("tie_word_embeddings with parallel.pp > 1 is GPU-only (Megatron syncs the "
                                "shared embedding with .cuda()); use pp=1 on CPU")
-    config = transformer_config(arch, ctx.parallel, dtype=dtype, use_te=use_te, recompute=recompute)
+    config = transformer_config(arch, ctx.parallel, dtype=dtype, use_te=use_te, recompute=recompute,
+                                routing_replay=routing_replay)
     model = build_gpt_model(arch, config, pre_process=ctx.is_first_stage, post_process=ctx.is_last_stage, use_te=use_te)
     mark_expert_params(model)
     model.to(ctx.device)

@@ -39,6 +39,11 @@ class Sample:
     weight_version: int
     text: str | None = None
     meta: dict = field(default_factory=dict)
+    # The experts the engine routed each token to, when asked (return_routing): int [P + R - 1,
+    # num_layers, top_k] for sequence positions 0 .. P + R - 2 (every token the engine fed through
+    # the model: the prompt and every response token but the last), in SGLang 0.5.23's
+    # return_routed_experts layout; None otherwise.
+    routed_experts: torch.Tensor | None = None
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]

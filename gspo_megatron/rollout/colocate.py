@@ -88,8 +88,10 @@ def check_colocated(sg, nnodes: int) -> None:
                           "server with data-parallel replicas; use dp=1 (more engines per node instead)")
 
 
-def node_launch_spec(sg, *, model_path: str, layout: NodeLayout, log_dir: str | None = None) -> LaunchSpec:
-    """This node's servers: engines_per_node of them on its GPUs, with the memory saver."""
+def node_launch_spec(sg, *, model_path: str, layout: NodeLayout, log_dir: str | None = None,
+                     return_routed_experts: bool = False) -> LaunchSpec:
+    """This node's servers: engines_per_node of them on its GPUs, with the memory saver (and
+    --enable-return-routed-experts when the run needs the engines' routing)."""
     n = engines_per_node(layout.gpus_per_node, int(sg.tp), int(sg.dp))
     extra = list(sg.extra_args or [])
     if MEMORY_SAVER_FLAG not in extra:
@@ -100,7 +102,7 @@ def node_launch_spec(sg, *, model_path: str, layout: NodeLayout, log_dir: str | 
         model_path=model_path, tp=int(sg.tp), dp=int(sg.dp), ep=int(sg.ep), mem_fraction=float(sg.mem_fraction),
         port=int(sg.port), host=sg.host, api_key=sg.api_key, extra_args=extra, num_servers=n, base_gpu_id=0,
         command=list(sg.server_command) if sg.server_command else None, log_dir=log_dir,
-        unset_env=LaunchSpec.unset_env + TORCHRUN_ENV,
+        unset_env=LaunchSpec.unset_env + TORCHRUN_ENV, return_routed_experts=return_routed_experts,
     )
 
 
@@ -142,7 +144,8 @@ def start_colocated(cfg, ctx, *, make_engine) -> tuple[object | None, NodeServer
 
                 advertise = local_address_towards(f"http://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:1")
             spec = node_launch_spec(sg, model_path=model_path, layout=layout,
-                                    log_dir=os.path.join(cfg.out_dir, "sglang_logs", f"node{layout.node_rank}"))
+                                    log_dir=os.path.join(cfg.out_dir, "sglang_logs", f"node{layout.node_rank}"),
+                                    return_routed_experts=cfg.engine_routing)
             procs = ServerProcesses(spec)
             procs.start()
             clients = [ServerClient(u, api_key=sg.api_key) for u in procs.urls]

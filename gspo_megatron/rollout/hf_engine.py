@@ -120,6 +120,8 @@ class HFEngine(RolloutEngine):
         tokenizer files). Needed only for ``Sample.text`` and ``stop`` strings.
     eos_token_ids: ids that end a response in addition to ``stop_token_ids``; default: the model's
         generation-config / config eos ids plus the tokenizer's eos id.
+    return_routing: fill ``Sample.routed_experts`` with the top-k experts every MoE layer routed
+        each token to during generation (prompt prefill and decode steps), in SGLang's layout.
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class HFEngine(RolloutEngine):
         max_batch_size: int = 64,
         seed: int | None = None,
         weight_version: int = 0,
+        return_routing: bool = False,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -187,6 +190,12 @@ class HFEngine(RolloutEngine):
         )
         self.max_batch_size = max_batch_size
         self.seed = seed
+        self.return_routing = return_routing
+        self._gates = [layer.mlp.gate for layer in getattr(getattr(self.model, "model", None), "layers", [])
+                       if hasattr(getattr(layer, "mlp", None), "gate")] if return_routing else []
+        if return_routing and len(self._gates) != self.model.config.num_hidden_layers:
+            raise ValueError("return_routing needs a MoE model whose every layer routes (mlp.gate): "
+                             f"{len(self._gates)} of {self.model.config.num_hidden_layers} layers do")
         self._calls = 0
         self._weight_version = weight_version
         self._weights_inconsistent: str | None = None
@@ -255,13 +264,23 @@ class HFEngine(RolloutEngine):
             output_logits=True,
         )
         kwargs = {"tokenizer": self.tokenizer} if sp.stop else {}
-        with torch.no_grad():
-            res = self.model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                generation_config=gen_cfg,
-                **kwargs,
-            )
+        # every forward of generate (the prefill, then one decode step per new token but the last)
+        # records each layer's top-k (transformers' Qwen3MoeTopKRouter returns (logits, scores,
+        # indices))
+        routed: list[list[torch.Tensor]] = [[] for _ in self._gates]
+        hooks = [g.register_forward_hook(lambda m, i, out, li=li: routed[li].append(out[2].detach().cpu()))
+                 for li, g in enumerate(self._gates)]
+        try:
+            with torch.no_grad():
+                res = self.model.generate(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=attention_mask.to(self.device),
+                    generation_config=gen_cfg,
+                    **kwargs,
+                )
+        finally:
+            for h in hooks:
+                h.remove()
             gen = res.sequences[:, width:]
             steps = gen.shape[1]
             assert len(res.logits) == steps, (len(res.logits), steps)
@@ -277,6 +296,7 @@ class HFEngine(RolloutEngine):
             ) if steps else torch.zeros((len(rows), 0))
         gen_l = gen.cpu().tolist()
         lps_l = lps.cpu().tolist()
+        routing = self._routing_by_position(routed, len(rows), width) if self._gates else None
 
         samples = []
         stop_set = set(stop_ids)
@@ -308,9 +328,22 @@ class HFEngine(RolloutEngine):
                         else None
                     ),
                     meta={"matched_stop": why, "prompt_tokens": len(prompt), "completion_tokens": end},
+                    routed_experts=(routing[r, width - len(prompt): width + end - 1].clone()
+                                    if routing is not None else None),
                 )
             )
         return samples
+
+    @staticmethod
+    def _routing_by_position(routed: list[list[torch.Tensor]], rows: int, width: int) -> torch.Tensor:
+        """[rows, width + decode steps, layers, k] from the per-call top-k of each layer: the
+        prefill call covers the left-padded prompt columns, each decode call one column."""
+        layers = []
+        for calls in routed:
+            prefill = calls[0].view(rows, width, -1)
+            steps = [c.view(rows, 1, -1) for c in calls[1:]]
+            layers.append(torch.cat([prefill, *steps], 1))
+        return torch.stack(layers, 2).to(torch.int32)
 
     def _stop_string_end(self, toks: list[int], stops: tuple[str, ...]) -> int | None:
         """Length of the shortest prefix of `toks` whose decoded text contains a stop string."""

@@ -15,6 +15,13 @@ Facts from sglang 0.5.23's source that shape the client (file:line in that wheel
     the scheduler's weight updater answers success=False outside one). Disk updates need none.
   * the served weight version is in GET /model_info ("weight_version", http_server.py:812-826);
     there is no /get_weight_version, and /get_server_info is deprecated in favour of /server_info.
+  * routed experts (``return_routed_experts: true`` on /generate) come back only from a server
+    launched with ``--enable-return-routed-experts`` (ROUTED_EXPERTS_FLAG; exec_.py:158): without
+    it the capturer is None (state_capturer/routed_experts.py `create`) and the response simply
+    lacks the field. ``meta_info["routed_experts"]`` is standard base64 of the raw bytes of an
+    int32 array [seqlen - 1 - start_len, num_hidden_layers, num_experts_per_tok] (C order) for
+    positions start_len .. seqlen - 2, seqlen = prompt + output tokens (state_capturer/base.py
+    get_topk, detokenizer_manager.py `_b64_encode_per_request`); SGLangEngine decodes it.
   * request bodies are decoded into io_struct classes (msgspec structs deriving BaseReq, and the
     GenerateReqInput dataclass); a misspelt field is at best silently ignored, so the client only
     sends fields declared here and the double refuses any other.
@@ -42,7 +49,10 @@ ENDPOINTS: dict[str, Endpoint] = {e.route: e for e in (
     _ep("GET", "/health_generate", None),
     _ep("GET", "/model_info", None),
     _ep("GET", "/server_info", None),
-    _ep("POST", "/generate", "GenerateReqInput", "input_ids", "sampling_params", "return_logprob", "rid"),
+    # return_routed_experts / routed_experts_start_len: io_struct.py:264-268 (the api/v1 contract
+    # gate's GenerateRequest lacks return_routed_experts but ignores unknown keys, api_types.py:237)
+    _ep("POST", "/generate", "GenerateReqInput", "input_ids", "sampling_params", "return_logprob", "rid",
+        "return_routed_experts", "routed_experts_start_len"),
     _ep("POST", "/abort_request", "AbortReq", "abort_all"),
     _ep("POST", "/flush_cache", None),
     _ep("POST", "/update_weights_from_disk", "UpdateWeightFromDiskReqInput",
@@ -59,6 +69,12 @@ ENDPOINTS: dict[str, Endpoint] = {e.route: e for e in (
     _ep("POST", "/release_memory_occupation", "ReleaseMemoryOccupationReqInput", "tags"),
     _ep("POST", "/resume_memory_occupation", "ResumeMemoryOccupationReqInput", "tags"),
 )}
+
+# The server flag without which /generate never returns routed experts (a store_true flag from the
+# ServerArgs field enable_return_routed_experts, arg_groups/fields/exec_.py:158, also reported by
+# GET /server_info under that name).
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+ROUTED_EXPERTS_SERVER_ARG = "enable_return_routed_experts"
 
 # Routes of the sglang-router (a separate package), used only to find a router's workers.
 ROUTER_ROUTES = ("/list_workers", "/workers")

@@ -34,6 +34,24 @@ Generation (`generate`)
     while the abort was on its way), in prompt order; ``Sample.prompt_index`` says which prompt.
     ``metrics["dropped_groups"]`` counts the groups left out (never sent, or aborted).
 
+Routed experts (``return_routing=True``)
+    Every /generate request also sets ``return_routed_experts: true`` (``routed_experts_start_len``
+    stays 0: the whole sequence), and each sample's ``meta_info.routed_experts`` is decoded into
+    ``Sample.routed_experts``: torch.int32 [P + R - 1, num_hidden_layers, num_experts_per_tok]
+    (P prompt tokens, R response tokens as SGLang returned them; the engine trims nothing), the
+    experts SGLang routed positions 0 .. P + R - 2 to: every token it fed through the model. The
+    wire format (SGLang 0.5.23): standard base64 of the raw bytes of a C-order int32 array of
+    shape [seqlen - 1 - start_len, L, k], seqlen = prompt + output tokens through the stop
+    (scheduler_components/batch_result_processor.py `_maybe_collect_routed_experts`,
+    state_capturer/base.py `get_topk`, detokenizer_manager.py `_b64_encode_per_request`). L and k
+    come from the model's HF config (``text_config`` if it has one, as SGLang's hf_text_config).
+    A payload whose size is not rows x L x k int32 values, or whose rows are not P + R - 1, is a
+    `SGLangProtocolError` naming the server and the field. SGLang answers such requests WITHOUT
+    the field unless the server was launched with ``--enable-return-routed-experts`` (launched
+    servers get the flag); a missing field, or a worker whose ``/server_info`` reports
+    ``enable_return_routed_experts: false`` (checked at construction), is a one-line
+    `SGLangRoutingNotEnabledError`. Aborted rows carry no routing (they are retried or dropped).
+
 Log-probs
     SGLang's ``output_token_logprobs`` are ``log_softmax(logits / T)`` of the sampled token, after
     temperature and before top-k / top-p / min-p filtering — the untruncated tempered distribution
@@ -67,6 +85,8 @@ Colocated memory
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import itertools
 import json
@@ -80,7 +100,10 @@ from typing import Any, Mapping
 
 import torch
 
+from gspo_megatron.cli_util import InputError
+
 from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
+from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG
 from .sglang_api import payload as api_payload
 from .sglang_server import (
     LaunchSpec,
@@ -107,12 +130,36 @@ from .weight_sync import (
 
 __all__ = [
     "SGLangEngine", "SGLangError", "SGLangServerError", "SGLangProtocolError", "SGLangNotReadyError",
-    "SGLangStaleWeightsError", "sampling_to_sglang",
+    "SGLangStaleWeightsError", "SGLangRoutingNotEnabledError", "sampling_to_sglang", "routing_shape",
 ]
 
 
 class SGLangStaleWeightsError(SGLangError):
     pass
+
+
+class SGLangRoutingNotEnabledError(SGLangProtocolError, InputError):
+    """return_routing asked for routed experts, but the server was launched without
+    --enable-return-routed-experts (SGLang then silently omits them). Also an InputError: the
+    entry points report it as one line."""
+
+
+def routing_shape(hf_config: Mapping | None) -> tuple[int, int]:
+    """(num_hidden_layers, num_experts_per_tok) of a model's HF config dict: the last two dims of
+    SGLang's routed-experts array (RoutedExpertsCapturer reads them from hf_text_config,
+    state_capturer/routed_experts.py)."""
+    cfg = hf_config or {}
+    if isinstance(cfg.get("text_config"), Mapping):
+        cfg = cfg["text_config"]
+    try:
+        layers, top_k = int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("return_routing needs num_hidden_layers and num_experts_per_tok in the model's HF "
+                         "config (hf_config= or <model_path>/config.json); "
+                         f"got {'no config' if not hf_config else 'a config without them'}") from None
+    if layers < 1 or top_k < 1:
+        raise ValueError(f"return_routing: num_hidden_layers={layers}, num_experts_per_tok={top_k} must be >= 1")
+    return layers, top_k
 
 
 class _Aborted(Exception):
@@ -175,6 +222,9 @@ class SGLangEngine(RolloutEngine):
     weight_version: the version the servers hold at start, when known (0 = unknown).
     retry_backoff_s: first retry delay (doubles per retry, capped at 8 s).
     wait_ready: wait for /health_generate in the constructor (default True).
+    return_routing: ask every /generate for the routed experts and fill Sample.routed_experts
+        (see the module docstring); launched servers get --enable-return-routed-experts. Default:
+        the config's ``return_routing`` if it has one, else False.
     """
 
     def __init__(
@@ -197,6 +247,7 @@ class SGLangEngine(RolloutEngine):
         weight_version: int = 0,
         retry_backoff_s: float = 0.5,
         wait_ready: bool = True,
+        return_routing: bool | None = None,
         **overrides,
     ):
         c = dict(_DEFAULTS)
@@ -246,6 +297,11 @@ class SGLangEngine(RolloutEngine):
         self.sync_group_name = sync_group_name
         self._sync_master_address = sync_master_address
         self._sync_master_port = sync_master_port
+        if return_routing is None:
+            return_routing = bool(c.get("return_routing", False))
+        self.return_routing = bool(return_routing)
+        # (num_hidden_layers, num_experts_per_tok): checked before any server is started
+        self.routing_shape: tuple[int, int] | None = routing_shape(self.hf_config) if self.return_routing else None
 
         try:
             if c["launch"]:
@@ -260,7 +316,7 @@ class SGLangEngine(RolloutEngine):
                     mem_fraction=float(c["mem_fraction"]), port=int(c["port"]), host=c["host"],
                     api_key=c["api_key"], extra_args=list(c["extra_args"] or []),
                     num_servers=num_servers, module=server_module, command=server_command,
-                    env=env, log_dir=log_dir,
+                    env=env, log_dir=log_dir, return_routed_experts=self.return_routing,
                 )
                 self.procs = ServerProcesses(spec)
                 urls = self.procs.start()
@@ -281,6 +337,8 @@ class SGLangEngine(RolloutEngine):
                     self.workers = [mk(u) for u in workers]
                     if wait_ready:
                         wait_until_ready(self.workers, self.ready_timeout_s)
+            if self.return_routing and wait_ready:
+                self.check_routing_enabled()
         except BaseException:
             self.close()
             raise
@@ -289,7 +347,8 @@ class SGLangEngine(RolloutEngine):
     @classmethod
     def from_config(cls, config, **kw) -> "SGLangEngine":
         """From the trainer's whole `Config`: model_path defaults to model.hf_dir, shared_dir to
-        <out_dir>/weight_sync, the HF config to hf_dir/config.json or model.hf_config."""
+        <out_dir>/weight_sync, the HF config to hf_dir/config.json or model.hf_config,
+        return_routing to config.engine_routing / rollout.return_routing (when the config has them)."""
         s = _cfg_dict(config.rollout.sglang)
         if s.get("model_path") is None:
             s["model_path"] = config.model.hf_dir
@@ -305,6 +364,12 @@ class SGLangEngine(RolloutEngine):
                           architectures=["Qwen3MoeForCausalLM"])
             kw["hf_config"] = hf
         kw.setdefault("sync_dtype", getattr(config.model, "dtype", None))
+        # Config.engine_routing (rollout.return_routing, or routing replay of the rollout's experts)
+        # when the config has it, else rollout.return_routing, else off
+        routing = getattr(config, "engine_routing", None)
+        if routing is None:
+            routing = getattr(config.rollout, "return_routing", False)
+        kw.setdefault("return_routing", bool(routing))
         return cls(s, **kw)
 
     def wait_ready(self, timeout_s: float | None = None) -> float:
@@ -312,6 +377,21 @@ class SGLangEngine(RolloutEngine):
         if self.procs is not None:
             return self.procs.wait_ready(self.servers, t)
         return wait_until_ready(self.servers, t)
+
+    def check_routing_enabled(self) -> None:
+        """Fail with one line if a worker's GET /server_info reports enable_return_routed_experts
+        false (SGLang 0.5.23 reports every server argument there, srt/utils/common.py
+        build_server_info). A worker that does not answer, or does not report the field, is
+        left to the per-response check."""
+        for s in self.workers:
+            try:
+                info = s.get("/server_info", timeout_s=30, retries=1)
+            except SGLangError:
+                continue
+            if isinstance(info, dict) and ROUTED_EXPERTS_SERVER_ARG in info and not info[ROUTED_EXPERTS_SERVER_ARG]:
+                raise SGLangRoutingNotEnabledError(
+                    f"SGLang server {s.url} reports {ROUTED_EXPERTS_SERVER_ARG}=false (/server_info): "
+                    f"return_routing needs servers launched with {ROUTED_EXPERTS_FLAG}")
 
     @staticmethod
     def _router_workers(server: ServerClient) -> list[str]:
@@ -421,8 +501,9 @@ class SGLangEngine(RolloutEngine):
         return [s for gi in sorted(groups) for s in groups[gi]]
 
     def _run_group(self, gi: int, prompt: list[int], n: int, sp: dict, cancel: threading.Event) -> list[Sample]:
+        extra = {"return_routed_experts": True} if self.return_routing else {}
         payload = api_payload("/generate", input_ids=[prompt] * n, sampling_params=sp, return_logprob=True,
-                              rid=[uuid.uuid4().hex for _ in range(n)])
+                              rid=[uuid.uuid4().hex for _ in range(n)], **extra)
         tried: list[str] = []
         last: BaseException | None = None
         attempts = self.max_retries + 1
@@ -509,13 +590,48 @@ class SGLangEngine(RolloutEngine):
                 ids.append(int(t[1]))
             if ftype != "abort" and not ids:
                 raise bad(f"result {r} finished ({ftype}) with no tokens")
+            # the response is used as SGLang returned it (no client-side trimming), so the routing
+            # must cover exactly prompt + response - 1 positions; aborted rows are never kept
+            routed = (self._routed_experts(meta, r, len(prompt), len(ids), url)
+                      if self.return_routing and ftype != "abort" else None)
             version = self._check_version(meta.get("weight_version"), url, len(ids))
             out.append(Sample(
                 prompt_index=gi, prompt_ids=list(prompt), response_ids=ids, response_logprobs=lps,
                 finish_reason=ftype, weight_version=version, text=row.get("text"),
                 meta={"server": url, "finish_reason": fr, "rid": meta.get("id")},
+                routed_experts=routed,
             ))
         return out
+
+    def _routed_experts(self, meta: dict, r: int, n_prompt: int, n_response: int, url: str) -> torch.Tensor:
+        """meta_info.routed_experts -> int32 [n_prompt + n_response - 1, L, k] (start_len 0)."""
+        field = "meta_info.routed_experts"
+
+        def bad(msg: str) -> SGLangProtocolError:
+            return SGLangProtocolError(f"SGLang server {url}: malformed /generate response: result {r} {field} {msg}")
+
+        raw = meta.get("routed_experts")
+        if raw is None:  # SGLang omits it (no error) on a server without the flag
+            raise SGLangRoutingNotEnabledError(
+                f"SGLang server {url}: /generate returned no {field} though return_routed_experts was "
+                f"requested; the server must be launched with {ROUTED_EXPERTS_FLAG}")
+        if not isinstance(raw, str):
+            raise bad(f"is a {type(raw).__name__}, not a base64 string")
+        try:
+            data = base64.b64decode(raw, validate=True)  # SGLang: pybase64.b64encode (standard alphabet)
+        except (binascii.Error, ValueError):
+            raise bad("is not valid base64") from None
+        layers, top_k = self.routing_shape
+        row_bytes = layers * top_k * 4  # int32
+        rows = n_prompt + n_response - 1
+        if len(data) % row_bytes:
+            raise bad(f"has {len(data)} bytes, not a whole number of positions of {layers} layers x {top_k} "
+                      f"experts x int32 ({row_bytes} bytes each)")
+        if len(data) // row_bytes != rows:
+            raise bad(f"covers {len(data) // row_bytes} positions, expected prompt {n_prompt} + response "
+                      f"{n_response} - 1 = {rows} ({len(data)} bytes of {layers} layers x {top_k} experts x int32)")
+        # the server's native byte order: little-endian on every platform SGLang runs on (and here)
+        return torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, layers, top_k)
 
     def _check_version(self, reported: Any, url: str, ntok: int) -> int:
         parsed: int | None

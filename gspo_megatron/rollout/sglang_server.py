@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from gspo_megatron.cli_util import InputError
 
+from .sglang_api import ROUTED_EXPERTS_FLAG
+
 
 class SGLangError(RuntimeError):
     """Base class of every SGLang-engine error."""
@@ -313,6 +315,9 @@ class LaunchSpec:
     # SGLang report T=1 log-probs instead of the tempered ones the trainer recomputes.
     unset_env: tuple[str, ...] = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
     log_dir: str | None = None
+    # --enable-return-routed-experts: without it SGLang answers return_routed_experts requests
+    # without the field (its capturer is None, state_capturer/routed_experts.py `create`).
+    return_routed_experts: bool = False
 
     def url(self, i: int) -> str:
         host = self.host
@@ -338,7 +343,10 @@ class LaunchSpec:
             args += ["--base-gpu-id", str(self.base_gpu_id + i * self.tp * self.dp)]
         if self.api_key:
             args += ["--api-key", self.api_key]
-        return prefix + args + [str(a) for a in self.extra_args]
+        extra = [str(a) for a in self.extra_args]
+        if self.return_routed_experts and ROUTED_EXPERTS_FLAG not in extra:
+            args.append(ROUTED_EXPERTS_FLAG)
+        return prefix + args + extra
 
 
 _LIVE: "weakref.WeakSet[ServerProcesses]" = weakref.WeakSet()

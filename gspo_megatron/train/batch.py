@@ -37,6 +37,7 @@ class TrainSample:
     response_ids: list[int]
     advantage: float
     engine_logprobs: list[float] | None = None  # one per response token
+    routing: torch.Tensor | None = None  # the engine's experts: int [P + R - 1, layers, top_k] (rollout/base.py)
 
     @property
     def length(self) -> int:
@@ -60,6 +61,9 @@ class MicroBatch:
     # Filled by forward-only passes before the update (on the last pipeline stage), rows layout:
     old_logprobs: torch.Tensor | None = None  # [n, L]
     ref_logprobs: torch.Tensor | None = None  # [n, L]
+    # The engine's experts in the model layout: int [b, s, layers, top_k], -1 where none
+    # (parallel/routing_replay.py maps it to each router's tokens); None without engine routing.
+    routing: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
 
     @property
@@ -78,7 +82,7 @@ class MicroBatch:
         """Move every tensor field to `device` in place (the rank's device: these tensors meet
         the model's log-probs in the loss); returns self. No copy when already there."""
         for name in ("tokens", "targets", "loss_mask", "advantages", "engine_logprobs", "old_logprobs",
-                     "ref_logprobs", "positions", "index", "cu_seqlens", "cu_seqlens_real"):
+                     "ref_logprobs", "positions", "index", "cu_seqlens", "cu_seqlens_real", "routing"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -176,6 +180,31 @@ def _full_sequence(x: TrainSample, length: int, pad_id: int):
     return tokens, targets, mask, eng
 
 
+def _routing_dims(samples: list[TrainSample]) -> tuple[int, int] | None:
+    """(layers, top_k) when the samples carry engine routing (all or none of them must)."""
+    have = [x.routing is not None for x in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError("some samples carry engine routing and some do not")
+    dims = {tuple(x.routing.shape[1:]) for x in samples}
+    if len(dims) != 1:
+        raise ValueError(f"engine routing of different shapes in one batch: {sorted(dims)}")
+    return dims.pop()
+
+
+def _full_routing(x: TrainSample | None, length: int, dims: tuple[int, int]) -> torch.Tensor:
+    """[length, layers, top_k] routing of one sequence, -1 where the engine routed nothing."""
+    out = torch.full((length, *dims), -1, dtype=torch.int32)
+    if x is not None and x.routing is not None:
+        n = min(len(x.routing), length)
+        if len(x.routing) != x.length - 1:
+            raise ValueError(f"engine routing has {len(x.routing)} positions for a sequence of {x.length} tokens "
+                             f"(expected {x.length - 1})")
+        out[:n] = torch.as_tensor(x.routing[:n], dtype=torch.int32)
+    return out
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """How microbatches are laid out: `multiple` = the granularity SP and CP need of the model
@@ -208,8 +237,12 @@ def collate(samples: list[TrainSample], multiple: int, pad_id: int = 0, rows: in
     adv = torch.zeros(rows, dtype=torch.float32)
     adv[: len(samples)] = torch.as_tensor([x.advantage for x in samples], dtype=torch.float32)
     n = int(mask.any(dim=1).sum())
+    dims, routing = _routing_dims(samples), None
+    if dims is not None:
+        routing = torch.stack([_full_routing(x, s_len, dims) for x in samples]
+                              + [_full_routing(None, s_len, dims)] * (rows - len(samples)))[:, pos]
     return MicroBatch(tokens[:, pos], mask[:, pos], adv, eng[:, pos], n, targets=targets[:, pos],
-                      positions=pos.unsqueeze(0).expand(rows, -1).contiguous(), seq_length=s_len)
+                      positions=pos.unsqueeze(0).expand(rows, -1).contiguous(), seq_length=s_len, routing=routing)
 
 
 def collate_packed(samples: list[TrainSample], shape: BatchShape, total: int | None = None) -> MicroBatch:
@@ -224,7 +257,8 @@ def collate_packed(samples: list[TrainSample], shape: BatchShape, total: int | N
         raise ValueError(f"packed microbatch: total {total} does not fit the layout (multiple {shape.multiple})")
     seg_len = lengths + ([total - used] if total > used else [])
     real_len = [x.length for x in samples] + ([total - used] if total > used else [])
-    tok_parts, tgt_parts = [], []
+    tok_parts, tgt_parts, route_parts = [], [], []
+    dims = _routing_dims(samples)
     n = max(1, len(samples))
     width = max([ln // cp for ln in lengths] + [1])
     mask = torch.zeros(n, width, dtype=torch.bool)
@@ -244,6 +278,8 @@ def collate_packed(samples: list[TrainSample], shape: BatchShape, total: int | N
             t = g = torch.full((ln,), shape.pad_id, dtype=torch.long)
         tok_parts.append(t[pos])
         tgt_parts.append(g[pos])
+        if dims is not None:
+            route_parts.append(_full_routing(samples[i] if i < len(samples) else None, ln, dims)[pos])
         offset += pos.numel()
     adv = torch.zeros(n, dtype=torch.float32)
     if samples:
@@ -253,7 +289,8 @@ def collate_packed(samples: list[TrainSample], shape: BatchShape, total: int | N
     n_seq = sum(1 for x in samples if x.response_ids)  # on the whole sequences, not this CP rank's part
     return MicroBatch(torch.cat(tok_parts).unsqueeze(0), mask, adv, eng, n_seq,
                       targets=torch.cat(tgt_parts).unsqueeze(0), positions=positions, index=index, cu_seqlens=cu,
-                      cu_seqlens_real=cu_real, max_seqlen=max(seg_len), seq_length=total)
+                      cu_seqlens_real=cu_real, max_seqlen=max(seg_len), seq_length=total,
+                      routing=torch.cat(route_parts).unsqueeze(0) if dims is not None else None)
 
 
 def plan_microbatches(

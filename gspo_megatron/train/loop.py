@@ -193,13 +193,23 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
     t0 = time.perf_counter()
     temperature = cfg.rollout.temperature
     mismatch = {}
+    replay = cfg.train.routing_replay
+    engine_routing = any(x.routing is not None for x in samples)
     if cfg.loss.old_logprobs == "recompute":
         # one forward-only pass before the first update: π_old is the policy that generated; it
-        # also measures how far the engine's log-probs of the same tokens are (mismatch_*)
+        # also measures how far the engine's log-probs of the same tokens are (mismatch_*), and
+        # records (R2) or replays (R3) the routing
+        mode = {"none": "record" if engine_routing else "off", "old": "record", "rollout": "rollout"}[replay]
+        routing = _routing_pass(parts, mode)
         reports = _run_schedule(parts, fill_logprobs_step(ctx, parts.arch.vocab_size, temperature, "old_logprobs",
-                                                          compare_engine=True), flat, forward_only=True)
+                                                          compare_engine=True, routing=routing), flat,
+                                forward_only=True)
         mismatch = mismatch_metrics(reduce_report(reports, _reporter(parts), MISMATCH_SUMS, ctx.device),
                                     reduce_max(reports, _reporter(parts), MISMATCH_MAXES, ctx.device))
+        if routing is not None:
+            routing.close(parts.model)
+            if engine_routing:
+                mismatch["routing_agreement"] = _agreement(parts, routing)
     else:
         for mb in flat:  # paper §5.4: the engine's likelihoods serve as π_old directly
             mb.old_logprobs = mb.engine_logprobs
@@ -210,7 +220,8 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
     settings = LossSettings(cfg.loss.type, cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.kl_coef,
                             cfg.loss.entropy_coef, cfg.loss.tis_cap, temperature,
                             mis=tuple(cfg.loss.mis) if cfg.loss.mis is not None else None)
-    step_fn = policy_loss_step(ctx, parts.arch.vocab_size, settings)
+    update_routing = _routing_pass(parts, {"none": "off", "old": "recorded", "rollout": "rollout"}[replay])
+    step_fn = policy_loss_step(ctx, parts.arch.vocab_size, settings, routing=update_routing)
     keys = ("loss", "sequences", "mis_masked", "metric_weight") + WEIGHTED_METRICS
     totals = dict.fromkeys(keys, 0.0)
     grad_norms = []
@@ -228,6 +239,8 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
         for k in WEIGHTED_METRICS:
             totals[k] += tot[k]
     t_train = time.perf_counter() - t1
+    if update_routing is not None:
+        update_routing.close(parts.model)
     n_all = max(totals["sequences"], 1.0)
     present = {"kl_ref": cfg.loss.kl_coef > 0, "tis_weight_mean": cfg.loss.tis_cap is not None}
     out = {k: totals[k] / max(totals["metric_weight"], 1.0) for k in WEIGHTED_METRICS if present.get(k, True)}
@@ -244,9 +257,26 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
     return out
 
 
+def _routing_pass(parts: RunParts, mode: str):
+    """The routers' control for one schedule pass (None when the model has no RouterReplay)."""
+    if not parts.routing_replay or mode == "off":
+        return None
+    from gspo_megatron.parallel.routing_replay import RoutingPass
+
+    return RoutingPass(parts.ctx, mode, parts.arch.moe_topk)
+
+
+def _agreement(parts: RunParts, routing) -> float:
+    """Fraction of token x layer top-k sets the trainer's π_old pass used that equal the engine's
+    (summed over every rank's own tokens and layers)."""
+    t = torch.tensor([routing.agree, routing.total], dtype=torch.float64, device=parts.ctx.device)
+    dist.all_reduce(t)
+    return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+
+
 def to_train_samples(samples: list[Sample], rewards: list[float], group_size: int) -> list[TrainSample]:
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size)
-    return [TrainSample(s.prompt_ids, s.response_ids, float(a), list(s.response_logprobs))
+    return [TrainSample(s.prompt_ids, s.response_ids, float(a), list(s.response_logprobs), s.routed_experts)
             for s, a in zip(samples, adv.tolist())]
 
 

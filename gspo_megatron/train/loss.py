@@ -101,7 +101,17 @@ def token_logprobs(ctx, model, output, targets, vocab_size: int, temperature: fl
     return fused_vocab_parallel_log_probs(output, weight, targets, **kw)
 
 
-def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
+def _forward(ctx, model, mb: MicroBatch, routing):
+    """The model's forward with the routers under `routing`'s control (parallel/routing_replay.py)."""
+    if routing is not None:
+        routing.before(mb, model)
+    output = forward_model(ctx, model, mb)
+    if routing is not None:
+        routing.after(mb, model)
+    return output
+
+
+def policy_loss_step(ctx, vocab_size: int, settings: LossSettings, routing=None):
     """forward_step for one GSPO/GRPO update over MicroBatches carrying old (and ref) log-probs.
 
     The sequence statistics (log-ratio sums, token counts, ...) are per row of this rank's
@@ -112,7 +122,7 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings):
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator).to_(ctx.device)
-        output = forward_model(ctx, model, mb)
+        output = _forward(ctx, model, mb, routing)
 
         def loss_func(output):
             lp, ent = token_logprobs(ctx, model, output, mb.targets, vocab_size, settings.temperature, entropy=True)
@@ -193,15 +203,17 @@ def _mask_mismatched(ctx, mb: MicroBatch, band):
                                advantages=torch.where(keep, mb.advantages, torch.zeros_like(mb.advantages))), masked
 
 
-def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str, *, compare_engine: bool = False):
+def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str, *, compare_engine: bool = False,
+                       routing=None):
     """Forward-only step storing token log-probs (rows layout) on each MicroBatch as `attr`
     (last stage). With compare_engine, each microbatch also reports the train-inference mismatch
     of these log-probs against the engine's (algorithms/mismatch.py): sums for reduce_report and
-    maxima for reduce_max, CP-reduced so the CP-rank-0 reporter holds whole sequences'."""
+    maxima for reduce_max, CP-reduced so the CP-rank-0 reporter holds whole sequences'. `routing`
+    (a parallel/routing_replay.RoutingPass) records or replays the routers' experts."""
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator).to_(ctx.device)
-        output = forward_model(ctx, model, mb)
+        output = _forward(ctx, model, mb, routing)
 
         def loss_func(output):
             lp = token_logprobs(ctx, model, output, mb.targets, vocab_size, temperature)

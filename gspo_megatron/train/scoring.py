@@ -33,25 +33,51 @@ def score_sequences(
     micro_batch_tokens: int = 4096,
     temperature: float = 1.0,
     packed: bool = True,
+    routed_experts: Sequence[torch.Tensor] | None = None,
 ) -> list[list[float]] | None:
     """Token log-probs for each sequence (len-1 floats each) on global rank 0; None elsewhere.
     Under context parallelism every CP rank scores its zigzag chunks of each sequence; rank 0
-    puts them back in order by position."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+    puts them back in order by position. `routed_experts` (one int [len - 1, layers, top_k] per
+    sequence) forces every MoE layer's experts (the models need RouterReplay: build_policy's
+    routing_replay=True)."""
     multiple = pad_multiple(ctx.parallel)
-    samples = [TrainSample(list(s[:1]), list(s[1:]), 0.0) for s in sequences]
+    routes = routed_experts if routed_experts is not None else [None] * len(sequences)
+    samples = [TrainSample(list(s[:1]), list(s[1:]), 0.0, routing=r) for s, r in zip(sequences, routes)]
     groups, mbs = plan_microbatches(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=micro_batch_tokens,
                                     multiple=multiple, cp=ctx.parallel.cp, cp_rank=ctx.cp_rank, packed=packed)
+    routing = None
+    if routed_experts is not None:
+        from gspo_megatron.parallel.routing_replay import RoutingPass
+
+        routing = RoutingPass(ctx, "rollout", int(routed_experts[0].shape[-1]))
+    logprob_pass(models, ctx, mbs, vocab_size=vocab_size, temperature=temperature, routing=routing)
+    return collect_logprobs(ctx, groups, mbs, sequences)
+
+
+def logprob_pass(models, ctx, mbs, *, vocab_size: int, temperature: float = 1.0, routing=None) -> list[dict]:
+    """One forward-only pass storing each microbatch's token log-probs as `old_logprobs` (last
+    stage); `routing` (parallel/routing_replay.RoutingPass) controls the routers. Returns the
+    schedule's reports."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     for m in models:
         m.eval()
-    with torch.no_grad():
-        get_forward_backward_func()(
-            forward_step_func=fill_logprobs_step(ctx, vocab_size, temperature, "old_logprobs"),
-            data_iterator=iter(mbs), model=models, num_microbatches=len(mbs),
-            seq_length=max(mb.seq_length for mb in mbs), micro_batch_size=mbs[0].micro_batch_size,
-            forward_only=True,
-        )
+    try:
+        with torch.no_grad():
+            return get_forward_backward_func()(
+                forward_step_func=fill_logprobs_step(ctx, vocab_size, temperature, "old_logprobs", routing=routing),
+                data_iterator=iter(mbs), model=models, num_microbatches=len(mbs),
+                seq_length=max(mb.seq_length for mb in mbs), micro_batch_size=mbs[0].micro_batch_size,
+                forward_only=True,
+            )
+    finally:
+        if routing is not None:
+            routing.close(models)
+
+
+def collect_logprobs(ctx, groups, mbs, sequences) -> list[list[float]] | None:
+    """The `old_logprobs` of scored microbatches (plan_microbatches' groups) back in input order
+    on global rank 0 (collective); None elsewhere."""
     local: dict[int, tuple[list[int], list[float]]] = {}
     if ctx.is_last_stage and ctx.tp_rank == 0:
         for g, mb in zip(groups, mbs):

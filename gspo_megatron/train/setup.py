@@ -154,6 +154,7 @@ class RunParts:
     seq_multiple: int
     pad_id: int
     stop_ids: list[int]
+    routing_replay: bool = False  # the policy's routers carry Megatron's RouterReplay
 
     def plan(self, samples: list) -> tuple[list, int]:
         """This rank's microbatches of one minibatch (DP, CP, packing as configured) and the
@@ -238,9 +239,10 @@ def _make_hf_engine(cfg, hf_config, tokenizer, dtype):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.model.hf_dir:
-        return HFEngine(cfg.model.hf_dir, device=device, dtype=dtype, tokenizer=tokenizer)
+        return HFEngine(cfg.model.hf_dir, device=device, dtype=dtype, tokenizer=tokenizer,
+                        return_routing=cfg.engine_routing)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config)).to(dtype)  # weights pushed before use
-    return HFEngine(model, device=device, tokenizer=tokenizer)
+    return HFEngine(model, device=device, tokenizer=tokenizer, return_routing=cfg.engine_routing)
 
 
 def _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls: list[str] | None = None):
@@ -329,9 +331,10 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
 
         engine, node_servers = start_colocated(
             cfg, ctx, make_engine=lambda urls: _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls))
+    routing_replay = cfg.train.routing_replay != "none" or cfg.engine_routing  # RouterReplay in every router
     chunks, tconfig = build_policy(ctx, arch, reader=reader, dtype=dtype,
                                    recompute=cfg.train.recompute,
-                                   fused_logprobs=cfg.model.fused_logprobs)
+                                   fused_logprobs=cfg.model.fused_logprobs, routing_replay=routing_replay)
     if cfg.model.fused_logprobs:
         log.info("token log-probs: fused from the final hidden states (no [tokens, vocab/tp] logits)")
     if cfg.model.load:
@@ -362,6 +365,7 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
         scheduler=scheduler, tokenizer=tokenizer, prompts=prompts, score=score, engine=engine, reference=None,
         colocation=colocation,
         seq_multiple=pad_multiple(cfg.parallel), pad_id=tokenizer.pad_token_id or 0, stop_ids=stop_ids,
+        routing_replay=routing_replay,
     )
     if cfg.loss.kl_coef > 0:
         parts.reference = ReferencePolicy(parts, ref_chunks)
