@@ -66,7 +66,10 @@ def _rank(rank, world, hf_dir, layout, seqs, natural, forced):
     par = ParallelConfig(**layout)
     arch = Qwen3MoeArch.from_hf_dir(hf_dir)
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
-    chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir, routing_replay=True)
+    # full recompute re-runs each layer's router in backward: the update pass must replay there too
+    # (refused with pipeline stages, where 1F1B interleaves microbatches: config.py)
+    chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir, routing_replay=True,
+                                recompute="full" if par.pp == 1 else "none")
     model = wrap_ddp(chunks, tcfg)
     k = arch.moe_topk
 
@@ -92,10 +95,35 @@ def _rank(rank, world, hf_dir, layout, seqs, natural, forced):
                 p.mul_(SCALE)
     logprob_pass(model, ctx, mbs, vocab_size=arch.vocab_size, routing=RoutingPass(ctx, "recorded", k))
     lp_recorded = collect_logprobs(ctx, groups, mbs, seqs)
+    # the update pass (train mode, backward) on the same microbatches against these π_old: with
+    # the recorded experts replayed every ratio is 1; routed naturally, they are not
+    kl = {mode: _update_pass_kl(ctx, model, mbs, arch.vocab_size, RoutingPass(ctx, mode, k)) for mode in ("recorded", "off")}
     logprob_pass(model, ctx, mbs, vocab_size=arch.vocab_size)  # natural routing, changed weights
     lp_natural_changed = collect_logprobs(ctx, groups, mbs, seqs)
     destroy_parallel()
-    return (lp_forced, lp_recorded, lp_natural_changed, counts.tolist()) if rank == 0 else None
+    return (lp_forced, lp_recorded, lp_natural_changed, counts.tolist(), kl) if rank == 0 else None
+
+
+def _update_pass_kl(ctx, model, mbs, vocab_size, routing) -> float:
+    """Mean k3 estimate of KL(π_old || π) over the sequences, from one forward-backward pass of
+    the trainer's loss step with the routers under `routing`."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from gspo_megatron.train.loss import LossSettings, policy_loss_step
+    from gspo_megatron.train.metrics import reduce_report
+
+    for m in model:
+        m.train()
+        m.zero_grad_buffer()
+    step = policy_loss_step(ctx, vocab_size, LossSettings("gspo", 3e-4, 4e-4),
+                            routing=routing if routing.mode != "off" else None)
+    reports = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
+        seq_length=max(mb.seq_length for mb in mbs), micro_batch_size=mbs[0].micro_batch_size, forward_only=False)
+    routing.close(model)
+    reporter = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0
+    tot = reduce_report(reports, reporter, ("approx_kl", "metric_weight"), ctx.device)
+    return tot["approx_kl"] / tot["metric_weight"]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +147,7 @@ LAYOUTS = {"ep2": dict(ep=2), "tp2sp": dict(tp=2, sequence_parallel=True), "pp2"
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_replay_forces_the_experts_a_reference_is_forced_to(setup, layout):
     hf_dir, model, seqs, natural, forced = setup
-    lp_forced, lp_recorded, lp_natural_changed, (agree, total) = run_distributed(
+    lp_forced, lp_recorded, lp_natural_changed, (agree, total), kl = run_distributed(
         _rank, 2, hf_dir, layout, seqs, natural, forced, timeout=280)[0]
 
     # R3: forced experts, as the reference forced to the same experts
@@ -147,6 +175,10 @@ def test_replay_forces_the_experts_a_reference_is_forced_to(setup, layout):
           f"routing moved {moved}; replayed vs natural after the change {gap:.2e}")
     assert worst <= 1e-5
     assert moved > 0 and gap > 1e-3  # the change moved the routing: replay is what kept it
+    # the update pass (with full recompute where there is no pipeline) replays the same experts
+    print(f"update pass: mean k3(π_old, π) with the recorded experts {kl['recorded']:.2e}, routed naturally "
+          f"{kl['off']:.2e}")
+    assert kl["recorded"] < 1e-10 and kl["off"] > 1e-6
 
 
 def _changed(model):
