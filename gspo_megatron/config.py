@@ -285,8 +285,10 @@ class LossConfig:
     # Entropy bonus coefficient (added as -coef * entropy to the loss).
     entropy_coef: float = 0.0
     # Where π_old comes from: "engine" = the rollout engine's log-probs (GSPO paper §5.4);
-    # "recompute" = one forward-only Megatron pass before the step's first update.
-    old_logprobs: Literal["engine", "recompute"] = "recompute"
+    # "recompute" = one forward-only Megatron pass before the step's first update. null =
+    # recompute for the synchronous loop, engine with rollout.async_steps > 0 (there the engine's
+    # log-probs are the behaviour policy's, which a recompute with newer weights is not).
+    old_logprobs: Optional[Literal["engine", "recompute"]] = None
     # Truncated importance sampling cap on π_old / π_engine per token; null = off.
     tis_cap: Optional[float] = None
     # Sequence-level mismatch masking [low, high]: a sequence whose mean token log-ratio
@@ -307,17 +309,10 @@ class LossConfig:
         _positive("loss.kl_coef", self.kl_coef, allow_zero=True)
         if self.tis_cap is not None:
             _positive("loss.tis_cap", self.tis_cap)
-            if self.old_logprobs == "engine":
-                raise ConfigError(
-                    "loss.tis_cap needs loss.old_logprobs=recompute (TIS reweights by "
-                    "π_old/π_engine, which is 1 when π_old is the engine's)"
-                )
-        if self.mis is not None:
-            if len(self.mis) != 2 or not self.mis[0] < self.mis[1]:
-                raise ConfigError(f"loss.mis must be [low, high] with low < high, got {self.mis!r}")
-            if self.old_logprobs == "engine":
-                raise ConfigError("loss.mis needs loss.old_logprobs=recompute (it masks by log π_old - log π_engine, "
-                                  "which is 0 when π_old is the engine's)")
+        if self.mis is not None and (len(self.mis) != 2 or not self.mis[0] < self.mis[1]):
+            raise ConfigError(f"loss.mis must be [low, high] with low < high, got {self.mis!r}")
+        if self.old_logprobs is not None:
+            self.check_old_logprobs()
         if self.type in ("gspo", "gspo_token") and max(self.eps_low, self.eps_high) >= GSPO_EPS_WARN:
             warnings.warn(
                 f"loss.type={self.type} with eps_low={self.eps_low}, eps_high={self.eps_high}: "
@@ -333,6 +328,17 @@ class LossConfig:
                 ConfigWarning,
                 stacklevel=2,
             )
+
+    def check_old_logprobs(self) -> None:
+        """The checks that depend on old_logprobs (run once it is resolved: Config)."""
+        if self.tis_cap is not None and self.old_logprobs == "engine":
+            raise ConfigError(
+                "loss.tis_cap needs loss.old_logprobs=recompute (TIS reweights by "
+                "π_old/π_engine, which is 1 when π_old is the engine's)"
+            )
+        if self.mis is not None and self.old_logprobs == "engine":
+            raise ConfigError("loss.mis needs loss.old_logprobs=recompute (it masks by log π_old - log π_engine, "
+                              "which is 0 when π_old is the engine's)")
         if self.type == "grpo" and self.old_logprobs == "engine":
             warnings.warn(
                 "loss.type=grpo with old_logprobs=engine: token-level ratios are sensitive to "
@@ -404,6 +410,12 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     # Extra sampling rounds dynamic sampling may run per step before training on what it has.
     max_oversample_rounds: int = 3
+    # Asynchronous rollouts: the batches of up to this many later steps are generated while the
+    # current step trains (rank 0's rollout thread); a sample is never more than async_steps
+    # weight versions old (older ones are dropped and counted). 0 = the synchronous loop.
+    async_steps: int = 0
+    # Bound on the trainer's wait for an async batch, seconds (a hung engine fails the run).
+    async_timeout_s: float = 3600.0
     # The engine returns the experts it routed every token to (SGLang: --enable-return-routed-experts);
     # the trainer then reports routing_agreement every step. Implied by train.routing_replay=rollout.
     return_routing: bool = False
@@ -423,6 +435,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         _positive("rollout.max_oversample_rounds", self.max_oversample_rounds, allow_zero=True)
+        _positive("rollout.async_steps", self.async_steps, allow_zero=True)
+        _positive("rollout.async_timeout_s", self.async_timeout_s)
         if self.backend == "sglang":
             self._check_sglang()
 
@@ -597,6 +611,9 @@ class LoggingConfig:
     progress_bar: bool = True
     # Plot reward / loss curves to <out_dir>/metrics.png at the end.
     plot: bool = False
+    # Write each step's trained prompts (their text, one per kept group) into metrics.jsonl
+    # under "prompts" (data audits: which records a run trained on, across resumes).
+    prompts: bool = False
 
 
 @dataclass(frozen=True)
@@ -617,6 +634,9 @@ class Config:
     def __post_init__(self):
         if not self.out_dir:
             raise ConfigError("out_dir must be a non-empty path")
+        if self.loss.old_logprobs is None:  # the loop's default (LossConfig's comment)
+            object.__setattr__(self.loss, "old_logprobs", "engine" if self.rollout.async_steps else "recompute")
+            self.loss.check_old_logprobs()
         samples = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if samples % self.train.minibatches_per_step:
             raise ConfigError(
@@ -630,6 +650,10 @@ class Config:
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} (a whole sample, prompt "
                 "included, must fit in one microbatch)"
             )
+        if self.rollout.async_steps and self.rollout.backend == "sglang" and self.rollout.sglang.launch:
+            raise ConfigError("rollout.async_steps > 0 with colocated SGLang engines (rollout.sglang.launch=true): "
+                              "the engines and the trainer share the GPUs, nothing can overlap; give the servers "
+                              "their own GPUs (rollout.sglang.urls) or set rollout.async_steps=0")
         if self.train.routing_replay == "old" and self.loss.old_logprobs != "recompute":
             raise ConfigError("train.routing_replay=old needs loss.old_logprobs=recompute (the π_old pass records "
                               "the routing the updates replay)")

@@ -93,6 +93,9 @@ class Faults:
     flush_busy: int = 0  # /flush_cache answers 400 ("requests pending") this many times
     routed_experts_short: int = 0  # /generate: routed_experts payloads 4 bytes short (one int32 missing)
     routed_experts_extra_row: int = 0  # /generate: routed_experts payloads one position too long
+    # /generate answers after this many seconds per token of its longest response (a GPU server's
+    # decode time; concurrent requests overlap, as a batching server's do; bench/bench_async.py)
+    per_token_s: float = 0.0
 
 
 @dataclass
@@ -250,9 +253,13 @@ class SGLangDouble:
         if self._is_aborted(epoch, rids) or self.take("server_abort"):
             out = [self._abort_row(r, rid) for r, rid in zip(rows, rids)]
         else:
+            t_gen = time.monotonic()
             out = self._generate_rows(rows, sps, rids, body.get("return_logprob", False), routing)
             if isinstance(out, tuple):
                 return out
+            if f.per_token_s > 0:  # the decode time, less what generating here took already
+                longest = max((o["meta_info"]["completion_tokens"] for o in out), default=0)
+                time.sleep(max(0.0, f.per_token_s * longest - (time.monotonic() - t_gen)))
         if self.take("stale"):
             for o in out:
                 o["meta_info"]["weight_version"] = "stale-0"
@@ -743,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enable-memory-saver", action="store_true")
     ap.add_argument("--enable-return-routed-experts", action="store_true")
     ap.add_argument("--double-never-ready", action="store_true")
+    ap.add_argument("--double-per-token-s", type=float, default=0.0, help="seconds per generated token")
     ap.add_argument("--double-exit-code", type=int, default=None, help="exit at once with this code")
     args, unknown = ap.parse_known_args(argv)
     print(f"[sglang test double] args={vars(args)} ignored={unknown}", flush=True)
@@ -764,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
                      tp_size=args.tp_size, dp_size=args.dp_size, api_key=args.api_key, dtype=args.dtype,
                      memory_saver=args.enable_memory_saver,
                      enable_return_routed_experts=args.enable_return_routed_experts,
-                     faults=Faults(never_ready=args.double_never_ready))
+                     faults=Faults(never_ready=args.double_never_ready, per_token_s=args.double_per_token_s))
     d.print_requests = True
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())

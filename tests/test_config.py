@@ -77,8 +77,13 @@ def test_defaults_load(tmp_path):
     assert cfg.data == DataConfig() and cfg.reward == RewardConfig()
     assert cfg.optimizer == OptimizerConfig() and cfg.train == TrainConfig()
     assert cfg.checkpoint == CheckpointConfig() and cfg.logging == LoggingConfig()
-    assert cfg.loss == LossConfig()
+    assert cfg.loss == LossConfig(old_logprobs="recompute")  # null resolves to recompute (synchronous loop) ...
     assert (cfg.loss.type, cfg.loss.eps_low, cfg.loss.eps_high) == ("gspo", 3e-4, 4e-4)
+    # ... and to the engine's (behaviour-policy) log-probs with async rollouts, unless set
+    assert load_config(minimal(tmp_path), ["rollout.async_steps=1"]).loss.old_logprobs == "engine"
+    assert load_config(minimal(tmp_path), ["rollout.async_steps=1",
+                                           "loss.old_logprobs=recompute"]).loss.old_logprobs == "recompute"
+    assert "loss.tis_cap needs" in err(minimal(tmp_path), ["rollout.async_steps=1", "loss.tis_cap=2"])
     assert cfg.train.minibatches_per_step == 4 and cfg.checkpoint.resume == "auto"
     assert cfg.model.hf_config == HF_TINY and cfg.model.hf_dir is None
     assert cfg.out_dir == "runs/gspo"

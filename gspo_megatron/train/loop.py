@@ -83,15 +83,21 @@ def _reporter(parts: RunParts) -> bool:
 # Phases
 
 
-def push_weights(parts: RunParts, version: int) -> float:
+def push_weights(parts: RunParts, version: int, producer=None) -> float:
     """Stream the current policy into the rollout engine (rank 0 owns the engine). Colocated
-    engines first take their GPU memory back (rollout/colocate.py)."""
+    engines first take their GPU memory back (rollout/colocate.py). With an async `producer`,
+    the push waits for the generation in progress (they share the engine), then wakes it."""
     t0 = time.perf_counter()
     if parts.colocation is not None:
         parts.colocation.before_push()
     stream = iter_hf_tensors(parts.model, parts.ctx, parts.arch)
     if parts.engine is not None:
-        parts.engine.update_weights(stream, version)
+        if producer is None:
+            parts.engine.update_weights(stream, version)
+        else:
+            with producer.lock:
+                parts.engine.update_weights(stream, version)
+            producer.notify()
     else:
         for _ in stream:  # other ranks take part in the gathers
             pass
@@ -145,6 +151,7 @@ def rollout(parts: RunParts, step: int) -> tuple[list[Sample], list[float], dict
     G, P = cfg.samples_per_prompt, cfg.prompts_per_step
     kept: list[Sample] = []
     kept_rewards: list[float] = []
+    kept_prompts: list[dict] = []
     all_rewards: list[float] = []
     raised = 0
     lengths: list[int] = []
@@ -166,6 +173,7 @@ def rollout(parts: RunParts, step: int) -> tuple[list[Sample], list[float], dict
                 continue  # zero advantage for every sample: no learning signal
             kept += samples[grp]
             kept_rewards += r
+            kept_prompts.append(examples[g])
         groups_needed = P - len(kept) // G
         rounds += 1
         if not cfg.dynamic_sampling or rounds > cfg.max_oversample_rounds:
@@ -179,7 +187,26 @@ def rollout(parts: RunParts, step: int) -> tuple[list[Sample], list[float], dict
         "groups_kept": len(kept) // G, "rollout_rounds": rounds,
         "truncated_frac": sum(1 for s in kept if s.finish_reason == "length") / max(len(kept), 1),
     }
+    if parts.cfg.logging.prompts:
+        stats["prompts"] = [parts.prompts.text(ex) for ex in kept_prompts[:P]]
     return kept, kept_rewards, stats
+
+
+def drop_stale(samples: list[Sample], rewards: list[float], step: int, max_age: int, group: int):
+    """Keep the groups whose every sample was generated at most `max_age` versions before `step`
+    (a group is kept or dropped whole: its advantages are relative to each other). Returns the
+    kept samples, their rewards, the staleness of each kept sample and the number dropped."""
+    kept, kept_r, ages, dropped = [], [], [], 0
+    for g in range(0, len(samples), group):
+        grp = samples[g:g + group]
+        age = [step - int(s.weight_version) for s in grp]
+        if max(age) > max_age:
+            dropped += len(grp)
+            continue
+        kept += grp
+        kept_r += rewards[g:g + group]
+        ages += age
+    return kept, kept_r, ages, dropped
 
 
 def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
@@ -339,6 +366,7 @@ def train(cfg, *, world_size: int) -> dict:
     # Servers/engines may hold other weights (another checkpoint, a fresh random init): push ours
     # before the first rollout of every run, fresh or resumed.
     push_weights(parts, state.step)
+    producer = _start_producer(parts, state.step)
 
     bar = None
     if ctx.rank == 0 and cfg.logging.progress_bar:
@@ -351,19 +379,19 @@ def train(cfg, *, world_size: int) -> dict:
             t_step = time.perf_counter()
             t0 = time.perf_counter()
             if ctx.rank == 0:
-                kept, rewards, rstats = rollout(parts, step)
-                payload = (to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt), rstats)
+                kept, rewards, rstats, data_state = _take_rollout(parts, producer, step)
+                payload = (to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt), rstats, data_state)
             else:
                 payload = None
-            samples, rstats = _broadcast(payload)
+            samples, rstats, data_state = _broadcast(payload)
             if parts.colocation is not None:  # the engines release their memory for training
                 parts.colocation.after_rollout()
             t_rollout = time.perf_counter() - t0
             random.Random(cfg.train.seed * 7 + step).shuffle(samples)
             metrics = gspo_step(parts, samples) if samples else {}
-            t_sync = push_weights(parts, step + 1)
+            t_sync = push_weights(parts, step + 1, producer)
             state.step = step + 1
-            state.data = parts.prompts.state_dict()
+            state.data = data_state  # the stream right after this step's prompts (async: not the producer's)
             dt = time.perf_counter() - t_step
             if ctx.rank == 0:
                 row = {"step": state.step, "phase": "gspo", **rstats, **metrics, "t_rollout": t_rollout,
@@ -388,5 +416,39 @@ def train(cfg, *, world_size: int) -> dict:
             if cfg.logging.plot:
                 plot(writer.path, os.path.join(cfg.out_dir, "metrics.png"))
     finally:
+        if producer is not None:
+            producer.close()
         parts.close()
     return last
+
+
+def _start_producer(parts: RunParts, start: int):
+    """Rank 0's rollout thread when rollout.async_steps > 0 (rollout/async_producer.py)."""
+    cfg = parts.cfg
+    if not cfg.rollout.async_steps or parts.ctx.rank != 0:
+        return None
+    import threading
+
+    from gspo_megatron.rollout.async_producer import RolloutProducer
+
+    return RolloutProducer(lambda t: rollout(parts, t), start=start, end=cfg.train.max_steps,
+                           max_ahead=cfg.rollout.async_steps, version=lambda: parts.engine.weight_version,
+                           data_state=parts.prompts.state_dict, lock=threading.Lock(),
+                           timeout_s=cfg.rollout.async_timeout_s)
+
+
+def _take_rollout(parts: RunParts, producer, step: int):
+    """Rank 0: this step's samples, rewards, rollout stats and the prompt-stream state after them
+    - generated now (synchronous) or taken from the producer, with staleness bounded."""
+    cfg = parts.cfg.rollout
+    if producer is None:
+        kept, rewards, rstats = rollout(parts, step)
+        return kept, rewards, rstats, parts.prompts.state_dict()
+    batch, waited = producer.get(step)
+    kept, rewards, rstats = batch.payload
+    kept, rewards, ages, dropped = drop_stale(kept, rewards, step, cfg.async_steps, cfg.samples_per_prompt)
+    rstats = dict(rstats, staleness_mean=sum(ages) / max(len(ages), 1), staleness_max=max(ages, default=0),
+                  samples_dropped_stale=dropped, t_wait_rollout=waited, t_wait_train=producer.t_wait_train,
+                  rollout_version=batch.version)
+    producer.t_wait_train = 0.0
+    return kept, rewards, rstats, batch.data_state

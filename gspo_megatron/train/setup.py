@@ -47,6 +47,10 @@ class PromptSource:
             return self.task.sample_prompts(n, random.Random(f"{self.seed}:{step}:{round_}"))
         return self.stream.next_batch(n)
 
+    def text(self, example: dict):
+        """The record's prompt as written (string or chat messages)."""
+        return example["prompt" if self.task is not None else self.prompt_key]
+
     def encode(self, example: dict) -> list[int]:
         from gspo_megatron.rollout.data import render_prompt
 

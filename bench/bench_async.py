@@ -1,0 +1,123 @@
+"""Synchronous vs asynchronous training (rollout.async_steps 0 vs 1), side by side in one run.
+
+    python bench/bench_async.py                  # 20 steps each, ~3 min on 2 cores
+    python bench/bench_async.py --steps 8 --json out.json
+
+Setup
+  Two trainer processes (torchrun, TP2+SP, the demo's tiny Qwen3-MoE, fp32, CPU) train against
+  the SGLang HTTP test double (tests/sglang_double.py, in this process, weight_sync=disk),
+  which answers each /generate after a fixed time per generated token (--per-token-s, a GPU
+  server's decode time; concurrent requests overlap as in a batching server). By default the
+  per-token time is calibrated so that a step's rollout takes about as long as its training
+  (measured in a short synchronous calibration run): the case async training is for, with an
+  ideal speed-up of 2x. The double generates with transformers on the same CPU, so some rollout
+  compute does compete with training.
+
+Printed
+  wall time of each run (torchrun start to exit, the same fixed start-up cost in both), the
+  per-step mean of t_step, the ratio sync / async of the step time and of the whole run, the
+  maximum staleness seen (<= async_steps), dropped samples, the trainer's waits, and peak RSS of
+  the run's processes (ru_maxrss of the children).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, REPO)
+TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
+
+
+def _hf_dir(path: str) -> str:
+    import yaml
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from gspo_megatron.rollout.tokenizer import build_tokenizer
+
+    with open(TINY) as f:
+        hf = yaml.safe_load(f)["model"]["hf_config"]
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf)).save_pretrained(path)
+    build_tokenizer(path)
+    return path
+
+
+def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: str) -> dict:
+    from sglang_double import sglang_overrides
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}",
+           "model.hf_config=null", f"train.max_steps={steps}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
+           "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
+           "train.minibatches_per_step=2", f"rollout.async_steps={async_steps}",
+           # the synchronous loop's pi_old default; the same in both runs, so only the overlap differs
+           "loss.old_logprobs=recompute",
+           *sglang_overrides(url, weight_sync="disk", shared_dir=shared)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, env=env, cwd=REPO)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"run {out} failed:\n{r.stderr[-3000:]}")
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"gspo"' in x]
+    peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    mean = lambda k: sum(x.get(k, 0.0) for x in rows) / len(rows)  # noqa: E731
+    return {"async_steps": async_steps, "wall_s": wall, "steps": len(rows), "t_step": mean("t_step"),
+            "t_rollout": mean("t_rollout"), "t_train": mean("t_train"), "t_old": mean("t_old_logprobs"),
+            "t_wait_rollout": mean("t_wait_rollout"), "t_sync": mean("t_weight_sync"), "staleness_max": max(x.get("staleness_max", 0) for x in rows),
+            "dropped": sum(x.get("samples_dropped_stale", 0) for x in rows),
+            "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
+            "peak_rss_mib": peak / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--per-token-s", type=float, default=None, help="default: calibrated (rollout ~ training)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from sglang_double import Faults, SGLangDouble
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = _hf_dir(os.path.join(tmp, "hf"))
+        with SGLangDouble(hf_dir, faults=Faults()) as dbl:
+            per_token = args.per_token_s
+            if per_token is None:  # rollout time ~ training time
+                cal = _run(os.path.join(tmp, "cal"), hf_dir, dbl.url, 3, 0, os.path.join(tmp, "sync_cal"))
+                train = cal["t_step"] - cal["t_rollout"]
+                # the double sleeps per_token * tokens minus its own generation time: a step's
+                # rollout then takes ~ 8 * per_token (max_new_tokens of tiny_cpu.yaml) = the rest
+                per_token = train / 8
+                print(f"calibration (3 sync steps, no delay): rollout {cal['t_rollout']:.2f} s, "
+                      f"rest of the step {train:.2f} s -> per-token delay {per_token * 1e3:.0f} ms")
+            dbl.faults.per_token_s = per_token
+            res = [_run(os.path.join(tmp, f"async{k}"), hf_dir, dbl.url, args.steps, k, os.path.join(tmp, f"s{k}"))
+                   for k in (0, 1)]
+    sync, asy = res
+    print(f"\n{args.steps} steps, 2 trainer processes (TP2+SP), the double at {per_token * 1e3:.0f} ms/token")
+    print(f"{'async_steps':>11} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} {'push':>8} "
+          f"{'stale max':>9} {'dropped':>7} {'peak MiB':>9}")
+    for r in res:
+        print(f"{r['async_steps']:>11} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} {r['t_rollout']:>8.2f} "
+              f"{r['t_old']:>8.2f} {r['t_train']:>8.2f} {r['t_sync']:>8.2f} {r['staleness_max']:>9} {r['dropped']:>7} "
+              f"{r['peak_rss_mib']:>9.0f}")
+    print(f"speed-up async/sync: step time {sync['t_step'] / asy['t_step']:.2f}x, whole run "
+          f"{sync['wall_s'] / asy['wall_s']:.2f}x (ideal 2x when rollout = training)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"per_token_s": per_token, "runs": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

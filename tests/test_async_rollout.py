@@ -1,0 +1,115 @@
+"""Asynchronous rollouts (rollout/async_producer.py, train/loop.py): the producer never
+generates a batch more than max_ahead weight versions ahead, its failures and hangs reach the
+trainer as errors, the loop drops stale groups whole, and a two-process run with
+rollout.async_steps=1 trains on samples exactly one version old."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from gspo_megatron.rollout.async_producer import RolloutProducer
+from gspo_megatron.rollout.base import Sample
+from gspo_megatron.train.loop import drop_stale
+
+
+def _producer(version, produced, *, max_ahead=1, end=6, fail_at=None, slow=0.0, timeout_s=30.0):
+    lock = threading.Lock()
+
+    def produce(t):
+        if t == fail_at:
+            raise ValueError(f"engine broke at {t}")
+        time.sleep(slow)
+        produced.append((t, version[0]))
+        return f"batch{t}"
+
+    return RolloutProducer(produce, start=0, end=end, max_ahead=max_ahead, version=lambda: version[0],
+                           data_state=lambda: {"after": len(produced)}, lock=lock, timeout_s=timeout_s)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_ahead", [1, 2])
+def test_producer_stays_within_max_ahead_versions(max_ahead):
+    version, produced = [0], []
+    p = _producer(version, produced, max_ahead=max_ahead)
+    try:
+        for step in range(6):
+            batch, _ = p.get(step)
+            assert batch.payload == f"batch{step}" and batch.step == step
+            assert step - batch.version <= max_ahead  # staleness bound at training time
+            assert batch.data_state == {"after": step + 1}  # the stream state right after its prompts
+            time.sleep(0.05)  # "training"
+            with p.lock:
+                version[0] = step + 1  # push
+            p.notify()
+    finally:
+        p.close()
+    assert [t for t, _ in produced] == list(range(6))
+    assert all(t - v <= max_ahead for t, v in produced)
+    assert any(t - v == max_ahead for t, v in produced)  # it does run ahead (not secretly synchronous)
+
+
+@pytest.mark.timeout(60)
+def test_producer_failure_and_hang_reach_the_trainer():
+    p = _producer([0], [], fail_at=1)
+    try:
+        assert p.get(0)[0].payload == "batch0"
+        with pytest.raises(RuntimeError, match="rollout producer failed: ValueError: engine broke at 1"):
+            p.get(1)
+    finally:
+        p.close()
+    hung = _producer([0], [], slow=5.0, timeout_s=0.5)
+    try:
+        with pytest.raises(TimeoutError, match="no rollout batch for step 0 after 0 s"):
+            hung.get(0)
+    finally:
+        hung.close(timeout_s=10)
+
+
+def test_drop_stale_keeps_or_drops_whole_groups():
+    def s(v):
+        return Sample(0, [1], [2], [-1.0], "stop", v)
+
+    samples = [s(3), s(3), s(2), s(3), s(1), s(1)]  # groups of 2, trained at step 4 with max age 1
+    kept, rewards, ages, dropped = drop_stale(samples, [1.0, 0.0, 1.0, 0.5, 0.2, 0.1], 4, 1, 2)
+    assert kept == samples[:2] and rewards == [1.0, 0.0] and ages == [1, 1] and dropped == 4
+
+
+@pytest.mark.timeout(600)
+def test_async_run_bounds_staleness_and_resumes_the_prompt_stream(tmp_path):
+    """Two processes, rollout.async_steps=2, the in-process engine, file data: no sample is more
+    than 2 versions old, none dropped (the producer runs ahead: two batches while one trains); a checkpoint stores the
+    prompt stream as of its step (not the producer's position ahead of it), so a run resumed from
+    it trains on exactly the prompts the uninterrupted run trained on after that step."""
+    from test_train_loop import run_train
+
+    from gspo_megatron.rollout.tokenizer import build_tokenizer
+
+    build_tokenizer(str(tmp_path / "tok"))  # the project's local tokenizer, saved (file data needs one)
+    data = tmp_path / "prompts.jsonl"
+    with open(data, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": f"sort {i % 10}{(i * 7) % 10}{(i * 3) % 10}", "answer": str(i)}) + "\n")
+    common = ["train.sft_warmup_steps=0", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+              "train.minibatches_per_step=1", "logging.progress_bar=false", "logging.plot=false",
+              "checkpoint.export_hf=false", "data.source=file", f"data.path={data}", "data.prompt_key=prompt",
+              "data.answer_key=answer", "reward.fn=tests.reward_fns:response_length", "rollout.async_steps=2",
+              "logging.prompts=true", f"model.tokenizer={tmp_path / 'tok'}"]
+    full = tmp_path / "full"
+    run_train(full, *common, "train.max_steps=6", "checkpoint.interval=3", "checkpoint.keep_last=0")
+    rows = [json.loads(x) for x in open(full / "metrics.jsonl") if '"gspo"' in x]
+    assert rows[0]["staleness_max"] == 0 and all(r["staleness_max"] <= 2 for r in rows)
+    assert max(r["staleness_max"] for r in rows) >= 1  # it did run ahead
+    assert all(r["samples_dropped_stale"] == 0 for r in rows)
+    assert len({json.dumps(r["prompts"]) for r in rows}) == 6  # the stream moves on every step
+    # the step-3 checkpoint was written while the producer had drawn the next steps' prompts:
+    # a run resumed from it regenerates them from the same stream position
+    resumed = tmp_path / "resumed"
+    step3 = full / "checkpoints" / "step_00000003"
+    run_train(resumed, *common, "train.max_steps=6", "checkpoint.interval=0", f"checkpoint.resume={step3}")
+    again = [json.loads(x) for x in open(resumed / "metrics.jsonl") if '"gspo"' in x]
+    assert [r["step"] for r in again] == [4, 5, 6]
+    assert [r["prompts"] for r in again] == [r["prompts"] for r in rows[3:]]  # none skipped, none repeated
