@@ -617,6 +617,42 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    # Held-out evaluation every this many GSPO steps, and at step 0 and the end; 0 = off.
+    interval: int = 0
+    # Samples per prompt (n): pass@k is reported for k = 1, 2, 4, ... < n and n.
+    samples_per_prompt: int = 4
+    # Sampling temperature of evaluation (its log-probs are not used).
+    temperature: float = 1.0
+    # Name of the set in the metric keys: eval/<name>/pass@1.
+    name: str = "heldout"
+    # Held-out prompts: "synthetic" = data.task drawn with eval.seed (not data.seed); "file" =
+    # the first num_prompts records of eval.path (same formats and keys as data.path).
+    source: Literal["synthetic", "file"] = "synthetic"
+    path: Optional[str] = None
+    # Seed of the held-out synthetic prompts and of evaluation's sampling (never the training RNG).
+    seed: int = 1000003
+    # Prompts evaluated each time.
+    num_prompts: int = 32
+    # A sample is correct when its reward reaches this (the synthetic tasks and reward.fn=math
+    # give 1.0 for a correct answer).
+    correct_threshold: float = 1.0
+
+    def __post_init__(self):
+        _positive("eval.interval", self.interval, allow_zero=True)
+        _positive("eval.samples_per_prompt", self.samples_per_prompt)
+        _positive("eval.num_prompts", self.num_prompts)
+        if self.temperature < 0:
+            raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}")
+        if self.source == "file" and not self.path:
+            raise ConfigError("eval.source=file needs eval.path")
+        if self.source == "synthetic" and self.path:
+            raise ConfigError(f"eval.path={self.path} is set but eval.source=synthetic: set eval.source=file")
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"eval.name must be a non-empty name without '/', got {self.name!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -628,6 +664,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Run directory: resolved config, metrics, checkpoints, exports.
     out_dir: str = "runs/gspo"
 

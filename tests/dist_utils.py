@@ -1,10 +1,19 @@
 """Spawn gloo ranks for multi-process tests.
 
-Each test picks a free port in the parent (retried with a fresh one if it is taken before rank 0
-binds it), starts `world_size` processes with the spawn method, bounds the whole run with a
-timeout and terminates only the processes it started. Rank functions
-must be module-level (picklable) and receive `(rank, world_size, *args)`; whatever rank returns is
-sent back to the parent, which gets a list indexed by rank.
+Each call picks a free port in the parent (retried with a fresh one if it is taken before rank 0
+binds it), runs the rank function on `world_size` processes started with the spawn method,
+bounds the whole run with a timeout and terminates only the processes it started. Rank
+functions must be module-level (picklable) and receive `(rank, world_size, *args)`; whatever rank
+returns is sent back to the parent, which gets a list indexed by rank.
+
+Worker reuse. Starting a rank costs ~6 s of imports (torch, Megatron, transformers) - more than
+most tests' work - so by default the ranks of one world size are kept alive between calls (a
+pool per world size, per pytest process): each call still gets its own port, its own process
+group (destroyed after the call) and the rank function's own setup/teardown (init_parallel /
+destroy_parallel). A call that fails or times out discards its pool (the next call starts fresh
+processes), so one test's half-torn-down state cannot leak into the next; a pool whose processes
+have gathered many threads (gloo keeps one polling thread per destroyed group) is replaced.
+`fresh=True` runs on new processes (for tests about what a new process sees, e.g. test_cpu_runtime).
 """
 from __future__ import annotations
 
@@ -62,16 +71,140 @@ def port_collision(text: str) -> bool:
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, attempts: int = 3
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, attempts: int = 3,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run `fn` on `world_size` gloo ranks; a rendezvous port taken by someone else in between
     is retried with a fresh port (up to `attempts` runs), any other failure is raised."""
     for attempt in range(attempts):
         try:
-            return _run_once(fn, world_size, args, timeout)
+            if fresh:
+                return _run_once(fn, world_size, args, timeout)
+            return _pool(world_size).run(fn, args, timeout)
         except RuntimeError as e:
             if attempt + 1 == attempts or not port_collision(str(e)):
                 raise
+
+
+_POOLS: dict[int, "_Pool"] = {}  # world size -> live ranks of this pytest process
+# Process groups that gloo tore down keep their "gloo_tcp_loop" threads, which poll: a pooled rank
+# with hundreds of them burns the CPU the next tests need, so it is replaced beyond this count.
+MAX_POOLED_THREADS = 150
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
+def _pool(world_size: int) -> "_Pool":
+    p = _POOLS.get(world_size)
+    if p is None or not p.alive():
+        p = _POOLS[world_size] = _Pool(world_size)
+    return p
+
+
+def _serve(rank, world_size, tasks, results):
+    """A pooled rank: run tasks until told to stop; each task sets its own rendezvous port."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        fn, port, args = task
+        os.environ["MASTER_PORT"] = str(port)
+        try:
+            out = fn(rank, world_size, *args)
+            results.put((rank, True, pickle.dumps(out)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_serve, args=(r, world_size, self.tasks[r], self.results), daemon=False)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, args, timeout):
+        import queue as _q
+        import time
+
+        port = free_port()
+        for q in self.tasks:
+            q.put((fn, port, args))
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) + len(errors) < self.world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"distributed test timed out after {timeout}s ({len(results)} ranks done)")
+                try:
+                    rank, ok, out = self.results.get(timeout=min(remaining, 5.0))
+                except _q.Empty:
+                    if not self.alive():
+                        raise RuntimeError("a pooled rank process died") from None
+                    continue
+                if ok:
+                    results[rank] = pickle.loads(out)
+                else:
+                    errors.append(f"rank {rank}:\n{out}")
+                    break  # other ranks may now hang in a collective: the pool is discarded below
+        except BaseException:
+            self.close()
+            raise
+        if errors:
+            self.close()
+            raise RuntimeError("\n".join(errors))
+        if max(_threads(p.pid) for p in self.procs) > MAX_POOLED_THREADS:
+            self.close()  # gloo leaves a polling thread per destroyed group behind: start afresh
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Terminate this pool's processes (bounded waits); the next call starts a new pool."""
+        for q in self.tasks:
+            try:
+                q.put_nowait(None)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=2)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for w, pool in list(_POOLS.items()):
+            if pool is self:
+                del _POOLS[w]
+
+
+def close_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
 
 
 def with_free_port(run: Callable[[int], Any], attempts: int = 3, free: Callable[[], int] | None = None) -> Any:

@@ -167,7 +167,7 @@ def _rank_runtime(rank, world):
 @pins("cuda-tensors", "cuda-rng-tracker")
 @pytest.mark.timeout(120)
 def test_megatron_needs_the_runtime_on_cpu_and_works_with_it():
-    seen = run_distributed(_rank_runtime, 1, timeout=100)[0]
+    seen = run_distributed(_rank_runtime, 1, timeout=100, fresh=True)[0]  # what a new process sees
     assert "CUDA" in seen["rng_without"] or "cuda" in seen["rng_without"]
     assert "CUDA" in seen["schedule_without"] or "cuda" in seen["schedule_without"]
     assert seen["fork_advances"] and seen["fork_reproducible"]
@@ -192,7 +192,7 @@ def _rank_a2a(rank, world):
 
 @pytest.mark.timeout(60)
 def test_gloo_all_to_all_rejects_tensor_split_sizes():
-    res = run_distributed(_rank_a2a, 2, timeout=50)
+    res = run_distributed(_rank_a2a, 2, timeout=50, fresh=True)
     assert res[0][0] is False and res[1][0] is False
     assert res[0][1] == [0.0, 1.0, 10.0, 11.0]
 

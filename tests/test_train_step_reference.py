@@ -70,7 +70,8 @@ def _rank_loop_steps(rank, world, hf_dir, out_dir, overrides):
             scheduler.step(increment=1)
         return reports, (gn if gn is not None else 0.0)
 
-    loop._optimizer_step = optimizer_step
+    real_step = loop._optimizer_step
+    loop._optimizer_step = optimizer_step  # restored below: ranks are pooled (tests/dist_utils.py)
 
     def step(n):
         payload = None
@@ -91,6 +92,7 @@ def _rank_loop_steps(rank, world, hf_dir, out_dir, overrides):
         third = step(2)
         after = dict(iter_hf_tensors(parts.model, parts.ctx, parts.arch))
     finally:
+        loop._optimizer_step = real_step
         parts.close()
     return (policy, second, third, after) if rank == 0 else None
 

@@ -366,6 +366,8 @@ def train(cfg, *, world_size: int) -> dict:
     # Servers/engines may hold other weights (another checkpoint, a fresh random init): push ours
     # before the first rollout of every run, fresh or resumed.
     push_weights(parts, state.step)
+    if state.step == 0:
+        evaluate(parts, 0, writer)
     producer = _start_producer(parts, state.step)
 
     bar = None
@@ -404,6 +406,8 @@ def train(cfg, *, world_size: int) -> dict:
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row.get('clip_frac', 0):.2f}")
                 else:
                     log.info(step_line(row, cfg.train.max_steps))
+            if parts.heldout is not None and parts.heldout.due(state.step):
+                evaluate(parts, state.step, writer, producer)
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and state.step < cfg.train.max_steps:
                 parts.save_checkpoint(state.step, state.to_dict())
         parts.save_checkpoint(state.step, state.to_dict())
@@ -420,6 +424,20 @@ def train(cfg, *, world_size: int) -> dict:
             producer.close()
         parts.close()
     return last
+
+
+def evaluate(parts: RunParts, step: int, writer, producer=None) -> None:
+    """Held-out evaluation with the engine's current weights (rank 0; no collective): one
+    "phase": "eval" row in metrics.jsonl (train/evaluation.py)."""
+    if parts.heldout is None or parts.ctx.rank != 0:
+        return
+    import contextlib
+
+    with producer.lock if producer is not None else contextlib.nullcontext():
+        metrics = parts.heldout.run(parts.engine, parts.score, parts.tokenizer, parts.stop_ids)
+    writer.write({"step": step, "phase": "eval", **metrics})
+    log.info("held-out eval after %d steps: %s", step,
+             ", ".join(f"{k.rsplit('/', 1)[1]} {v:.3f}" for k, v in metrics.items()))
 
 
 def _start_producer(parts: RunParts, start: int):

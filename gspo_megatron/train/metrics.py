@@ -77,7 +77,7 @@ class MetricsWriter:
 
 
 def plot(metrics_path: str, png_path: str) -> bool:
-    """Reward and clip fraction over steps; returns False if matplotlib is unavailable."""
+    """Reward (and held-out pass@1) and clip fraction over steps; False if matplotlib is unavailable."""
     try:
         import matplotlib
 
@@ -85,14 +85,19 @@ def plot(metrics_path: str, png_path: str) -> bool:
         import matplotlib.pyplot as plt
     except Exception:
         return False
-    rows = [json.loads(ln) for ln in open(metrics_path) if ln.strip()]
-    rows = [r for r in rows if r.get("phase") == "gspo"]
+    all_rows = [json.loads(ln) for ln in open(metrics_path) if ln.strip()]
+    rows = [r for r in all_rows if r.get("phase") == "gspo"]
     if not rows:
         return False
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax[0].plot(steps, [r["reward_mean"] for r in rows], marker=".")
-    ax[0].set_title("reward (mean over samples)")
+    ax[0].plot(steps, [r["reward_mean"] for r in rows], marker=".", label="training reward")
+    evals = [r for r in all_rows if r.get("phase") == "eval"]
+    for key in sorted({k for r in evals for k in r if k.endswith("/pass@1")}):
+        pts = [(r["step"], r[key]) for r in evals if key in r]
+        ax[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key} (held out)")
+    ax[0].set_title("reward (mean over samples) and held-out pass@1")
+    ax[0].legend(fontsize=7)
     ax[0].set_xlabel("step")
     ax[1].plot(steps, [r["clip_frac"] for r in rows], marker=".", color="tab:red")
     ax[1].set_title("clip fraction (sequences)")

@@ -159,6 +159,7 @@ class RunParts:
     pad_id: int
     stop_ids: list[int]
     routing_replay: bool = False  # the policy's routers carry Megatron's RouterReplay
+    heldout: Any = None  # train/evaluation.py HeldOut (eval.interval > 0)
 
     def plan(self, samples: list) -> tuple[list, int]:
         """This rank's microbatches of one minibatch (DP, CP, packing as configured) and the
@@ -275,6 +276,7 @@ class Inputs:
     tokenizer: Any
     prompts: PromptSource
     score: Callable
+    heldout: Any = None  # train/evaluation.py HeldOut when eval.interval > 0
 
 
 def check_inputs(cfg, *, world_size: int) -> Inputs:
@@ -306,7 +308,12 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
         from gspo_megatron.train.checkpoint import read_trainer_state
 
         read_trainer_state(cfg.checkpoint.resume)  # one CheckpointError line naming the path
-    return Inputs(hf_config, arch, reader, tokenizer, prompts, score)
+    heldout = None
+    if cfg.eval.interval:
+        from gspo_megatron.train.evaluation import HeldOut
+
+        heldout = HeldOut(cfg, prompts)
+    return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout)
 
 
 def setup_run(cfg, *, world_size: int) -> RunParts:
@@ -369,7 +376,7 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
         scheduler=scheduler, tokenizer=tokenizer, prompts=prompts, score=score, engine=engine, reference=None,
         colocation=colocation,
         seq_multiple=pad_multiple(cfg.parallel), pad_id=tokenizer.pad_token_id or 0, stop_ids=stop_ids,
-        routing_replay=routing_replay,
+        routing_replay=routing_replay, heldout=inputs.heldout,
     )
     if cfg.loss.kl_coef > 0:
         parts.reference = ReferencePolicy(parts, ref_chunks)
