@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The main job: GSPO on a tiny Qwen3-MoE, 2 CPU processes (TP2 + sequence parallel), ~3 minutes.
+# The demo also evaluates 64 held-out prompts x 4 samples every 25 steps (pass@k; tests/test_train_loop.py
+# runs the same overrides). They are not in tiny_cpu.yaml: runs that swap in their own data start from it.
+DEMO_EVAL = eval.interval=25 eval.num_prompts=64 eval.samples_per_prompt=4
+
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 NPROC=2 PYTHON=$(VPY) launch/torchrun.sh launch/configs/tiny_cpu.yaml out_dir=runs/demo $(ARGS)
+	OMP_NUM_THREADS=1 NPROC=2 PYTHON=$(VPY) launch/torchrun.sh launch/configs/tiny_cpu.yaml out_dir=runs/demo $(DEMO_EVAL) $(ARGS)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) -m pytest -q --durations=25 tests $(ARGS)

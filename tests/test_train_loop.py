@@ -46,10 +46,16 @@ def gspo_rows(out_dir):
         return [json.loads(line) for line in f if '"gspo"' in line]
 
 
+# The Makefile's demo target adds these (DEMO_EVAL): held-out pass@k every 25 steps.
+DEMO_EVAL = ["eval.interval=25", "eval.num_prompts=64", "eval.samples_per_prompt=4"]
+
+
 @pytest.mark.timeout(900)
 def test_demo_learns_and_exports_hf(tmp_path):
+    with open(os.path.join(REPO, "Makefile")) as f:  # what `make demo` runs
+        assert f"DEMO_EVAL = {' '.join(DEMO_EVAL)}\n" in f.read()
     out = tmp_path / "demo"
-    run_train(out)
+    run_train(out, *DEMO_EVAL)
     rows = gspo_rows(out)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 20
     for key in ("step", "reward_mean", "reward_std", "clip_frac", "ratio_mean", "loss", "grad_norm",
@@ -61,6 +67,12 @@ def test_demo_learns_and_exports_hf(tmp_path):
     print(f"reward first 20%: {first:.3f}  last 20%: {last:.3f}")
     assert last > first + 0.05, (first, last)
     assert os.path.isfile(out / "metrics.png")
+    # held-out pass@1 (a task seed the training never sees) at steps 0, 25, ..., 100 at least doubles
+    evals = [json.loads(x) for x in open(out / "metrics.jsonl") if '"eval"' in x]
+    assert [r["step"] for r in evals] == [0, 25, 50, 75, 100]
+    p1 = [r["eval/heldout/pass@1"] for r in evals]
+    print("held-out pass@1:", p1)
+    assert p1[-1] >= 2 * p1[0] and p1[-1] > p1[0] + 0.03, p1
     # after every weight push the in-process engine serves exactly the trainer's weights: its
     # log-probs of every sampled token equal the trainer's π_old pass (fp32; a skipped or stale
     # push shows up as ~1e-2, test_train_step_reference.py)
