@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import threading
 import time
 
@@ -81,10 +83,12 @@ def test_drop_stale_keeps_or_drops_whole_groups():
 @pytest.mark.timeout(600)
 def test_async_run_bounds_staleness_and_resumes_the_prompt_stream(tmp_path):
     """Two processes, rollout.async_steps=2, the in-process engine, file data: no sample is more
-    than 2 versions old, none dropped (the producer runs ahead: two batches while one trains); a checkpoint stores the
+    than 2 versions old, none dropped (the producer runs ahead: two batches while one trains); a
+    run killed with kill -9 after a checkpoint and resumed trains every step on exactly the prompts
+    of the uninterrupted run: a checkpoint stores the
     prompt stream as of its step (not the producer's position ahead of it), so a run resumed from
     it trains on exactly the prompts the uninterrupted run trained on after that step."""
-    from test_train_loop import run_train
+    from test_train_loop import REPO, TINY, _descendants, _env, run_train, torchrun_cmd
 
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
@@ -99,17 +103,41 @@ def test_async_run_bounds_staleness_and_resumes_the_prompt_stream(tmp_path):
               "data.answer_key=answer", "reward.fn=tests.reward_fns:response_length", "rollout.async_steps=2",
               "logging.prompts=true", f"model.tokenizer={tmp_path / 'tok'}"]
     full = tmp_path / "full"
-    run_train(full, *common, "train.max_steps=6", "checkpoint.interval=3", "checkpoint.keep_last=0")
+    steps = ["train.max_steps=12", "checkpoint.interval=3", "checkpoint.keep_last=0"]
+    run_train(full, *common, *steps)
     rows = [json.loads(x) for x in open(full / "metrics.jsonl") if '"gspo"' in x]
     assert rows[0]["staleness_max"] == 0 and all(r["staleness_max"] <= 2 for r in rows)
     assert max(r["staleness_max"] for r in rows) >= 1  # it did run ahead
     assert all(r["samples_dropped_stale"] == 0 for r in rows)
-    assert len({json.dumps(r["prompts"]) for r in rows}) == 6  # the stream moves on every step
-    # the step-3 checkpoint was written while the producer had drawn the next steps' prompts:
-    # a run resumed from it regenerates them from the same stream position
-    resumed = tmp_path / "resumed"
-    step3 = full / "checkpoints" / "step_00000003"
-    run_train(resumed, *common, "train.max_steps=6", "checkpoint.interval=0", f"checkpoint.resume={step3}")
-    again = [json.loads(x) for x in open(resumed / "metrics.jsonl") if '"gspo"' in x]
-    assert [r["step"] for r in again] == [4, 5, 6]
-    assert [r["prompts"] for r in again] == [r["prompts"] for r in rows[3:]]  # none skipped, none repeated
+    assert len({json.dumps(r["prompts"]) for r in rows}) == 12  # the stream moves on every step
+
+    # kill -9 (every process under torchrun) once a checkpoint exists - the producer is then ahead
+    # of training - and resume=auto: every step's prompts are the uninterrupted run's, in order
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(torchrun_cmd(2, "--config", TINY, f"out_dir={killed}", *common, *steps), env=_env(),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            if latest.exists() and latest.read_text().strip() >= "step_00000003":
+                break
+            if proc.poll() is not None:
+                pytest.fail("the async run exited before its first checkpoint")
+            time.sleep(0.1)
+        else:
+            pytest.fail("no checkpoint within 300 s")
+    finally:
+        for pid in _descendants(proc.pid) + [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=60)
+    resumed_at = int(latest.read_text().strip().split("_")[1])
+    assert 3 <= resumed_at < 12, resumed_at  # killed mid-run
+    r = run_train(killed, *common, *steps)  # checkpoint.resume=auto (the config's)
+    assert f"at step {resumed_at}" in r.stderr + r.stdout
+    again = [json.loads(x) for x in open(killed / "metrics.jsonl") if '"gspo"' in x]
+    assert [x["step"] for x in again] == list(range(1, 13))
+    assert [x["prompts"] for x in again] == [x["prompts"] for x in rows]  # none skipped, none repeated
