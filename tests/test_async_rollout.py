@@ -5,9 +5,6 @@ rollout.async_steps=1 trains on samples exactly one version old."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import threading
 import time
 
@@ -88,7 +85,7 @@ def test_async_run_bounds_staleness_and_resumes_the_prompt_stream(tmp_path):
     of the uninterrupted run: a checkpoint stores the
     prompt stream as of its step (not the producer's position ahead of it), so a run resumed from
     it trains on exactly the prompts the uninterrupted run trained on after that step."""
-    from test_train_loop import REPO, TINY, _descendants, _env, run_train, torchrun_cmd
+    from test_train_loop import kill9_after_checkpoint, run_train
 
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
@@ -114,27 +111,7 @@ def test_async_run_bounds_staleness_and_resumes_the_prompt_stream(tmp_path):
     # kill -9 (every process under torchrun) once a checkpoint exists - the producer is then ahead
     # of training - and resume=auto: every step's prompts are the uninterrupted run's, in order
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(torchrun_cmd(2, "--config", TINY, f"out_dir={killed}", *common, *steps), env=_env(),
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    latest = killed / "checkpoints" / "latest"
-    deadline = time.monotonic() + 300
-    try:
-        while time.monotonic() < deadline:
-            if latest.exists() and latest.read_text().strip() >= "step_00000003":
-                break
-            if proc.poll() is not None:
-                pytest.fail("the async run exited before its first checkpoint")
-            time.sleep(0.1)
-        else:
-            pytest.fail("no checkpoint within 300 s")
-    finally:
-        for pid in _descendants(proc.pid) + [proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=60)
-    resumed_at = int(latest.read_text().strip().split("_")[1])
+    resumed_at = kill9_after_checkpoint(killed, 3, *common, *steps, timeout_s=300)
     assert 3 <= resumed_at < 12, resumed_at  # killed mid-run
     r = run_train(killed, *common, *steps)  # checkpoint.resume=auto (the config's)
     assert f"at step {resumed_at}" in r.stderr + r.stdout

@@ -133,6 +133,34 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def kill9_after_checkpoint(out_dir, min_step: int, *overrides: str, timeout_s: float = 600) -> int:
+    """Start a 2-process run of tiny_cpu.yaml + overrides, SIGKILL it once its newest checkpoint
+    is at step >= min_step, and return that step (the run's resume point)."""
+    proc = subprocess.Popen(torchrun_cmd(2, "--config", TINY, f"out_dir={out_dir}", *overrides), env=_env(),
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    latest = out_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if latest.exists() and latest.read_text().strip() >= f"step_{min_step:08d}":
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the run exited before its step-{min_step} checkpoint")
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"no step-{min_step} checkpoint within {timeout_s:.0f} s")
+    finally:
+        # torchrun starts its workers in process groups of their own: SIGKILL every process under
+        # our torchrun (found by parent pid in /proc), workers first, not just torchrun's group
+        for pid in _descendants(proc.pid) + [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=60)
+    return int(latest.read_text().strip().split("_")[1])
+
+
 @pytest.mark.timeout(900)
 def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     """kill -9 mid-run with the distributed optimizer at DP2, then resume=auto: final weights
@@ -146,28 +174,8 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     run_train(ref, *long)
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(torchrun_cmd(2, "--config", TINY, f"out_dir={out}", *long), env=_env(), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    kill9_after_checkpoint(out, 4, *long)
     latest = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline:
-            if latest.exists() and latest.read_text().strip() >= "step_00000004":
-                break
-            if proc.poll() is not None:
-                pytest.fail("trainer exited before the step-4 checkpoint")
-            time.sleep(0.2)
-        else:
-            pytest.fail("no step-4 checkpoint within 600 s")
-    finally:
-        # torchrun starts its workers in process groups of their own: SIGKILL every process under
-        # our torchrun (found by parent pid in /proc), workers first, not just torchrun's group
-        for pid in _descendants(proc.pid) + [proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=60)
     assert not (out / "hf").exists()
     resumed_at = latest.read_text().strip()  # the newest complete checkpoint when it was killed
     r = run_train(out, *long, "checkpoint.resume=auto")
