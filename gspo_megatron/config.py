@@ -296,6 +296,10 @@ class LossConfig:
     # band leaves the loss (its terms are zeroed; the normaliser stays the minibatch's sequence
     # count); counted in mis_masked. null = off. Needs old_logprobs=recompute. E.g. [-0.05, 0.05].
     mis: Optional[list[float]] = None
+    # Async / partial rollouts: response tokens generated more than this many weight versions
+    # before the training step leave the loss (masked like prompt tokens; a sequence ratio then
+    # averages its remaining tokens). null = keep every token (the sample bound async_steps holds).
+    max_token_age: Optional[int] = None
 
     def __post_init__(self):
         lo_d, hi_d = DEFAULT_EPS[self.type]
@@ -307,6 +311,8 @@ class LossConfig:
             raise ConfigError(f"loss.eps_low must be in (0, 1), got {self.eps_low!r}")
         _positive("loss.eps_high", self.eps_high)
         _positive("loss.kl_coef", self.kl_coef, allow_zero=True)
+        if self.max_token_age is not None:
+            _positive("loss.max_token_age", self.max_token_age, allow_zero=True)
         if self.tis_cap is not None:
             _positive("loss.tis_cap", self.tis_cap)
         if self.mis is not None and (len(self.mis) != 2 or not self.mis[0] < self.mis[1]):
@@ -416,6 +422,11 @@ class RolloutConfig:
     async_steps: int = 0
     # Bound on the trainer's wait for an async batch, seconds (a hung engine fails the run).
     async_timeout_s: float = 3600.0
+    # Partial rollouts (needs async_steps >= 1): a weight push interrupts the generation in
+    # progress instead of waiting for it; unfinished responses continue from their partial output
+    # with the new weights. Every token records the version that generated it and its engine
+    # log-prob under that policy (rollout/partial.py).
+    partial: bool = False
     # The engine returns the experts it routed every token to (SGLang: --enable-return-routed-experts);
     # the trainer then reports routing_agreement every step. Implied by train.routing_replay=rollout.
     return_routing: bool = False
@@ -437,6 +448,9 @@ class RolloutConfig:
         _positive("rollout.max_oversample_rounds", self.max_oversample_rounds, allow_zero=True)
         _positive("rollout.async_steps", self.async_steps, allow_zero=True)
         _positive("rollout.async_timeout_s", self.async_timeout_s)
+        if self.partial and not self.async_steps:
+            raise ConfigError("rollout.partial needs rollout.async_steps >= 1 (weight pushes interrupt the "
+                              "generations of the rollout thread; the synchronous loop never pushes mid-generation)")
         if self.backend == "sglang":
             self._check_sglang()
 
@@ -687,6 +701,8 @@ class Config:
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} (a whole sample, prompt "
                 "included, must fit in one microbatch)"
             )
+        if self.loss.max_token_age is not None and not self.rollout.async_steps:
+            raise ConfigError("loss.max_token_age needs rollout.async_steps >= 1 (synchronous rollouts are never stale)")
         if self.rollout.async_steps and self.rollout.backend == "sglang" and self.rollout.sglang.launch:
             raise ConfigError("rollout.async_steps > 0 with colocated SGLang engines (rollout.sglang.launch=true): "
                               "the engines and the trainer share the GPUs, nothing can overlap; give the servers "

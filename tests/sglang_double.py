@@ -259,7 +259,12 @@ class SGLangDouble:
                 return out
             if f.per_token_s > 0:  # the decode time, less what generating here took already
                 longest = max((o["meta_info"]["completion_tokens"] for o in out), default=0)
-                time.sleep(max(0.0, f.per_token_s * longest - (time.monotonic() - t_gen)))
+                end = t_gen + f.per_token_s * longest
+                while time.monotonic() < end and not self._is_aborted(epoch, rids):
+                    time.sleep(min(0.005, max(0.0, end - time.monotonic())))
+                if self._is_aborted(epoch, rids):  # running requests answer with what they have
+                    done = int((time.monotonic() - t_gen) / f.per_token_s)
+                    out = [self._cut(o, done) for o in out]
         if self.take("stale"):
             for o in out:
                 o["meta_info"]["weight_version"] = "stale-0"
@@ -272,6 +277,21 @@ class SGLangDouble:
 
     def _is_aborted(self, epoch: int, rids) -> bool:
         return self._abort_epoch != epoch or any(r in self._aborted_rids for r in rids)
+
+    @staticmethod
+    def _cut(row: dict, done: int) -> dict:
+        """A running request aborted after `done` decode steps: SGLang 0.5.23 answers HTTP 200 with
+        the tokens (and log-probs) generated so far and FINISH_ABORT().to_json() (status_code None;
+        managers/scheduler.py abort_request, schedule_batch.py FINISH_ABORT)."""
+        meta = row["meta_info"]
+        if meta["completion_tokens"] <= done:
+            return row  # it had finished before the abort
+        meta = dict(meta, completion_tokens=done,
+                    finish_reason={"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
+        if "output_token_logprobs" in meta:
+            meta["output_token_logprobs"] = meta["output_token_logprobs"][:done]
+        meta.pop("routed_experts", None)
+        return {"text": "", "output_ids": row["output_ids"][:done], "meta_info": meta}
 
     def _abort_row(self, prompt, rid) -> dict:
         return {"text": "", "output_ids": [], "meta_info": {

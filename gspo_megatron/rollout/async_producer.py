@@ -8,9 +8,12 @@ holds version >= t - max_ahead (so at most max_ahead + 1 batches exist ahead of 
 trained), and no sample is ever more than max_ahead versions old; the trainer still checks each
 sample's own version (engines report it per sample) and drops older ones (counted).
 
-Engine access. Generation and weight pushes are serialized by `lock` (the in-process engine
-cannot update weights mid-generate; SGLang's in-flight updates are not used): a push waits for
-the generation in progress to finish, and the next generation starts from the new weights.
+Engine access. Generation and weight pushes are serialized by `lock` (a Condition; the
+in-process engine cannot update weights mid-generate): `push` waits for the generation in
+progress to finish, and the next generation starts from the new weights. With partial rollouts
+(`push(..., interrupt=engine)`) the push interrupts the generation instead; the producer's
+`PartialGenerator` (rollout/partial.py) hands the engine over while it waits for the new weights,
+then continues the interrupted rows with them.
 
 Data stream. The producer draws prompts ahead of training. Each batch carries the prompt-stream
 state right after its prompts were drawn; a checkpoint after step s stores batch s's, so a
@@ -24,7 +27,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+
+
+class _Interruptible(Protocol):
+    def interrupt(self) -> None: ...
+    def resume(self) -> None: ...
 
 
 @dataclass
@@ -43,7 +51,7 @@ class RolloutProducer:
     version; data_state() the prompt stream's state (taken right after produce)."""
 
     def __init__(self, produce: Callable[[int], Any], *, start: int, end: int, max_ahead: int,
-                 version: Callable[[], int], data_state: Callable[[], dict], lock: threading.Lock,
+                 version: Callable[[], int], data_state: Callable[[], dict], lock: threading.Condition,
                  timeout_s: float = 3600.0):
         if max_ahead < 1:
             raise ValueError(f"max_ahead must be >= 1, got {max_ahead}")
@@ -106,8 +114,32 @@ class RolloutProducer:
             batch = self._ready.pop(step)
         return batch, time.perf_counter() - t0
 
-    def notify(self) -> None:
-        """Wake the producer (a new weight version was pushed)."""
+    @property
+    def stopped(self) -> bool:
+        return self._stop
+
+    def push(self, update: Callable[[], None], *, interrupt: _Interruptible | None = None) -> None:
+        """Run `update` (replace the engine's weights) while holding the engine, then wake the
+        producer. With `interrupt` (partial rollouts) the generation in progress is interrupted
+        rather than waited for; the interrupt is repeated while the engine is busy (a request sent
+        after one abort meets the next) and lifted once the new weights are in."""
+        deadline = time.monotonic() + self.timeout_s
+        if interrupt is not None:
+            interrupt.interrupt()
+        while not self.lock.acquire(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight push: the rollout engine stayed busy for {self.timeout_s:.0f} s")
+            if interrupt is not None:
+                interrupt.interrupt()
+        try:
+            try:
+                update()
+            finally:
+                if interrupt is not None:
+                    interrupt.resume()
+            self.lock.notify_all()  # a PartialGenerator waiting for these weights
+        finally:
+            self.lock.release()
         with self._cv:
             self._cv.notify_all()
 

@@ -44,6 +44,16 @@ class Sample:
     # the model: the prompt and every response token but the last), in SGLang 0.5.23's
     # return_routed_experts layout; None otherwise.
     routed_experts: torch.Tensor | None = None
+    # The weight version that produced each response token, when it is not weight_version for all
+    # of them: a partial rollout carried over a weight push (rollout/partial.py). weight_version
+    # is then the oldest of them.
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """The weight version of every response token."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [int(self.weight_version)] * len(self.response_ids)
 
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -82,6 +92,22 @@ class RolloutEngine(abc.ABC):
     @property
     @abc.abstractmethod
     def weight_version(self) -> int: ...
+
+    # Interrupting generation (partial rollouts, rollout/partial.py). An engine that supports it
+    # sets supports_interrupt and implements both methods; they are called from another thread
+    # than the one in generate().
+    supports_interrupt = False
+
+    def interrupt(self) -> None:
+        """Make the generate() in progress return soon, and any generate() called before resume()
+        return at once: finished rows as usual, every other row as a partial sample with
+        finish_reason "abort" holding the tokens (and log-probs) generated so far, possibly none.
+        Idempotent."""
+        raise NotImplementedError(f"{type(self).__name__} cannot interrupt generation")
+
+    def resume(self) -> None:
+        """End interrupt(): generate() runs normally again."""
+        raise NotImplementedError(f"{type(self).__name__} cannot interrupt generation")
 
     def close(self) -> None:  # engines holding servers/processes release them here
         pass

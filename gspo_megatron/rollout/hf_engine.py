@@ -16,6 +16,10 @@ Semantics (see also `base.py`):
 * Reproducible sampling: ``generate(..., seed=s)``, or an engine-level ``seed`` (call i then uses
   ``seed + i``). Sampling then runs under a forked RNG, leaving the global torch RNG untouched.
   With neither, the global torch RNG is used. Results depend on the batch composition.
+* Interrupting (partial rollouts): ``interrupt()`` from another thread stops the generation in
+  progress after its current decode step (a transformers StoppingCriteria reads the flag) and makes
+  every generate() until ``resume()`` return at once; rows cut short come back with
+  finish_reason "abort", their tokens and log-probs so far, and no routing.
 * The engine owns the model: it resets ``model.generation_config`` so that checkpoint sampling
   defaults (e.g. Qwen3's top_k=20, top_p=0.95) never silently truncate the sampling distribution.
 
@@ -28,6 +32,7 @@ its slice of the fused parameter, so no second full state dict is materialised.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -197,6 +202,7 @@ class HFEngine(RolloutEngine):
             raise ValueError("return_routing needs a MoE model whose every layer routes (mlp.gate): "
                              f"{len(self._gates)} of {self.model.config.num_hidden_layers} layers do")
         self._calls = 0
+        self._interrupt = threading.Event()
         self._weight_version = weight_version
         self._weights_inconsistent: str | None = None
 
@@ -204,6 +210,14 @@ class HFEngine(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self._weight_version
+
+    supports_interrupt = True
+
+    def interrupt(self) -> None:
+        self._interrupt.set()
+
+    def resume(self) -> None:
+        self._interrupt.clear()
 
     def generate(
         self,
@@ -235,8 +249,23 @@ class HFEngine(RolloutEngine):
                 out.extend(self._generate_rows(rows[start : start + self.max_batch_size], sampling))
         return out
 
+    def _aborted_rows(self, rows: list[tuple[int, list[int]]]) -> list[Sample]:
+        return [Sample(prompt_index=pi, prompt_ids=prompt, response_ids=[], response_logprobs=[],
+                       finish_reason="abort", weight_version=self._weight_version,
+                       text="" if self.tokenizer is not None else None,
+                       meta={"matched_stop": None, "prompt_tokens": len(prompt), "completion_tokens": 0})
+                for pi, prompt in rows]
+
     def _generate_rows(self, rows: list[tuple[int, list[int]]], sp: SamplingParams) -> list[Sample]:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+        if self._interrupt.is_set():
+            return self._aborted_rows(rows)
+        flag = self._interrupt
+
+        class _Interrupted(StoppingCriteria):  # every row is done once interrupt() was called
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((input_ids.shape[0],), flag.is_set(), dtype=torch.bool, device=input_ids.device)
 
         greedy = sp.temperature <= 0 or sp.top_k == 1
         lp_temp = 1.0 if greedy else float(sp.temperature)
@@ -276,6 +305,7 @@ class HFEngine(RolloutEngine):
                     input_ids=input_ids.to(self.device),
                     attention_mask=attention_mask.to(self.device),
                     generation_config=gen_cfg,
+                    stopping_criteria=StoppingCriteriaList([_Interrupted()]),
                     **kwargs,
                 )
         finally:
@@ -313,6 +343,8 @@ class HFEngine(RolloutEngine):
                     end, reason, why = end_s, "stop", "stop_string"
             if reason == "length":
                 end = min(end, sp.max_new_tokens)
+                if end < sp.max_new_tokens:  # unfinished, and generation stopped: interrupt()
+                    reason = "abort"
             resp = toks[:end]
             samples.append(
                 Sample(
@@ -329,7 +361,7 @@ class HFEngine(RolloutEngine):
                     ),
                     meta={"matched_stop": why, "prompt_tokens": len(prompt), "completion_tokens": end},
                     routed_experts=(routing[r, width - len(prompt): width + end - 1].clone()
-                                    if routing is not None else None),
+                                    if routing is not None and reason != "abort" else None),
                 )
             )
         return samples

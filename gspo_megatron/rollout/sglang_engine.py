@@ -70,6 +70,21 @@ Weights (`update_weights(named_tensors, version)`)
     rank 0, ``weight_sync.drain(iter_hf_tensors(...))`` on the other ranks. Until that first push,
     responses are not version-checked (the servers run whatever they loaded) and a warning says so.
 
+Interrupting (partial rollouts, rollout/partial.py)
+    ``interrupt()`` (from another thread) sets a flag and sends ``POST /abort_request {"abort_all":
+    true}`` to every server; the trainer repeats it until it holds the engine, so a request that
+    arrived after one abort meets the next. SGLang 0.5.23 answers a running request aborted this
+    way with HTTP 200, the tokens and log-probs generated so far and finish_reason {"type":
+    "abort", "status_code": null} (managers/scheduler.py `abort_request`: ``FINISH_ABORT()``;
+    schedule_batch.py `FINISH_ABORT.to_json`). While the flag is set such rows are returned as
+    partial samples (finish_reason "abort") instead of being retried, requests not yet sent are not
+    sent (their rows come back empty), and an error answer counts as an empty partial row.
+    ``resume()`` clears the flag. `/pause_generation` is not used: in its default "abort" mode a
+    request that arrives after it waits inside the server until `/continue_generation`
+    (tokenizer_manager.py `generate_request`, ``is_pause_cond``), which would deadlock a producer
+    that holds the engine; "in_place" keeps the old KV cache, so the continued tokens' log-probs
+    would not be any one policy's.
+
 Stale versions
     After an update to version v, every response must carry ``weight_version == "v"``. Anything
     else means a server missed an update (restarted, or a sync went to the wrong place): with
@@ -281,11 +296,12 @@ class SGLangEngine(RolloutEngine):
         self._warned_unversioned = False
         self._rr = itertools.count()
         self._lock = threading.Lock()
+        self._interrupted = threading.Event()
         self._closed = False
         self.metrics: dict[str, float] = {
             "requests": 0, "retries": 0, "dropped_groups": 0, "stale_samples": 0, "abort_calls": 0,
             "weight_syncs": 0, "last_sync_s": 0.0, "last_sync_bytes": 0, "flush_attempts": 0,
-            "unversioned_samples": 0,
+            "unversioned_samples": 0, "interrupted_rows": 0,
         }
         self.procs: ServerProcesses | None = None
         self._syncer = None
@@ -425,6 +441,22 @@ class SGLangEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self._weight_version
 
+    supports_interrupt = True
+
+    def interrupt(self) -> None:
+        self._interrupted.set()
+        self._abort_all()
+
+    def resume(self) -> None:
+        self._interrupted.clear()
+
+    def _empty_rows(self, gi: int, prompt: list[int], n: int) -> list[Sample]:
+        """n partial samples with no tokens (an interrupted group that got no answer)."""
+        self._inc("interrupted_rows", n)
+        return [Sample(prompt_index=gi, prompt_ids=list(prompt), response_ids=[], response_logprobs=[],
+                       finish_reason="abort", weight_version=self._weight_version, text="",
+                       meta={"finish_reason": {"type": "abort"}}) for _ in range(n)]
+
     @property
     def synced(self) -> bool:
         """True once update_weights succeeded (responses are version-checked from then on)."""
@@ -510,6 +542,8 @@ class SGLangEngine(RolloutEngine):
         for attempt in range(attempts):
             if cancel.is_set():
                 raise _Aborted()
+            if self._interrupted.is_set():
+                return self._empty_rows(gi, prompt, n)
             if attempt:
                 self._inc("retries")
                 time.sleep(self.servers[0].backoff(attempt))
@@ -523,10 +557,14 @@ class SGLangEngine(RolloutEngine):
             except RetryableHTTPError as e:
                 if cancel.is_set():
                     raise _Aborted() from e
+                if self._interrupted.is_set():
+                    return self._empty_rows(gi, prompt, n)
                 last = e
                 continue
             if status != 200 and cancel.is_set():
                 raise _Aborted()  # whatever an aborted request answers, we no longer need it
+            if status != 200 and self._interrupted.is_set():
+                return self._empty_rows(gi, prompt, n)
             if status >= 500:
                 last = SGLangServerError(f"HTTP {status}: {data[:300].decode('utf-8', 'replace')}",
                                          url=server.url, status=status)
@@ -541,6 +579,9 @@ class SGLangEngine(RolloutEngine):
             if any(s.finish_reason == "abort" for s in samples):
                 if cancel.is_set():
                     raise _Aborted()
+                if self._interrupted.is_set():  # partial rows, continued after the weight push
+                    self._inc("interrupted_rows", sum(s.finish_reason == "abort" for s in samples))
+                    return samples
                 last = SGLangServerError("the server aborted the request", url=server.url)
                 continue
             return samples

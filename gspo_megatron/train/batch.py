@@ -38,6 +38,7 @@ class TrainSample:
     advantage: float
     engine_logprobs: list[float] | None = None  # one per response token
     routing: torch.Tensor | None = None  # the engine's experts: int [P + R - 1, layers, top_k] (rollout/base.py)
+    token_mask: list[bool] | None = None  # per response token: False leaves it out of the loss (loss.max_token_age)
 
     @property
     def length(self) -> int:
@@ -174,7 +175,7 @@ def _full_sequence(x: TrainSample, length: int, pad_id: int):
     mask = torch.zeros(length, dtype=torch.bool)
     eng = torch.zeros(length, dtype=torch.float32)
     if r:
-        mask[p - 1 : p + r - 1] = True
+        mask[p - 1 : p + r - 1] = True if x.token_mask is None else torch.as_tensor(x.token_mask, dtype=torch.bool)
         if x.engine_logprobs is not None:
             eng[p - 1 : p + r - 1] = torch.as_tensor(x.engine_logprobs, dtype=torch.float32)
     return tokens, targets, mask, eng

@@ -86,7 +86,8 @@ def _reporter(parts: RunParts) -> bool:
 def push_weights(parts: RunParts, version: int, producer=None) -> float:
     """Stream the current policy into the rollout engine (rank 0 owns the engine). Colocated
     engines first take their GPU memory back (rollout/colocate.py). With an async `producer`,
-    the push waits for the generation in progress (they share the engine), then wakes it."""
+    the push waits for the generation in progress (they share the engine), or with
+    rollout.partial interrupts it (rollout/partial.py), then wakes it."""
     t0 = time.perf_counter()
     if parts.colocation is not None:
         parts.colocation.before_push()
@@ -94,10 +95,9 @@ def push_weights(parts: RunParts, version: int, producer=None) -> float:
     if parts.engine is not None:
         if producer is None:
             parts.engine.update_weights(stream, version)
-        else:
-            with producer.lock:
-                parts.engine.update_weights(stream, version)
-            producer.notify()
+        else:  # partial rollouts: interrupt the generation in progress instead of waiting for it
+            producer.push(lambda: parts.engine.update_weights(stream, version),
+                          interrupt=parts.engine if parts.cfg.rollout.partial else None)
     else:
         for _ in stream:  # other ranks take part in the gathers
             pass
@@ -143,8 +143,10 @@ def _broadcast(obj):
     return box[0]
 
 
-def rollout(parts: RunParts, step: int) -> tuple[list[Sample], list[float], dict]:
-    """Rank 0: generate, score, filter. Returns kept samples, their rewards and rollout stats."""
+def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], list[float], dict]:
+    """Rank 0: generate, score, filter. Returns kept samples, their rewards and rollout stats.
+    `generate`: the engine's, or a PartialGenerator's (partial rollouts)."""
+    generate = generate or parts.engine.generate
     cfg = parts.cfg.rollout
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_new_tokens=cfg.max_new_tokens, stop_token_ids=tuple(parts.stop_ids))
@@ -160,7 +162,7 @@ def rollout(parts: RunParts, step: int) -> tuple[list[Sample], list[float], dict
     while groups_needed > 0:
         examples = parts.prompts.batch(step, rounds, groups_needed if rounds else P)
         prompt_ids = [parts.prompts.encode(ex) for ex in examples]
-        samples = parts.engine.generate(prompt_ids, G, sampling, seed=parts.cfg.train.seed * 100003 + step * 101 + rounds)
+        samples = generate(prompt_ids, G, sampling, seed=parts.cfg.train.seed * 100003 + step * 101 + rounds)
         texts = [parts.tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in samples]
         rewards, flags = parts.score(texts, [examples[s.prompt_index] for s in samples])
         raised += sum(flags)
@@ -301,10 +303,20 @@ def _agreement(parts: RunParts, routing) -> float:
     return float(t[0] / t[1]) if t[1] > 0 else float("nan")
 
 
-def to_train_samples(samples: list[Sample], rewards: list[float], group_size: int) -> list[TrainSample]:
+def to_train_samples(samples: list[Sample], rewards: list[float], group_size: int, *, step: int = 0,
+                     max_token_age: int | None = None) -> list[TrainSample]:
+    """Group advantages; with `max_token_age`, tokens generated more than that many weight
+    versions before `step` are left out of the loss (loss.max_token_age)."""
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size)
-    return [TrainSample(s.prompt_ids, s.response_ids, float(a), list(s.response_logprobs), s.routed_experts)
-            for s, a in zip(samples, adv.tolist())]
+    out = []
+    for s, a in zip(samples, adv.tolist()):
+        mask = None
+        if max_token_age is not None:
+            mask = [step - v <= max_token_age for v in s.versions()]
+            mask = None if all(mask) else mask
+        out.append(TrainSample(s.prompt_ids, s.response_ids, float(a), list(s.response_logprobs), s.routed_experts,
+                               token_mask=mask))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,7 +394,8 @@ def train(cfg, *, world_size: int) -> dict:
             t0 = time.perf_counter()
             if ctx.rank == 0:
                 kept, rewards, rstats, data_state = _take_rollout(parts, producer, step)
-                payload = (to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt), rstats, data_state)
+                payload = (to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt, step=step,
+                                            max_token_age=cfg.loss.max_token_age), rstats, data_state)
             else:
                 payload = None
             samples, rstats, data_state = _broadcast(payload)
@@ -448,11 +461,18 @@ def _start_producer(parts: RunParts, start: int):
     import threading
 
     from gspo_megatron.rollout.async_producer import RolloutProducer
+    from gspo_megatron.rollout.partial import PartialGenerator
 
-    return RolloutProducer(lambda t: rollout(parts, t), start=start, end=cfg.train.max_steps,
-                           max_ahead=cfg.rollout.async_steps, version=lambda: parts.engine.weight_version,
-                           data_state=parts.prompts.state_dict, lock=threading.Lock(),
-                           timeout_s=cfg.rollout.async_timeout_s)
+    gate = threading.Condition()
+    producer: list = []  # the producer, once built (the partial generator asks whether it stopped)
+    generate = (PartialGenerator(parts.engine, gate, timeout_s=cfg.rollout.async_timeout_s,
+                                 stopped=lambda: bool(producer) and producer[0].stopped).generate
+                if cfg.rollout.partial else None)
+    producer.append(RolloutProducer(lambda t: rollout(parts, t, generate), start=start, end=cfg.train.max_steps,
+                                    max_ahead=cfg.rollout.async_steps, version=lambda: parts.engine.weight_version,
+                                    data_state=parts.prompts.state_dict, lock=gate,
+                                    timeout_s=cfg.rollout.async_timeout_s))
+    return producer[0]
 
 
 def _take_rollout(parts: RunParts, producer, step: int):
@@ -468,5 +488,7 @@ def _take_rollout(parts: RunParts, producer, step: int):
     rstats = dict(rstats, staleness_mean=sum(ages) / max(len(ages), 1), staleness_max=max(ages, default=0),
                   samples_dropped_stale=dropped, t_wait_rollout=waited, t_wait_train=producer.t_wait_train,
                   rollout_version=batch.version)
+    if cfg.partial:  # samples whose tokens come from more than one weight version
+        rstats["samples_carried"] = sum(1 for s in kept if s.token_versions and len(set(s.token_versions)) > 1)
     producer.t_wait_train = 0.0
     return kept, rewards, rstats, batch.data_state
