@@ -618,6 +618,23 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    # Weights & Biases tracking (the optional `wandb` extra: pip install -e ".[wandb]"):
+    # disabled | offline (a run directory under <out_dir>/wandb, `wandb sync` it later) | online.
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    # W&B project.
+    project: str = "gspo-megatron"
+    # W&B entity (team or user); null = the account's default.
+    entity: Optional[str] = None
+    # Display name of the run; null = the name of out_dir.
+    name: Optional[str] = None
+
+    def __post_init__(self):
+        if not self.project:
+            raise ConfigError("logging.wandb.project must be a non-empty name")
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     # TensorBoard event files in <out_dir>/tb.
     tensorboard: bool = False
@@ -628,6 +645,32 @@ class LoggingConfig:
     # Write each step's trained prompts (their text, one per kept group) into metrics.jsonl
     # under "prompts" (data audits: which records a run trained on, across resumes).
     prompts: bool = False
+    # Every metrics.jsonl row (its numbers) also goes to W&B, x-axis "step"; the run id is kept in
+    # the checkpoint, so a resumed run continues the same W&B run (train/tracking.py).
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass(frozen=True)
+class EvalSetConfig:
+    # One more held-out set (eval.extra_sets): the same keys as the first set's in `eval:`.
+    name: str
+    source: Literal["synthetic", "file"] = "synthetic"
+    path: Optional[str] = None
+    seed: int = 1000003
+    num_prompts: int = 32
+
+    def __post_init__(self):
+        _check_eval_set(self, "eval.extra_sets[]")
+
+
+def _check_eval_set(e, key: str) -> None:
+    _positive(f"{key}.num_prompts", e.num_prompts)
+    if e.source == "file" and not e.path:
+        raise ConfigError(f"{key}.source=file needs {key}.path")
+    if e.source == "synthetic" and e.path:
+        raise ConfigError(f"{key}.path={e.path} is set but {key}.source=synthetic: set {key}.source=file")
+    if not e.name or "/" in e.name:
+        raise ConfigError(f"{key}.name must be a non-empty name without '/', got {e.name!r}")
 
 
 @dataclass(frozen=True)
@@ -651,19 +694,20 @@ class EvalConfig:
     # A sample is correct when its reward reaches this (the synthetic tasks and reward.fn=math
     # give 1.0 for a correct answer).
     correct_threshold: float = 1.0
+    # More held-out sets, each {name, source, path, seed, num_prompts}, evaluated at the same
+    # steps with the same samples_per_prompt / temperature, reported under eval/<name>/.
+    extra_sets: list[EvalSetConfig] = field(default_factory=list)
 
     def __post_init__(self):
         _positive("eval.interval", self.interval, allow_zero=True)
         _positive("eval.samples_per_prompt", self.samples_per_prompt)
-        _positive("eval.num_prompts", self.num_prompts)
         if self.temperature < 0:
             raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}")
-        if self.source == "file" and not self.path:
-            raise ConfigError("eval.source=file needs eval.path")
-        if self.source == "synthetic" and self.path:
-            raise ConfigError(f"eval.path={self.path} is set but eval.source=synthetic: set eval.source=file")
-        if not self.name or "/" in self.name:
-            raise ConfigError(f"eval.name must be a non-empty name without '/', got {self.name!r}")
+        _check_eval_set(self, "eval")
+        names = [self.name, *(x.name for x in self.extra_sets)]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"eval: held-out set names must differ; {', '.join(dup)} appears more than once")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Held-out evaluation during training (the `eval:` config section).
+"""Held-out evaluation during training (the `eval:` config section: one set, plus
+eval.extra_sets).
 
 Rank 0 generates eval.samples_per_prompt samples for each held-out prompt with the rollout engine
 (in-process or SGLang) right after a weight push, so with the current weights; rewards come from
@@ -22,27 +23,12 @@ from gspo_megatron.rollout.base import SamplingParams
 
 
 class HeldOut:
-    """The held-out prompt set of one run."""
+    """The held-out prompt sets of one run: `eval:` itself, then eval.extra_sets."""
 
     def __init__(self, cfg, prompts):
-        e = cfg.eval
         self.cfg, self.prompts = cfg, prompts
-        if e.source == "synthetic":
-            if prompts.task is None:
-                raise InputError("eval.source=synthetic needs data.source=synthetic (the task to draw from); "
-                                 "use eval.source=file with eval.path for file data")
-            from gspo_megatron.rollout.tasks import SyntheticTask
-
-            task = SyntheticTask(cfg.data.task, seed=e.seed)
-            self.examples = task.sample_prompts(e.num_prompts, random.Random(f"eval:{e.seed}"))
-        else:
-            from gspo_megatron.rollout.data import load_prompts
-
-            examples = load_prompts(e.path, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
-            if not examples:
-                raise InputError(f"eval.path: {e.path} has no records")
-            self.examples = list(examples[: e.num_prompts])
-        self.prompt_ids = [prompts.encode(ex) for ex in self.examples]
+        self.sets = [_Set(spec, cfg, prompts, key) for spec, key in
+                     [(cfg.eval, "eval")] + [(x, f"eval.extra_sets[{i}]") for i, x in enumerate(cfg.eval.extra_sets)]]
 
     def due(self, step: int) -> bool:
         """Evaluate after `step` GSPO steps? (step 0, every interval, the last step)."""
@@ -50,18 +36,48 @@ class HeldOut:
         return step == 0 or step % e.interval == 0 or step == self.cfg.train.max_steps
 
     def run(self, engine, score, tokenizer, stop_ids) -> dict:
-        """Generate, score, and the eval/<name>/... metrics (rank 0)."""
-        e, r = self.cfg.eval, self.cfg.rollout
+        """Generate, score, and the eval/<name>/... metrics of every set (rank 0)."""
+        out = {}
+        for s in self.sets:
+            out.update(s.run(self.cfg, engine, score, tokenizer, stop_ids))
+        return out
+
+
+class _Set:
+    """One held-out set: fixed prompts (a synthetic draw with its own seed, or a file's first
+    records) and the seed its samples are drawn with."""
+
+    def __init__(self, spec, cfg, prompts, key: str):
+        self.name, self.seed = spec.name, spec.seed
+        if spec.source == "synthetic":
+            if prompts.task is None:
+                raise InputError(f"{key}.source=synthetic needs data.source=synthetic (the task to draw from); "
+                                 f"use {key}.source=file with {key}.path for file data")
+            from gspo_megatron.rollout.tasks import SyntheticTask
+
+            task = SyntheticTask(cfg.data.task, seed=spec.seed)
+            self.examples = task.sample_prompts(spec.num_prompts, random.Random(f"eval:{spec.seed}"))
+        else:
+            from gspo_megatron.rollout.data import load_prompts
+
+            examples = load_prompts(spec.path, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+            if not examples:
+                raise InputError(f"{key}.path: {spec.path} has no records")
+            self.examples = list(examples[: spec.num_prompts])
+        self.prompt_ids = [prompts.encode(ex) for ex in self.examples]
+
+    def run(self, cfg, engine, score, tokenizer, stop_ids) -> dict:
+        e, r = cfg.eval, cfg.rollout
         sp = SamplingParams(temperature=e.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                             stop_token_ids=tuple(stop_ids))
         n = e.samples_per_prompt
-        samples = engine.generate(self.prompt_ids, n, sp, seed=e.seed)
+        samples = engine.generate(self.prompt_ids, n, sp, seed=self.seed)
         texts = [tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in samples]
         rewards, _ = score(texts, [self.examples[s.prompt_index] for s in samples])
         correct = [[] for _ in self.examples]
         for s, rew in zip(samples, rewards):
             correct[s.prompt_index].append(rew >= e.correct_threshold)
-        key = f"eval/{e.name}"
+        key = f"eval/{self.name}"
         out = {f"{key}/pass@{k}": mean_pass_at_k(correct, k) for k in ks_for(n)}
         out[f"{key}/reward_mean"] = sum(rewards) / len(rewards)
         out[f"{key}/response_len_mean"] = sum(len(s.response_ids) for s in samples) / len(samples)

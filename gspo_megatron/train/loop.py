@@ -39,9 +39,10 @@ class LoopState:
     step: int = 0  # GSPO steps completed
     sft_done: bool = False
     data: dict = field(default_factory=dict)
+    wandb_run_id: str | None = None  # the W&B run a resumed run continues (logging.wandb)
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "sft_done": self.sft_done, "data": self.data}
+        return {"step": self.step, "sft_done": self.sft_done, "data": self.data, "wandb_run_id": self.wandb_run_id}
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,8 +371,14 @@ def train(cfg, *, world_size: int) -> dict:
             log.info("resumed from %s at step %d", resume_from, state.step)
     writer = None
     if ctx.rank == 0:  # a fresh run starts a fresh metrics file; a resumed one keeps its past
+        tracker = None
+        if cfg.logging.wandb.mode != "disabled":
+            from gspo_megatron.train.tracking import WandbRun
+
+            tracker = WandbRun(cfg, out_dir=cfg.out_dir, run_id=state.wandb_run_id, config=cfg.to_dict())
+            state.wandb_run_id = tracker.run_id
         writer = MetricsWriter(cfg.out_dir, tensorboard=cfg.logging.tensorboard,
-                               resume_step=state.step if resume_from else -1)
+                               resume_step=state.step if resume_from else -1, tracker=tracker)
     if not state.sft_done:
         sft_warmup(parts, writer)
         state.sft_done = True
@@ -422,8 +429,8 @@ def train(cfg, *, world_size: int) -> dict:
             if parts.heldout is not None and parts.heldout.due(state.step):
                 evaluate(parts, state.step, writer, producer)
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and state.step < cfg.train.max_steps:
-                parts.save_checkpoint(state.step, state.to_dict())
-        parts.save_checkpoint(state.step, state.to_dict())
+                _save(parts, state, writer)
+        _save(parts, state, writer)
         if cfg.checkpoint.export_hf:
             parts.export_hf(os.path.join(cfg.out_dir, "hf"))
         if ctx.rank == 0:
@@ -435,8 +442,16 @@ def train(cfg, *, world_size: int) -> dict:
     finally:
         if producer is not None:
             producer.close()
+        if writer is not None:
+            writer.close()
         parts.close()
     return last
+
+
+def _save(parts: RunParts, state: LoopState, writer) -> None:
+    if writer is not None:
+        writer.before_checkpoint()
+    parts.save_checkpoint(state.step, state.to_dict())
 
 
 def evaluate(parts: RunParts, step: int, writer, producer=None) -> None:
@@ -450,7 +465,7 @@ def evaluate(parts: RunParts, step: int, writer, producer=None) -> None:
         metrics = parts.heldout.run(parts.engine, parts.score, parts.tokenizer, parts.stop_ids)
     writer.write({"step": step, "phase": "eval", **metrics})
     log.info("held-out eval after %d steps: %s", step,
-             ", ".join(f"{k.rsplit('/', 1)[1]} {v:.3f}" for k, v in metrics.items()))
+             ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items()))
 
 
 def _start_producer(parts: RunParts, start: int):

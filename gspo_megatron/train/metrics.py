@@ -1,4 +1,5 @@
-"""Step metrics: one JSON line per step (rank 0), optional TensorBoard, a PNG plot at the end."""
+"""Step metrics: one JSON line per step (rank 0), optional TensorBoard and W&B (train/tracking.py),
+a PNG plot at the end."""
 from __future__ import annotations
 
 import json
@@ -44,7 +45,7 @@ def reduce_max(reports: list[dict], reporter: bool, keys: tuple[str, ...],
 
 
 class MetricsWriter:
-    def __init__(self, out_dir: str, *, tensorboard: bool, resume_step: int = 0):
+    def __init__(self, out_dir: str, *, tensorboard: bool, resume_step: int = 0, tracker=None):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         os.makedirs(out_dir, exist_ok=True)
         if os.path.exists(self.path):
@@ -54,6 +55,7 @@ class MetricsWriter:
                 keep = [ln for ln in f if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
             with open(self.path, "w") as f:
                 f.writelines(keep)
+        self.tracker = tracker  # a WandbRun (or anything with log(row) / close())
         self.tb = None
         if tensorboard:
             try:
@@ -70,10 +72,22 @@ class MetricsWriter:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, row["step"])
+        if self.tracker is not None:
+            self.tracker.log(row)
+
+    def before_checkpoint(self) -> None:
+        """The rows so far reach the trackers' files before a checkpoint says they happened."""
+        if self.tracker is not None:
+            self.tracker.before_checkpoint()
 
     def close(self) -> None:
+        """Idempotent (the loop also calls it when a run fails)."""
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
 
 def plot(metrics_path: str, png_path: str) -> bool:
