@@ -143,7 +143,7 @@ def main(argv=None) -> int:
 
     def train():
         launch("train", 2)
-        if not os.path.isdir(os.path.join(run_dir, "checkpoints", "step_00000002")):
+        if not os.path.isdir(os.path.join(run_dir, "checkpoints", "iter_0000002")):
             raise RuntimeError("no step-2 checkpoint")
         return "SFT warm start + GSPO steps 1-2, checkpoint step 2"
 
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
 
         conv = os.path.join(out, "converted")
         shutil.rmtree(conv, ignore_errors=True)
-        if convert(["mcore-to-hf", "--load", os.path.join(run_dir, "checkpoints", "step_00000003"), "--out", conv,
+        if convert(["mcore-to-hf", "--load", os.path.join(run_dir, "checkpoints", "iter_0000003"), "--out", conv,
                     "--no-progress"]) != 0:
             raise RuntimeError("gspo-convert failed")
         a, b = hf_tensors(os.path.join(run_dir, "hf")), hf_tensors(conv)
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     def checkpoint():
         from converters.dcp_io import DcpReader
 
-        r = DcpReader(os.path.join(run_dir, "checkpoints", "step_00000003"))
+        r = DcpReader(os.path.join(run_dir, "checkpoints", "iter_0000003"))
         try:
             keys = r.keys()
         finally:

@@ -45,8 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-to-mcore", help="Hugging Face safetensors -> Megatron torch_dist",
         description="Convert a Hugging Face Qwen3-MoE checkpoint (safetensors shards + index, or one "
                     "model.safetensors) into a Megatron-Core torch_dist checkpoint that loads at any "
-                    "TP/PP/EP/ETP layout (gspo_megatron.score --load, the trainer). The HF config, "
-                    "generation config and tokenizer files are kept in <out>/hf_config/.",
+                    "TP/PP/EP/ETP layout (gspo_megatron.score --load, the trainer), as a Megatron-LM "
+                    "checkpoint root: <out>/release/ and <out>/latest_checkpointed_iteration.txt, which "
+                    "Megatron-LM and Megatron-Bridge 0.3.1 load too. The HF config, generation config and "
+                    "tokenizer files are kept in <out>/release/hf_config/, Megatron-Bridge's run_config.yaml "
+                    "beside it.",
     )
     h2m.add_argument("--hf-dir", required=True, metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors)")
     common(h2m, "largest torch_dist data file (.distcp); a tensor larger than this gets a file of its own;", "5GB")
@@ -60,10 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "(per-expert gate_proj/up_proj/down_proj), loadable by "
                     "transformers.AutoModelForCausalLM.from_pretrained.",
     )
-    m2h.add_argument("--load", required=True, metavar="DIR", help="Megatron torch_dist checkpoint directory")
+    m2h.add_argument("--load", required=True, metavar="DIR",
+                     help="Megatron torch_dist checkpoint directory, or a Megatron-LM / Megatron-Bridge root "
+                          "(latest_checkpointed_iteration.txt, else the newest iter_*)")
     m2h.add_argument("--hf-config-dir", metavar="DIR",
                      help="take config.json, generation config and tokenizer files from this HF directory "
-                          "instead of <load>/hf_config/ (its architecture must match the checkpoint)")
+                          "instead of the checkpoint's hf_config/ or Megatron-Bridge run_config.yaml (its "
+                          "architecture must match the checkpoint)")
     common(m2h, "largest safetensors shard; memory holds about one shard while writing;", "5GB")
     return p
 

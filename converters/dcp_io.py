@@ -59,14 +59,17 @@ class Chunk:
 
 
 class _LazyPlanner(DefaultSavePlanner):
-    """A save planner over declared chunks; data comes from each chunk's producer on demand."""
+    """A save planner over declared chunks; data comes from each chunk's producer on demand.
+    `objects`: DCP byte entries (key -> bytes), e.g. Megatron's `_extra_state` ShardedObjects."""
 
-    def __init__(self, chunks: Sequence[Chunk], on_written: Callable[[Chunk], None] | None = None):
+    def __init__(self, chunks: Sequence[Chunk], on_written: Callable[[Chunk], None] | None = None,
+                 objects: dict[str, bytes] | None = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._chunks = {MetadataIndex(c.key, torch.Size(c.offsets)): c for c in chunks}
         if len(self._chunks) != len(chunks):
             raise AssertionError("duplicate chunk in a checkpoint plan")
         self._order = list(chunks)
+        self._objects = dict(objects or {})
         self._on_written = on_written
         self.error: BaseException | None = None  # the first producer failure, unwrapped
 
@@ -82,7 +85,7 @@ class _LazyPlanner(DefaultSavePlanner):
                 ),
             )
             for c in self._order
-        ]
+        ] + [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self._objects]
         self.plan = SavePlan(items)
         return self.plan
 
@@ -92,6 +95,8 @@ class _LazyPlanner(DefaultSavePlanner):
         # here come from distinct (layer, expert) offsets, so bounds and total volume suffice.
         global_plan, metadata = create_default_global_save_plan(all_plans)
         for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue  # a byte entry
             volume = 0
             for ch in md.chunks:
                 if any(o < 0 or o + s > g for o, s, g in zip(ch.offsets, ch.sizes, md.size)):
@@ -108,7 +113,9 @@ class _LazyPlanner(DefaultSavePlanner):
         self.global_plan, self.metadata = global_plan, metadata
         return global_plan, metadata
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._objects[write_item.index.fqn])
         c = self._chunks[write_item.index]
         try:
             t = c.produce()
@@ -171,10 +178,12 @@ def save_chunks(
     threads: int = 1,
     on_written: Callable[[Chunk], None] | None = None,
     sync_files: bool = True,
+    objects: dict[str, bytes] | None = None,
 ) -> None:
     """Write `chunks` (this rank's share) as a DCP checkpoint in `directory` (collective when
-    torch.distributed is initialized: every rank calls it with its own chunks)."""
-    planner = _LazyPlanner(chunks, on_written)
+    torch.distributed is initialized: every rank calls it with its own chunks). `objects`: byte
+    entries to store too (give them on one rank only)."""
+    planner = _LazyPlanner(chunks, on_written, objects)
     writer = _BoundedFileWriter(directory, max_file_bytes, thread_count=max(1, threads), sync_files=sync_files)
     try:
         import torch.distributed as dist
@@ -212,6 +221,10 @@ class DcpReader:
     """Region reads from a DCP checkpoint directory (Megatron torch_dist or the converter's)."""
 
     def __init__(self, directory: str):
+        """`directory`: a torch_dist directory, or a Megatron-LM root (converters/megatron_dirs.py)."""
+        from converters.megatron_dirs import resolve
+
+        directory = resolve(directory) if os.path.isdir(directory) else directory
         self.directory = directory
         try:
             self.metadata = FileSystemReader(directory).read_metadata()

@@ -41,6 +41,21 @@ LOCAL_SPEC_KEY_QUIRKS = {
 }
 
 
+# Keys other writers use for a tensor we store under another name. Megatron-Bridge and Megatron-LM
+# runs without Transformer Engine (the local spec) save the MoE pre-MLP norm under the local spec's
+# name; readers accept it when the TE name is absent.
+KEY_ALIASES = {
+    "decoder.layers.pre_mlp_layernorm.weight": ("decoder.layers.mlp.linear_fc1.layer_norm_weight",),
+}
+
+
+def stored_key(key: str, stored) -> str:
+    """The key `key`'s tensor is stored under in a checkpoint holding the keys `stored`."""
+    if key in stored:
+        return key
+    return next((a for a in KEY_ALIASES.get(key, ()) if a in stored), key)
+
+
 def dist_key(rule: Rule) -> str:
     """The torch_dist key of the global tensor holding `rule`'s parameter for all layers/experts."""
     k = rule.mcore.replace("decoder.layers.{layer}.", "decoder.layers.")

@@ -1,21 +1,28 @@
 """Megatron-Core `torch_dist` checkpoints of Qwen3-MoE: conversion to and from Hugging Face, and
 saving/loading the sharded model.
 
-Checkpoint directory layout (what `gspo-convert hf-to-mcore` and `save_mcore_checkpoint` write):
+Checkpoint directory layout (what `save_mcore_checkpoint` writes into C; `gspo-convert
+hf-to-mcore --out R` writes it into R/release/ with R/latest_checkpointed_iteration.txt =
+"release", a Megatron-LM checkpoint root; see converters/megatron_dirs.py):
 
     C/metadata.json        {"sharded_backend": "torch_dist", ...}   Megatron's format marker
-    C/common.pt            Megatron's non-sharded state ({} for a converted model)
+    C/common.pt            Megatron's non-sharded state ({"content_metadata": ...} for a converted model)
     C/.metadata            PyTorch DCP global metadata: key -> global shape, dtype, chunks
     C/__<rank>_<i>.distcp  DCP data files
     C/hf_config/           config.json of the HF model (+ generation config and tokenizer files
                            when the source had them): the architecture travels with the weights,
                            and mcore -> HF needs no other input
+    C/run_config.yaml      the same architecture for Megatron-Bridge's loaders
+
+Every reader here takes C or a Megatron-LM root (its tracker, else its newest iter_*), and takes
+the architecture from hf_config/, else from a Megatron-Bridge run_config.yaml.
 
 Keys and global shapes are Megatron's (see converters/layout.py): decoder tensors stacked over
 layers, experts over [layers, experts], TE norm names, vocab tensors with the HF vocabulary's rows
-(unpadded; any padding rows a layout needs are zero-filled on load). Model checkpoints carry
-parameters only — no `_extra_state` (None in the portable spec; TE's FP8 metadata is not needed
-to resume bf16/fp32 training) — which keeps them loadable by both the CPU and TE layer specs.
+(unpadded; any padding rows a layout needs are zero-filled on load). The `_extra_state` entries
+of Transformer Engine layers are stored as None (megatron_dirs.extra_state_objects: Megatron-Bridge's
+loaders require them to exist) and never read back: our loads request tensors only (TE's FP8
+metadata is not needed to resume bf16/fp32 training), so both the CPU and TE layer specs load them.
 
 Public API
     read_hf_config(C) -> (dict, path)            the HF config stored with an mcore checkpoint
@@ -33,13 +40,13 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Callable, Iterable, Iterator
 
 import torch
 
-from converters import atomic, layout
+from converters import atomic, layout, megatron_dirs
 from converters.dcp_io import Chunk, DcpReader, save_chunks
 from converters.safetensors_data import SafetensorsData
 from gspo_megatron.model import mapping
@@ -84,12 +91,20 @@ def check_mcore_dir(ckpt_dir: str) -> None:
 
 
 def read_hf_config(ckpt_dir: str) -> tuple[dict, str]:
-    """(config dict, its path) of the HF config stored in an mcore checkpoint."""
+    """(config dict, its path) of the model in an mcore checkpoint (a root or an iteration
+    directory: megatron_dirs.resolve): the HF config it carries (hf_config/, the project's), else
+    the one its Megatron-Bridge run_config.yaml or Megatron-LM run arguments describe."""
+    ckpt_dir = megatron_dirs.resolve(ckpt_dir)
     check_mcore_dir(ckpt_dir)
     path = os.path.join(ckpt_dir, HF_CONFIG_DIR, "config.json")
     if not os.path.isfile(path):
+        carried = megatron_dirs.carried_config(ckpt_dir)
+        if carried is not None:
+            return carried
         raise ModelConfigError(
-            f"{path}: missing (the checkpoint does not carry its HF config; pass --hf-config-dir)")
+            f"{path}: missing, and neither a {megatron_dirs.RUN_CONFIG} (Megatron-Bridge) nor run arguments in "
+            "common.pt (Megatron-LM) beside it: the checkpoint does not carry its model config; pass "
+            "--hf-config-dir / model.hf_dir")
     try:
         with open(path) as f:
             return json.load(f), path
@@ -114,17 +129,21 @@ def _hf_config_dict(hf_config: dict | str) -> tuple[dict, str | None]:
 def _write_format_files(directory: str, hf_config: dict, side_files_from: str | None) -> None:
     with open(os.path.join(directory, FORMAT_FILE), "w") as f:
         json.dump(FORMAT, f)
-    torch.save({}, os.path.join(directory, COMMON_FILE))
+    torch.save({"content_metadata": dict(megatron_dirs.CONTENT_METADATA)}, os.path.join(directory, COMMON_FILE))
     _write_hf_config(directory, hf_config, side_files_from)
 
 
 def _write_hf_config(directory: str, hf_config: dict, side_files_from: str | None) -> None:
+    """hf_config/ (the project's readers) and run_config.yaml (Megatron-Bridge's)."""
     d = os.path.join(directory, HF_CONFIG_DIR)
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
     if side_files_from:
         copy_side_files(side_files_from, d)
+    dtype = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16")
+    megatron_dirs.write_run_config(directory, Qwen3MoeArch.from_hf_dict(hf_config), dtype,
+                                   hf_config.get("intermediate_size"))
 
 
 def _with_dtype(cfg: dict, dtype: torch.dtype | None) -> dict:
@@ -139,6 +158,7 @@ def _with_dtype(cfg: dict, dtype: torch.dtype | None) -> dict:
 def check_matches_arch(reader: DcpReader, arch: Qwen3MoeArch) -> None:
     """Every tensor a Qwen3-MoE of `arch` needs is stored, with the global shape it implies."""
     for key, shape in layout.expected_keys(arch).items():
+        key = layout.stored_key(key, reader.tensors)
         if key not in reader.tensors:
             raise CheckpointError(f"{reader.directory}: tensor {key!r} is missing from the checkpoint")
         got = reader.shape(key)
@@ -247,12 +267,18 @@ def _hf_to_mcore(hf_dir, out_dir, *, dtype, max_file_size, progress, overwrite, 
     stats = ConversionStats(tensors=len(mine), bytes=sum(c.nbytes for c in mine))
     bar = _progress(stats.bytes, "hf-to-mcore" + (f" [rank {rank}]" if world > 1 else ""), progress and rank == 0)
     tmp = atomic.make_tmp_collective(out_dir)
+    # a Megatron-LM root: release/ + the tracker naming it (Megatron-LM's convention for converted
+    # weights; Megatron-LM and Megatron-Bridge load the root, our readers resolve it)
+    ck = os.path.join(tmp, megatron_dirs.RELEASE)
+    os.makedirs(ck, exist_ok=True)
     try:
-        save_chunks(mine, tmp, max_file_bytes=parse_size(max_file_size), threads=threads,
-                    on_written=lambda c: bar.update(c.nbytes))
+        save_chunks(mine, ck, max_file_bytes=parse_size(max_file_size), threads=threads,
+                    on_written=lambda c: bar.update(c.nbytes),
+                    objects=megatron_dirs.extra_state_entries(arch) if rank == 0 else None)
         bar.close()
         if rank == 0:
-            _write_format_files(tmp, _with_dtype(cfg, dtype), hf_dir)
+            _write_format_files(ck, _with_dtype(cfg, dtype), hf_dir)
+            megatron_dirs.write_tracker(tmp, megatron_dirs.RELEASE)
         _barrier()
         if rank == 0:
             atomic.publish(tmp, out_dir, overwrite=overwrite)
@@ -308,6 +334,7 @@ def mcore_to_hf(
 def _mcore_to_hf(ckpt_dir, out_dir, *, hf_config_dir, dtype, max_shard_size, progress, overwrite) -> ConversionStats:
     t0 = time.monotonic()
     rank, world = atomic.rank_world()
+    ckpt_dir = megatron_dirs.resolve(ckpt_dir)
     check_mcore_dir(ckpt_dir)
     if hf_config_dir is not None:
         arch = Qwen3MoeArch.from_hf_dir(hf_config_dir)
@@ -324,7 +351,8 @@ def _mcore_to_hf(ckpt_dir, out_dir, *, hf_config_dir, dtype, max_shard_size, pro
     out_dir = atomic.check_target(out_dir, overwrite)
     max_bytes = parse_size(max_shard_size)
 
-    items = layout.plan_items(arch)
+    # each tensor under the key this checkpoint stores it under (layout.KEY_ALIASES)
+    items = [replace(it, key=layout.stored_key(it.key, reader.tensors)) for it in layout.plan_items(arch)]
     sizes = [it.nbytes(reader.dtype(it.key).itemsize) for it in items]
     owner = _split_contiguous(sizes, world)
     mine = [it for it, r in zip(items, owner) if r == rank]
@@ -554,14 +582,20 @@ def save_mcore_checkpoint(
     out = os.path.abspath(ckpt_dir)
     tmp = atomic.make_tmp_collective(out)
     try:
+        arch = Qwen3MoeArch.from_hf_dict(cfg)
+        content = dict(megatron_dirs.CONTENT_METADATA)
         if tensor_chunks is None:
-            dist_checkpointing.save(sd, tmp, sharded_strategy=_parallel_save(_SyncTorchDistSave(thread_count)))
+            if rank == 0:  # the `_extra_state` entries other Megatron loaders ask for (megatron_dirs)
+                sd["_extra_state"] = _extra_state_sharded_objects(arch)
+            dist_checkpointing.save(sd, tmp, sharded_strategy=_parallel_save(_SyncTorchDistSave(thread_count)),
+                                    content_metadata=content)
         else:
-            save_chunks(tensor_chunks, tmp, max_file_bytes=DEFAULT_MAX_FILE_BYTES, threads=thread_count)
+            save_chunks(tensor_chunks, tmp, max_file_bytes=DEFAULT_MAX_FILE_BYTES, threads=thread_count,
+                        objects=megatron_dirs.extra_state_entries(arch) if rank == 0 else None)
             if rank == 0:
                 with open(os.path.join(tmp, FORMAT_FILE), "w") as f:
                     json.dump(FORMAT, f)
-                torch.save(common_state or {}, os.path.join(tmp, COMMON_FILE))
+                torch.save({**(common_state or {}), "content_metadata": content}, os.path.join(tmp, COMMON_FILE))
         if write_rank_files is not None:
             write_rank_files(tmp)
         if rank == 0:
@@ -574,6 +608,13 @@ def save_mcore_checkpoint(
         if rank == 0:
             atomic.discard(tmp)
         raise
+
+
+def _extra_state_sharded_objects(arch: Qwen3MoeArch) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return {megatron_dirs.dcp_key(k, shape, off): ShardedObject(k, None, shape, off, replica_id=0)
+            for k, shape, off in megatron_dirs.extra_state_objects(arch)}
 
 
 def load_mcore_into_model(
@@ -601,10 +642,13 @@ def load_mcore_into_model(
     """
     from megatron.core import dist_checkpointing
 
+    ckpt_dir = megatron_dirs.resolve(ckpt_dir)
     check_mcore_dir(ckpt_dir)
     reader = DcpReader(ckpt_dir)
     reader.check_files()
     sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks))
+    for t in _sharded_tensors(sd):  # another writer's name for a tensor (layout.KEY_ALIASES)
+        t.key = layout.stored_key(t.key, reader.tensors)
     _check_model_against(sd, reader)
     extra = dict(extra_sharded_state or {})
     for k in extra:

@@ -789,15 +789,43 @@ class Config:
 
     # ---- architecture -------------------------------------------------------------------
 
+    def load_dir(self) -> str | None:
+        """model.load's torch_dist directory (a Megatron-LM root resolves to the iteration its
+        tracker names: converters/megatron_dirs.py); None without model.load."""
+        m = self.model
+        if m.load is None or not os.path.isdir(m.load):
+            return m.load
+        from converters.megatron_dirs import resolve
+
+        try:
+            return resolve(m.load)
+        except ValueError as e:
+            raise ConfigError(f"model.load: {e}") from None
+
     def model_sources(self) -> list[tuple[str, str]]:
         """(option, directory) of the checkpoints that carry an HF config, in the order of
         precedence: model.load's hf_config/ (when present), then model.hf_dir."""
         m = self.model
         out = []
-        if m.load is not None and os.path.isfile(os.path.join(m.load, "hf_config", "config.json")):
-            out.append(("model.load", os.path.join(m.load, "hf_config")))
+        load = self.load_dir()
+        if load is not None and os.path.isfile(os.path.join(load, "hf_config", "config.json")):
+            out.append(("model.load", os.path.join(load, "hf_config")))
         if m.hf_dir is not None:
             out.append(("model.hf_dir", m.hf_dir))
+        return out
+
+    def _config_sources(self) -> list[tuple[str, str, dict]]:
+        """(option, path, config dict) of every checkpoint config, in model_sources' order; a
+        model.load without hf_config/ but with Megatron-Bridge's run_config.yaml gives that."""
+        out = [(opt, os.path.join(d, "config.json"), _read_json_object(os.path.join(d, "config.json"), opt))
+               for opt, d in self.model_sources()]
+        load = self.load_dir()
+        if load is not None and not any(opt == "model.load" for opt, *_ in out) and os.path.isdir(load):
+            from converters.megatron_dirs import carried_config
+
+            got = carried_config(load)
+            if got is not None:
+                out.insert(0, ("model.load", got[1], got[0]))
         return out
 
     def hf_config_dict(self) -> dict:
@@ -806,14 +834,12 @@ class Config:
         source given must agree with it field by field — never a silent override (a smaller inline
         vocab_size used to load a larger checkpoint's embedding cut to its first rows)."""
         m = self.model
-        sources = self.model_sources()
-        if not sources:
+        configs = self._config_sources()
+        if not configs:
             if m.hf_config is None:
-                raise ConfigError(f"model.load: {m.load} has no hf_config/config.json; set model.hf_config or "
-                                  "model.hf_dir to give the architecture")
+                raise ConfigError(f"model.load: {m.load} has no hf_config/config.json (nor a Megatron-Bridge "
+                                  "run_config.yaml); set model.hf_config or model.hf_dir to give the architecture")
             return dict(m.hf_config)
-        configs = [(opt, os.path.join(d, "config.json"), _read_json_object(os.path.join(d, "config.json"), opt))
-                   for opt, d in sources]
         opt0, path0, chosen = configs[0]
         for opt, path, other in configs[1:]:
             for k in sorted(HF_CONFIG_KEYS & chosen.keys() & other.keys()):

@@ -60,7 +60,7 @@ def _train_tp2(out, *extra):
                         f"out_dir={out}", *SMALL, *extra], capture_output=True, text=True, timeout=600, env=env,
                        cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
-    return out / "checkpoints" / "step_00000002"
+    return out / "checkpoints" / "iter_0000002"
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,7 @@ def test_roundtrip_is_bit_exact(ckpts, case, tmp_path):
     _, cases = ckpts
     hf, mc, _ = cases[case]
     assert len(glob.glob(str(hf / "*.safetensors"))) > 1  # the input is really sharded
-    assert sorted(os.listdir(mc / "hf_config")) == sorted(
+    assert sorted(os.listdir(mc / "release" / "hf_config")) == sorted(
         f for f in os.listdir(hf) if f.endswith(".json") and f != "model.safetensors.index.json")
     back = tmp_path / "back"
     convert("mcore-to-hf", "--load", str(mc), "--out", str(back), "--max-shard-size", "300KB")
@@ -100,8 +100,8 @@ def test_roundtrip_is_bit_exact(ckpts, case, tmp_path):
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(got)
     assert json.loads((back / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
-    for f in os.listdir(mc / "hf_config"):
-        assert (back / f).read_bytes() == (mc / "hf_config" / f).read_bytes()
+    for f in os.listdir(mc / "release" / "hf_config"):
+        assert (back / f).read_bytes() == (mc / "release" / "hf_config" / f).read_bytes()
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]
 
 
@@ -135,7 +135,7 @@ def test_export_loads_in_transformers_and_dtype_option(ckpts, tmp_path):
 
     # --dtype bfloat16 on the way in: the checkpoint, its stored config and the export are bf16
     convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "mc16"), "--dtype", "bfloat16")
-    assert json.loads((tmp_path / "mc16" / "hf_config" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "mc16" / "release" / "hf_config" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     convert("mcore-to-hf", "--load", str(tmp_path / "mc16"), "--out", str(tmp_path / "back16"))
     assert_bit_exact({k: v.to(torch.bfloat16) for k, v in hf_tensors(hf).items()}, hf_tensors(tmp_path / "back16"))
     # ... and back to fp32 on the way out
@@ -352,7 +352,7 @@ def test_cli_under_torchrun(ckpts, tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
 
     torchrun("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "mc"))
-    files = os.listdir(tmp_path / "mc")
+    files = os.listdir(tmp_path / "mc" / "release")
     assert any(f.startswith("__0_") for f in files) and any(f.startswith("__1_") for f in files)
     torchrun("mcore-to-hf", "--load", str(tmp_path / "mc"), "--out", str(tmp_path / "back"), "--max-shard-size", "300KB")
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "back"))
@@ -463,18 +463,19 @@ def test_bad_input(ckpts, tmp_path, capsys):
 
     noconf = tmp_path / "noconf"
     shutil.copytree(mc, noconf)
-    shutil.rmtree(noconf / "hf_config")
-    _fails(capsys, m2h(noconf), "hf_config/config.json", "missing", out=out)
+    shutil.rmtree(noconf / "release" / "hf_config")
+    (noconf / "release" / "run_config.yaml").unlink()  # (with it, the architecture comes from there)
+    _fails(capsys, m2h(noconf), "hf_config/config.json", "missing", "run_config.yaml", "run arguments", out=out)
 
     broken = tmp_path / "broken"
     shutil.copytree(mc, broken)
-    data = (broken / "__0_0.distcp").read_bytes()
-    (broken / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+    data = (broken / "release" / "__0_0.distcp").read_bytes()
+    (broken / "release" / "__0_0.distcp").write_bytes(data[: len(data) // 2])
     _fails(capsys, m2h(broken), "__0_0.distcp", out=out)
 
     nometa = tmp_path / "nometa"
     shutil.copytree(mc, nometa)
-    (nometa / ".metadata").unlink()
+    (nometa / "release" / ".metadata").unlink()
     _fails(capsys, m2h(nometa), ".metadata", out=out)
 
 

@@ -138,11 +138,11 @@ def kill9_after_checkpoint(out_dir, min_step: int, *overrides: str, timeout_s: f
     is at step >= min_step, and return that step (the run's resume point)."""
     proc = subprocess.Popen(torchrun_cmd(2, "--config", TINY, f"out_dir={out_dir}", *overrides), env=_env(),
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    latest = out_dir / "checkpoints" / "latest"
+    latest = out_dir / "checkpoints" / "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
-            if latest.exists() and latest.read_text().strip() >= f"step_{min_step:08d}":
+            if latest.exists() and latest.read_text().strip() and int(latest.read_text()) >= min_step:
                 break
             if proc.poll() is not None:
                 pytest.fail(f"the run exited before its step-{min_step} checkpoint")
@@ -158,7 +158,7 @@ def kill9_after_checkpoint(out_dir, min_step: int, *overrides: str, timeout_s: f
             except ProcessLookupError:
                 pass
         proc.wait(timeout=60)
-    return int(latest.read_text().strip().split("_")[1])
+    return int(latest.read_text())
 
 
 @pytest.mark.timeout(900)
@@ -175,12 +175,11 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
 
     out = tmp_path / "killed"
     kill9_after_checkpoint(out, 4, *long)
-    latest = out / "checkpoints" / "latest"
+    latest = out / "checkpoints" / "latest_checkpointed_iteration.txt"
     assert not (out / "hf").exists()
-    resumed_at = latest.read_text().strip()  # the newest complete checkpoint when it was killed
+    step = int(latest.read_text())  # the newest complete checkpoint when it was killed
     r = run_train(out, *long, "checkpoint.resume=auto")
-    step = int(resumed_at.split("_")[1])
-    assert f"resumed from {out / 'checkpoints' / resumed_at} at step {step}" in r.stderr + r.stdout, \
+    assert f"resumed from {out / 'checkpoints' / f'iter_{step:07d}'} at step {step}" in r.stderr + r.stdout, \
         (r.stderr + r.stdout)[-2000:]
     assert 4 <= step < steps  # it really resumed mid-run (not from scratch, not after the end)
 
@@ -192,7 +191,7 @@ def test_kill9_then_resume_matches_uninterrupted_run(tmp_path):
     ra, rb = gspo_rows(ref), gspo_rows(out)
     assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rb]
 
-    final = f"checkpoints/step_{steps:08d}"
+    final = f"checkpoints/iter_{steps:07d}"
     ma, mb = dcp_tensors(ref / final, "optimizer.state."), dcp_tensors(out / final, "optimizer.state.")
     moments = [k for k in ma if ".exp_avg" in k]
     assert moments and set(ma) == set(mb)
@@ -216,7 +215,7 @@ def test_resume_at_another_layout_continues_training(tmp_path):
     and training goes on from its step (the exact state after loading: test_checkpoint.py)."""
     src = tmp_path / "tp2"
     run_train(src, *SMALL, "train.max_steps=2", "checkpoint.interval=0")
-    ckpt = src / "checkpoints" / "step_00000002"
+    ckpt = src / "checkpoints"  # a Megatron-LM root: its tracker names iter_0000002
     for name, layout in (("dp2", DP2_DISTOPT), ("ep2", ["parallel.tp=1", "parallel.sequence_parallel=false",
                                                       "parallel.ep=2"])):
         out = tmp_path / name
@@ -226,7 +225,7 @@ def test_resume_at_another_layout_continues_training(tmp_path):
         assert "run: world 2 = tp 1" in r.stderr and "optimizer distributed Adam" in r.stderr
         assert "step 3/3 | reward" in r.stderr
         assert [row["step"] for row in gspo_rows(out)] == [3]
-        assert (out / "checkpoints" / "step_00000003").is_dir() and (out / "hf").is_dir()
+        assert (out / "checkpoints" / "iter_0000003").is_dir() and (out / "hf").is_dir()
 
 
 @pytest.mark.timeout(900)

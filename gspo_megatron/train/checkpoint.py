@@ -1,6 +1,7 @@
 """Trainer checkpoints in Megatron-Core's `dist_checkpointing` (torch_dist) format: resharding on load.
 
-Layout: <out_dir>/checkpoints/step_00000010/ is one torch_dist checkpoint directory —
+Layout: <out_dir>/checkpoints/ is a Megatron-LM checkpoint root (converters/megatron_dirs.py):
+<out_dir>/checkpoints/iter_0000010/ is one torch_dist checkpoint directory —
 
     metadata.json, .metadata, __*.distcp   global tensors: the model (converters/layout.py keys, the
                                            ones `gspo-convert` reads and writes) and the optimizer's
@@ -12,11 +13,13 @@ Layout: <out_dir>/checkpoints/step_00000010/ is one torch_dist checkpoint direct
     rng/rank_<r>.pt                        each rank's RNG state (restored when the layout is the same)
     hf_config/                             the HF config (+ tokenizer): `gspo-convert mcore-to-hf
                                            --load <dir>` and `model.load=<dir>` need nothing else
+    run_config.yaml, _extra_state entries  what Megatron-Bridge's loaders ask for (megatron_dirs)
 
-plus <out_dir>/checkpoints/latest, the newest complete directory's name. Every rank writes its
-regions into a hidden temporary directory; after a barrier rank 0 renames it into place and only
-then rewrites `latest` (temp file + rename), so a crash leaves the previous checkpoint or the new
-one, never half of one.
+plus <out_dir>/checkpoints/latest_checkpointed_iteration.txt, the newest complete iteration
+(Megatron-LM's tracker; runs of earlier versions wrote `latest` with a step_* name, still read).
+Every rank writes its regions into a hidden temporary directory; after a barrier rank 0 renames it
+into place and only then rewrites the tracker (temp file + rename), so a crash leaves the previous
+checkpoint or the new one, never half of one.
 
 With the distributed optimizer each DP rank writes the regions its own optimizer shard covers,
 of the model and of the optimizer state, straight from its tensors (train/checkpoint_shards.py):
@@ -50,7 +53,7 @@ import torch.distributed as dist
 
 log = logging.getLogger("gspo_megatron.train")
 
-LATEST = "latest"
+LATEST = "latest"  # the tracker of earlier versions (a step_* directory name), read for old runs
 FORMAT_VERSION = 2  # 1: per-rank torch.save shards (before dist_checkpointing); not readable now
 # fully_reshardable: every parameter's optimizer state in model space with its global shape, so
 # TP/PP/EP/DP may all change on load (megatron/core/optimizer/distrib_optimizer.py,
@@ -67,7 +70,9 @@ def ckpt_root(out_dir: str) -> str:
 
 
 def _step_name(step: int) -> str:
-    return f"step_{step:08d}"
+    from converters.megatron_dirs import iter_name
+
+    return iter_name(step)
 
 
 def rng_state() -> dict:
@@ -146,26 +151,20 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
                                  "trainer": trainer},
         )
     if ctx.rank == 0:
-        _write_latest(root, _step_name(step))
+        from converters.megatron_dirs import write_tracker
+
+        write_tracker(root, step)
         _prune(root, keep_last)
     dist.barrier()
     return final
 
 
-def _write_latest(root: str, name: str) -> None:
-    tmp = os.path.join(root, LATEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, LATEST))
-
-
 def _prune(root: str, keep_last: int) -> None:
+    from converters.megatron_dirs import iterations
+
     if keep_last <= 0:
         return
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step_") and "." not in d)
-    for d in steps[:-keep_last]:
+    for d in iterations(root)[:-keep_last]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
@@ -174,12 +173,16 @@ def is_trainer_checkpoint(path: str) -> bool:
 
 
 def find_latest(out_dir: str) -> str | None:
+    from converters.megatron_dirs import read_tracker
+
     root = ckpt_root(out_dir)
-    p = os.path.join(root, LATEST)
-    if not os.path.isfile(p):
-        return None
-    with open(p) as f:
-        name = f.read().strip()
+    name = read_tracker(root) if os.path.isdir(root) else None
+    if name is None:  # a run of an earlier version
+        p = os.path.join(root, LATEST)
+        if not os.path.isfile(p):
+            return None
+        with open(p) as f:
+            name = f.read().strip()
     d = os.path.join(root, name)
     if os.path.isfile(os.path.join(d, "meta.json")) and not is_trainer_checkpoint(d):
         from gspo_megatron.model.hf_io import CheckpointError
@@ -194,7 +197,9 @@ def resolve_resume(resume: str, out_dir: str) -> str | None:
         return None
     if resume == "auto":
         return find_latest(out_dir)
-    return resume
+    from converters.megatron_dirs import resolve
+
+    return resolve(resume)  # a checkpoint directory, or a root (its tracker)
 
 
 def read_trainer_state(path: str) -> dict:

@@ -307,7 +307,9 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     if cfg.checkpoint.resume not in ("auto", "never"):  # an explicit path: a trainer checkpoint
         from gspo_megatron.train.checkpoint import read_trainer_state
 
-        read_trainer_state(cfg.checkpoint.resume)  # one CheckpointError line naming the path
+        from converters.megatron_dirs import resolve
+
+        read_trainer_state(resolve(cfg.checkpoint.resume))  # one CheckpointError line naming the path
     heldout = None
     if cfg.eval.interval:
         from gspo_megatron.train.evaluation import HeldOut

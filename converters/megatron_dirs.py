@@ -1,0 +1,335 @@
+"""The Megatron-LM / Megatron-Bridge checkpoint conventions around a torch_dist directory.
+
+A Megatron-LM checkpoint root (Megatron-Bridge 0.3.1 writes the same) is
+
+    ROOT/latest_checkpointed_iteration.txt   "<N>" or "release"
+    ROOT/iter_<N:07d>/  or  ROOT/release/      the torch_dist directory (metadata.json, .metadata,
+                                               __*.distcp, common.pt), plus Bridge's
+                                               run_config.yaml (its ConfigContainer; `model:` is
+                                               the model provider's fields)
+
+What this module gives the project's readers and writers:
+
+* `resolve(path)`: the torch_dist directory of a root (tracker, else the newest iter_*), of an
+  iteration directory, or of a flat directory (the project's older converter output).
+* `carried_config(dir)`: a Qwen3-MoE HF config dict from Bridge's run_config.yaml
+  (`yaml.safe_load`; hydra `_target_` entries are read as data, never instantiated), else from the
+  run arguments Megatron-LM keeps in common.pt (`torch.load(weights_only=True)`, allowing only
+  argparse.Namespace and Megatron-Core enums).
+* `bridge_run_config(hf)`: the run_config.yaml the project writes next to its tensors, so that
+  Bridge's `AutoBridge.load_megatron_model` (training/model_load_save.py:213-227: instantiates
+  run_config["model"]) and its training loader (training/checkpointing.py:1451-1509) accept them.
+* `extra_state_objects(arch)`: the `_extra_state` entries Megatron's Transformer Engine layers
+  ask a checkpoint for. Bridge's default load strictness ("assume_ok_unexpected",
+  training/checkpointing.py:1237-1246) hands every requested key to PyTorch DCP, which fails on a
+  missing one ("Missing key in checkpoint state_dict: ...linear_proj._extra_state/shard_0_2");
+  Bridge drops their values after loading (:1286-1288). We store each as `torch.save([None])`, what
+  Megatron writes for a module with no extra state (dist_checkpointing/strategies/torch.py:320-325);
+  TE loads None as "no FP8 metadata". The set covers the linear layers and the experts (what a
+  Bridge model requests on CPU, verified) and TE's norms (q/k/pre-MLP/final: TE >= 2 norms keep
+  extra state; unverified here, no TE): a stored key nobody requests is ignored by DCP.
+* `CONTENT_METADATA`: what Bridge's training loader reads from common.pt (checkpointing.py:1544).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from gspo_megatron.model.hf_io import CheckpointError
+from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch
+
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM training/checkpointing.py get_checkpoint_tracker_filename
+RELEASE = "release"
+RUN_CONFIG = "run_config.yaml"
+FORMAT_FILE = "metadata.json"
+# megatron/bridge/training/checkpointing.py _build_sharded_state_dict_metadata (singleton_local_shards:
+# experts stacked as [layers, experts], not one key per expert; chained_optim_avoid_prefix: the
+# optimizer keys do not depend on how many optimizers are chained - the project's own choice too)
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+_ITER = re.compile(r"^iter_(\d{7,})$")
+
+
+def iter_name(iteration: int | str) -> str:
+    return RELEASE if iteration == RELEASE else f"iter_{int(iteration):07d}"
+
+
+def write_tracker(root: str, iteration: int | str) -> None:
+    """ROOT/latest_checkpointed_iteration.txt, replaced atomically (temp file + rename)."""
+    tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))
+
+
+def read_tracker(root: str) -> str | None:
+    """The iteration directory name the tracker names (None without a tracker)."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
+    try:
+        return iter_name(int(text))
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number or 'release', got {text[:40]!r}") from None
+
+
+def iterations(root: str) -> list[str]:
+    """The iter_* directories of a root, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((d for d in os.listdir(root) if _ITER.match(d)), key=lambda d: int(_ITER.match(d).group(1)))
+
+
+def resolve(path: str) -> str:
+    """The torch_dist directory `path` stands for: itself when it holds metadata.json; for a
+    Megatron-LM root, the directory its tracker names, else its newest iter_*. One-line errors."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such directory")
+    if os.path.isfile(os.path.join(path, FORMAT_FILE)):
+        return path
+    name = read_tracker(path)
+    if name is not None:
+        d = os.path.join(path, name)
+        if not os.path.isfile(os.path.join(d, FORMAT_FILE)):
+            raise CheckpointError(f"{os.path.join(path, TRACKER)} names {name}, but {d} is not a torch_dist "
+                                  f"checkpoint (no {FORMAT_FILE})")
+        return d
+    its = iterations(path)
+    if its:
+        return os.path.join(path, its[-1])
+    hint = " (it looks like a Hugging Face checkpoint directory)" \
+        if os.path.isfile(os.path.join(path, "config.json")) else ""
+    raise CheckpointError(f"{path}: not a Megatron torch_dist checkpoint (no {FORMAT_FILE}, no {TRACKER}, "
+                          f"no iter_* directory){hint}")
+
+
+# ----------------------------------------------------------------------------------------------
+# run_config.yaml (Megatron-Bridge)
+
+_QWEN3_MOE_PROVIDER = "megatron.bridge.models.qwen.qwen_provider.Qwen3MoEModelProvider"
+# Qwen3MoEModelProvider's defaults that decide the architecture (models/qwen/qwen_provider.py:364-398),
+# for a run_config that names that provider without listing them
+_QWEN3_MOE_DEFAULTS = {"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
+                       "add_qkv_bias": False, "qk_layernorm": True, "position_embedding_type": "rope",
+                       "layernorm_epsilon": 1e-6, "rotary_base": 1000000.0, "moe_router_pre_softmax": False,
+                       "share_embeddings_and_output_weights": False}
+# what a Qwen3-MoE must have; anything else is another architecture
+_REQUIRED = {"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
+             "add_qkv_bias": False, "qk_layernorm": True, "position_embedding_type": "rope"}
+_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def carried_config(ckpt_dir: str) -> tuple[dict, str] | None:
+    """The HF config a checkpoint written by Megatron-Bridge (run_config.yaml) or Megatron-LM
+    (the arguments in common.pt) carries, with its source; None when it carries neither."""
+    return hf_config_from_run_config(ckpt_dir) or hf_config_from_megatron_lm_args(ckpt_dir)
+
+
+def hf_config_from_run_config(ckpt_dir: str) -> tuple[dict, str] | None:
+    """(HF Qwen3-MoE config dict, source path) from ckpt_dir/run_config.yaml; None without one."""
+    import yaml
+
+    path = os.path.join(ckpt_dir, RUN_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            run = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ModelConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    m = run.get("model") if isinstance(run, dict) else None
+    if not isinstance(m, dict):
+        raise ModelConfigError(f"{path}: no `model:` section")
+    if m.get("_target_") == _QWEN3_MOE_PROVIDER:
+        m = {**_QWEN3_MOE_DEFAULTS, **{k: v for k, v in m.items() if v is not None}}
+    return _hf_from_provider_fields(m, path, "model."), path
+
+
+# Megatron-LM's argument names (megatron/training/arguments.py) -> the provider field names above
+_MLM_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+             "num_attention_heads": "num_attention_heads", "kv_channels": "kv_channels",
+             "num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
+             "moe_ffn_hidden_size": "moe_ffn_hidden_size", "moe_router_pre_softmax": "moe_router_pre_softmax",
+             "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+             "moe_layer_freq": "moe_layer_freq", "norm_epsilon": "layernorm_epsilon", "rotary_base": "rotary_base",
+             "qk_layernorm": "qk_layernorm", "normalization": "normalization", "add_bias_linear": "add_bias_linear",
+             "add_qkv_bias": "add_qkv_bias", "position_embedding_type": "position_embedding_type",
+             "swiglu": "gated_linear_unit", "max_position_embeddings": "max_position_embeddings",
+             "seq_length": "seq_length"}
+
+
+def hf_config_from_megatron_lm_args(ckpt_dir: str) -> tuple[dict, str] | None:
+    """(HF config, source) from the run arguments Megatron-LM stores in common.pt ("args", an
+    argparse.Namespace); None when there are none. Read with torch.load(weights_only=True): only
+    argparse.Namespace and Megatron-Core's enums (e.g. AttnBackend) are allowed to be rebuilt, so
+    nothing in the file can run code; anything else is a one-line error."""
+    import argparse
+    import enum
+    import importlib
+    import pickle
+
+    import torch
+
+    path = os.path.join(ckpt_dir, "common.pt")
+    if not os.path.isfile(path):
+        return None
+    allowed: list = [argparse.Namespace]
+    for _ in range(32):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                common = torch.load(path, map_location="cpu", weights_only=True)
+            break
+        except pickle.UnpicklingError as e:
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            name = found.group(1) if found else "?"
+            mod, _, attr = name.rpartition(".")
+            cls = None
+            if mod.startswith("megatron.core."):
+                try:
+                    cls = getattr(importlib.import_module(mod), attr, None)
+                except ImportError:
+                    cls = None
+            if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) or cls in allowed:
+                raise ModelConfigError(f"{path}: its run arguments hold a {name} object, which safe loading "
+                                       "(torch.load weights_only=True) refuses; pass --hf-config-dir / model.hf_dir") from None
+            allowed.append(cls)
+    args = common.get("args") if isinstance(common, dict) else None
+    if args is None:
+        return None
+    a = vars(args)
+    m = {new: a[old] for old, new in _MLM_ARGS.items() if old in a}
+    m["num_query_groups"] = a.get("num_query_groups") if a.get("group_query_attention") else None
+    m["share_embeddings_and_output_weights"] = not a.get("untie_embeddings_and_output_weights", False)
+    m["vocab_size"] = a.get("vocab_size") or a.get("padded_vocab_size")
+    m["activation_func"] = "torch.nn.functional.silu" if a.get("swiglu") else a.get("activation_func", "gelu")
+    dtype = a.get("params_dtype")
+    m["params_dtype"] = str(dtype) if dtype is not None else ("torch.bfloat16" if a.get("bf16") else "torch.float32")
+    return _hf_from_provider_fields(m, path, "args."), path
+
+
+def _hf_from_provider_fields(m: dict, path: str, prefix: str) -> dict:
+    """A Qwen3-MoE HF config dict from Megatron model-provider fields (checked to be Qwen3-MoE);
+    errors name the file and the field (`prefix`: "model." for run_config.yaml, "args." for
+    Megatron-LM's arguments; field names are the provider's)."""
+
+    def req(key):
+        if m.get(key) is None:
+            raise ModelConfigError(f"{path}: {prefix}{key} is missing")
+        return m[key]
+
+    for key, want in _REQUIRED.items():
+        if m.get(key) != want:
+            raise ModelConfigError(f"{path}: {prefix}{key} is {m.get(key)!r}; a Qwen3-MoE has {want!r}")
+    act = m.get("activation_func")
+    target = act.get("_target_") if isinstance(act, dict) else act
+    if target not in (None, "torch.nn.functional.silu"):
+        raise ModelConfigError(f"{path}: {prefix}activation_func is {target!r}; a Qwen3-MoE uses silu")
+    if m.get("moe_shared_expert_intermediate_size"):
+        raise ModelConfigError(f"{path}: shared experts ({prefix}moe_shared_expert_intermediate_size) are not Qwen3-MoE")
+    freq = m.get("moe_layer_freq", 1)
+    if freq != 1 and not (isinstance(freq, list) and all(x == 1 for x in freq)):
+        raise ModelConfigError(f"{path}: {prefix}moe_layer_freq={freq!r} mixes dense layers in (not supported)")
+    heads = int(req("num_attention_heads"))
+    dtype = m.get("params_dtype")
+    dtype = _DTYPES.get(dtype.get("_target_") if isinstance(dtype, dict) else dtype, "bfloat16")
+    hf = {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": int(req("vocab_size")), "hidden_size": int(req("hidden_size")),
+        "intermediate_size": int(m.get("ffn_hidden_size") or req("moe_ffn_hidden_size")),
+        "moe_intermediate_size": int(req("moe_ffn_hidden_size")),
+        "num_hidden_layers": int(req("num_layers")), "num_attention_heads": heads,
+        "num_key_value_heads": int(m.get("num_query_groups") or heads),
+        "head_dim": int(m.get("kv_channels") or int(req("hidden_size")) // heads),
+        "num_experts": int(req("num_moe_experts")), "num_experts_per_tok": int(req("moe_router_topk")),
+        "norm_topk_prob": not bool(m.get("moe_router_pre_softmax", False)),
+        "rms_norm_eps": float(req("layernorm_epsilon")),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(req("rotary_base"))},
+        "max_position_embeddings": int(m.get("max_position_embeddings") or m.get("seq_length") or 32768),
+        "tie_word_embeddings": bool(m.get("share_embeddings_and_output_weights", False)),
+        "hidden_act": "silu", "attention_bias": False, "dtype": dtype,
+    }
+    Qwen3MoeArch.from_hf_dict(hf, source=path)
+    return hf
+
+
+def bridge_run_config(arch: Qwen3MoeArch, dtype: str = "bfloat16", ffn_hidden_size: int | None = None) -> dict:
+    """The run_config.yaml contents for a checkpoint of `arch`: the Qwen3-MoE provider with the
+    architecture's fields (its defaults give RMSNorm, SwiGLU, QK norm, RoPE, no biases) and the
+    checkpoint fields Bridge's training loader reads. TP/PP 1: a checkpoint is layout-free."""
+    torch_dtype = {"float32": "torch.float32", "float16": "torch.float16"}.get(dtype, "torch.bfloat16")
+    return {
+        "model": {
+            "_target_": _QWEN3_MOE_PROVIDER,
+            "num_layers": arch.num_layers, "hidden_size": arch.hidden_size,
+            # the dense MLP width (HF intermediate_size; unused when every layer is MoE)
+            "ffn_hidden_size": ffn_hidden_size or arch.moe_intermediate_size,
+            "moe_ffn_hidden_size": arch.moe_intermediate_size,
+            "num_attention_heads": arch.num_attention_heads, "num_query_groups": arch.num_key_value_heads,
+            "kv_channels": arch.head_dim, "num_moe_experts": arch.num_experts, "moe_router_topk": arch.moe_topk,
+            "moe_router_pre_softmax": not arch.norm_topk_prob,
+            "vocab_size": arch.vocab_size, "seq_length": arch.max_position_embeddings,
+            "max_position_embeddings": arch.max_position_embeddings, "layernorm_epsilon": arch.rms_norm_eps,
+            "rotary_base": arch.rope_theta, "share_embeddings_and_output_weights": arch.tie_word_embeddings,
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+            "params_dtype": {"_target_": torch_dtype, "_call_": False},
+            "bf16": torch_dtype == "torch.bfloat16", "fp16": torch_dtype == "torch.float16",
+        },
+        "checkpoint": {"save_rng": False, "save_optim": False, "fully_parallel_save": True},
+    }
+
+
+def write_run_config(ckpt_dir: str, arch: Qwen3MoeArch, dtype: str = "bfloat16",
+                     ffn_hidden_size: int | None = None) -> None:
+    import yaml
+
+    with open(os.path.join(ckpt_dir, RUN_CONFIG), "w") as f:
+        f.write("# Megatron-Bridge run config (the model provider and checkpoint fields its loaders read),\n"
+                "# written by gspo-megatron; its own readers take the architecture from hf_config/.\n")
+        yaml.safe_dump(bridge_run_config(arch, dtype, ffn_hidden_size), f, sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# _extra_state entries
+
+
+_PER_LAYER_EXTRA = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.q_layernorm",
+                    "self_attention.k_layernorm", "pre_mlp_layernorm")
+_PER_EXPERT_EXTRA = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+
+
+def extra_state_objects(arch: Qwen3MoeArch) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(key, global shape, global offset) of every `_extra_state` entry, in the stacked layout
+    ([layers] or [layers, experts]; a model-level norm has shape (1,))."""
+    L, E = arch.num_layers, arch.num_experts
+    out = [(f"decoder.layers.{m}._extra_state", (L,), (i,)) for m in _PER_LAYER_EXTRA for i in range(L)]
+    out += [(f"decoder.layers.{m}._extra_state", (L, E), (i, e))
+            for m in _PER_EXPERT_EXTRA for i in range(L) for e in range(E)]
+    out.append(("decoder.final_layernorm._extra_state", (1,), (0,)))
+    return out
+
+
+def dcp_key(key: str, shape: tuple[int, ...], offset: tuple[int, ...]) -> str:
+    """Megatron's ShardedObject.unique_key (dist_checkpointing/mapping.py): the DCP key it is stored under."""
+    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+
+
+def extra_state_entries(arch: Qwen3MoeArch) -> dict[str, bytes]:
+    """DCP key -> stored bytes of every `_extra_state` entry (for converters/dcp_io.save_chunks)."""
+    data = extra_state_bytes()
+    return {dcp_key(*x): data for x in extra_state_objects(arch)}
+
+
+def extra_state_bytes() -> bytes:
+    """What Megatron stores for a module whose extra state is None: torch.save([None])."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    return buf.getvalue()

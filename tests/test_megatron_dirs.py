@@ -1,0 +1,177 @@
+"""Megatron-LM / Megatron-Bridge checkpoint conventions (converters/megatron_dirs.py), without
+Megatron-Bridge itself (tests/test_megatron_bridge.py runs it): roots and trackers resolve to the
+torch_dist directory, the run_config.yaml we write reads back as the same architecture (and is
+the only config a checkpoint needs), the `_extra_state` entries Bridge's loaders ask for are
+stored with what Megatron writes for "no extra state", and the local-spec key of the pre-MLP norm
+(what Megatron-Bridge and Megatron-LM runs without Transformer Engine write) is read."""
+from __future__ import annotations
+
+import io
+import shutil
+
+import pytest
+import torch
+
+from converters import megatron_dirs
+from converters.cli import main as cli
+from gspo_megatron.model.hf_io import CheckpointError
+from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch
+from megatron_utils import make_tiny_hf
+from test_converters import assert_bit_exact, hf_tensors
+
+
+def _convert(hf, out):
+    assert cli(["hf-to-mcore", "--hf-dir", str(hf), "--out", str(out), "--no-progress"]) == 0
+
+
+def test_resolve_roots_trackers_and_iterations(tmp_path):
+    def ckpt(d):
+        d.mkdir(parents=True)
+        (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+        return d
+
+    root = tmp_path / "root"
+    for n in (5, 40, 100):
+        ckpt(root / f"iter_{n:07d}")
+    assert megatron_dirs.resolve(str(root)) == str(root / "iter_0000100")  # no tracker: the newest
+    megatron_dirs.write_tracker(str(root), 40)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "40\n"
+    assert megatron_dirs.resolve(str(root)) == str(root / "iter_0000040")  # the tracker decides
+    assert megatron_dirs.resolve(str(root / "iter_0000005")) == str(root / "iter_0000005")
+    ckpt(root / "release")
+    megatron_dirs.write_tracker(str(root), "release")
+    assert megatron_dirs.resolve(str(root)) == str(root / "release")
+    megatron_dirs.write_tracker(str(root), 7)
+    with pytest.raises(CheckpointError, match="names iter_0000007, but .* is not a torch_dist checkpoint"):
+        megatron_dirs.resolve(str(root))
+    (root / "latest_checkpointed_iteration.txt").write_text("latest\n")
+    with pytest.raises(CheckpointError, match="expected an iteration number or 'release'"):
+        megatron_dirs.resolve(str(root))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no metadata.json, no latest_checkpointed_iteration.txt, no iter_"):
+        megatron_dirs.resolve(str(tmp_path / "empty"))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mdirs")
+    make_tiny_hf(d / "hf", seed=4, dtype=torch.float32)
+    _convert(d / "hf", d / "mc")
+    return d / "hf", d / "mc"
+
+
+def test_converter_writes_a_megatron_lm_root_with_bridge_files(converted):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    hf, mc = converted
+    assert (mc / "latest_checkpointed_iteration.txt").read_text() == "release\n"
+    ck = mc / "release"
+    common = torch.load(ck / "common.pt", weights_only=True)
+    assert common == {"content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
+    md = FileSystemReader(str(ck)).read_metadata().state_dict_metadata
+    objects = {k for k, v in md.items() if isinstance(v, BytesStorageMetadata)}
+    arch = Qwen3MoeArch.from_hf_dir(str(hf))
+    L, E = arch.num_layers, arch.num_experts
+    # the keys Megatron-Bridge 0.3.1 requests of a checkpoint (its own CPU save, tests/README.md)
+    for k in (f"decoder.layers.self_attention.linear_qkv._extra_state/shard_0_{L}",
+              f"decoder.layers.self_attention.linear_proj._extra_state/shard_{L - 1}_{L}",
+              f"decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_1.{E - 1}_{L}.{E}",
+              f"decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_0.0_{L}.{E}"):
+        assert k in objects, k
+    assert len(objects) == len(megatron_dirs.extra_state_objects(arch))
+    # each holds what Megatron writes for a module without extra state: torch.save([None]) (read
+    # from the data file at the offset .metadata gives, with weights_only=True: DCP's own byte
+    # loading unpickles with weights_only=False)
+    storage = FileSystemReader(str(ck)).read_metadata().storage_data
+    for idx, info in storage.items():
+        if idx.fqn in objects:
+            with open(ck / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                assert torch.load(io.BytesIO(f.read(info.length)), weights_only=True) == [None]
+
+
+def test_run_config_is_enough_to_read_a_checkpoint(converted, tmp_path):
+    """Without hf_config/, mcore-to-hf --load <root> takes the architecture from run_config.yaml
+    (as for a Megatron-Bridge checkpoint): bit-exact, no flags."""
+    hf, mc = converted
+    arch = Qwen3MoeArch.from_hf_dir(str(hf))
+    back, path = megatron_dirs.hf_config_from_run_config(str(mc / "release"))
+    assert Qwen3MoeArch.from_hf_dict(back) == arch and path.endswith("run_config.yaml")
+
+    bare = tmp_path / "bare"
+    shutil.copytree(mc, bare)
+    shutil.rmtree(bare / "release" / "hf_config")
+    assert cli(["mcore-to-hf", "--load", str(bare), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
+
+    import yaml
+
+    run = yaml.safe_load((bare / "release" / "run_config.yaml").read_text())
+    run["model"]["normalization"] = "LayerNorm"
+    (bare / "release" / "run_config.yaml").write_text(yaml.safe_dump(run))
+    with pytest.raises(ModelConfigError, match=r"run_config.yaml: model.normalization is 'LayerNorm'; a Qwen3-MoE has 'RMSNorm'"):
+        megatron_dirs.hf_config_from_run_config(str(bare / "release"))
+
+
+def test_local_spec_pre_mlp_norm_key_is_read(converted, tmp_path):
+    """A checkpoint that stores the pre-MLP norm under the local spec's name (Megatron-Bridge or
+    Megatron-LM without Transformer Engine) converts bit-exactly: the DCP key is renamed in a
+    copy of our checkpoint (the .metadata maps it; the data files are untouched)."""
+    import pickle
+
+    hf, mc = converted
+    alias = tmp_path / "alias"
+    shutil.copytree(mc, alias)
+    meta = alias / "release" / ".metadata"
+    md = pickle.loads(meta.read_bytes())
+    te, local = "decoder.layers.pre_mlp_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    md.state_dict_metadata[local] = md.state_dict_metadata.pop(te)
+    md.storage_data = {type(k)(local if k.fqn == te else k.fqn, k.offset, k.index): v for k, v in md.storage_data.items()}
+    meta.write_bytes(pickle.dumps(md))
+    assert cli(["mcore-to-hf", "--load", str(alias), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
+
+
+def _mlm_args(arch: Qwen3MoeArch, **extra):
+    """The run arguments Megatron-LM's pretrain_gpt.py keeps in common.pt for this architecture
+    (megatron/training/arguments.py names; an enum and a torch dtype among them, as there)."""
+    import argparse
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    return argparse.Namespace(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.moe_intermediate_size,
+        num_attention_heads=arch.num_attention_heads, group_query_attention=True,
+        num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim, num_experts=arch.num_experts,
+        moe_router_topk=arch.moe_topk, moe_ffn_hidden_size=arch.moe_intermediate_size,
+        moe_router_pre_softmax=not arch.norm_topk_prob, moe_layer_freq=[1] * arch.num_layers,
+        norm_epsilon=arch.rms_norm_eps, rotary_base=arch.rope_theta, qk_layernorm=True, normalization="RMSNorm",
+        swiglu=True, add_bias_linear=False, add_qkv_bias=False, position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not arch.tie_word_embeddings, vocab_size=arch.vocab_size,
+        padded_vocab_size=arch.vocab_size + 4, max_position_embeddings=arch.max_position_embeddings,
+        seq_length=4096, params_dtype=torch.float32, bf16=False, attention_backend=AttnBackend.auto, **extra)
+
+
+def test_megatron_lm_run_arguments_are_read_safely(converted, tmp_path):
+    """A Megatron-LM root that carries its config only as run arguments in common.pt converts with
+    no flags, bit-exact; an argument of a type that could run code is refused in one line."""
+    import functools
+
+    hf, mc = converted
+    arch = Qwen3MoeArch.from_hf_dir(str(hf))
+    mlm = tmp_path / "mlm"
+    shutil.copytree(mc, mlm)
+    shutil.rmtree(mlm / "release" / "hf_config")
+    (mlm / "release" / "run_config.yaml").unlink()
+    torch.save({"args": _mlm_args(arch), "checkpoint_version": 3.0, "iteration": 0},
+               mlm / "release" / "common.pt")
+    back, _ = megatron_dirs.carried_config(str(mlm / "release"))
+    assert Qwen3MoeArch.from_hf_dict(back) == arch
+    assert cli(["mcore-to-hf", "--load", str(mlm), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
+
+    torch.save({"args": _mlm_args(arch, hook=functools.partial(print, "x"))}, mlm / "release" / "common.pt")
+    with pytest.raises(ModelConfigError, match=r"common.pt: its run arguments hold a functools.partial object, "
+                                                r"which safe loading .* refuses"):
+        megatron_dirs.carried_config(str(mlm / "release"))
