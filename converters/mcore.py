@@ -470,6 +470,21 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
     return out
 
 
+def model_extra_state_keys(chunks: list[torch.nn.Module]) -> list[tuple[str, tuple, tuple]]:
+    """(key, global shape, global offset) of the `_extra_state` ShardedObjects this rank's model
+    chunks ask a checkpoint for (Transformer Engine's modules on GPU, Megatron's linear layers on
+    CPU); the keys are global, so every writer of the same architecture asks for the same ones."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    out = []
+    for chunk in chunks:
+        for v in nested_values(_unwrap(chunk).sharded_state_dict()):
+            if isinstance(v, ShardedObject) and v.key.endswith("._extra_state"):
+                out.append((v.key, tuple(v.global_shape), tuple(v.global_offset)))
+    return out
+
+
 def _sharded_tensors(sd: dict):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -584,14 +599,25 @@ def save_mcore_checkpoint(
     try:
         arch = Qwen3MoeArch.from_hf_dict(cfg)
         content = dict(megatron_dirs.CONTENT_METADATA)
+        # the `_extra_state` entries: the architecture's list (megatron_dirs) and whatever this
+        # model's modules ask for (on GPU, Transformer Engine's exact set), gathered onto rank 0
+        extra = set(megatron_dirs.extra_state_objects(arch))
+        asked = model_extra_state_keys(chunks)
+        d = atomic.dist_or_none()
+        if d is not None:
+            gathered: list = [None] * d.get_world_size()
+            d.all_gather_object(gathered, asked)
+            asked = [x for part in gathered for x in part]
+        extra |= set(asked)
         if tensor_chunks is None:
             if rank == 0:  # the `_extra_state` entries other Megatron loaders ask for (megatron_dirs)
-                sd["_extra_state"] = _extra_state_sharded_objects(arch)
+                sd["_extra_state"] = _extra_state_sharded_objects(extra)
             dist_checkpointing.save(sd, tmp, sharded_strategy=_parallel_save(_SyncTorchDistSave(thread_count)),
                                     content_metadata=content)
         else:
+            data = megatron_dirs.extra_state_bytes()
             save_chunks(tensor_chunks, tmp, max_file_bytes=DEFAULT_MAX_FILE_BYTES, threads=thread_count,
-                        objects=megatron_dirs.extra_state_entries(arch) if rank == 0 else None)
+                        objects={megatron_dirs.dcp_key(*x): data for x in extra} if rank == 0 else None)
             if rank == 0:
                 with open(os.path.join(tmp, FORMAT_FILE), "w") as f:
                     json.dump(FORMAT, f)
@@ -610,11 +636,11 @@ def save_mcore_checkpoint(
         raise
 
 
-def _extra_state_sharded_objects(arch: Qwen3MoeArch) -> dict:
+def _extra_state_sharded_objects(entries) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return {megatron_dirs.dcp_key(k, shape, off): ShardedObject(k, None, shape, off, replica_id=0)
-            for k, shape, off in megatron_dirs.extra_state_objects(arch)}
+            for k, shape, off in sorted(entries)}
 
 
 def load_mcore_into_model(

@@ -200,6 +200,13 @@ def _rank_load_layouts(rank, world, jobs, seqs):
         keys = [None] * world
         torch.distributed.all_gather_object(keys, sorted({st.key for st in sts}))
         assert set().union(*keys) == reader.keys(), (name, sorted(set().union(*keys) ^ reader.keys()))
+        # every `_extra_state` entry the model asks a checkpoint for (what Megatron-Bridge's loaders
+        # request) is among the ones the converter writes (converters/megatron_dirs.py)
+        from converters import megatron_dirs
+        from converters.mcore import model_extra_state_keys
+
+        asked = model_extra_state_keys(chunks)
+        assert asked and set(asked) <= set(megatron_dirs.extra_state_objects(arch)), (name, asked[:3])
         # SPRMSNorm (a plain torch module) is replicated: main copy on TP rank 0 only
         for st in sts:
             if st.key.endswith("layernorm.weight") or st.key.endswith("layer_norm_weight"):
