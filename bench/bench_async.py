@@ -1,4 +1,5 @@
-"""Synchronous vs asynchronous training (rollout.async_steps 0 vs 1), side by side in one run.
+"""Synchronous vs asynchronous training (rollout.async_steps 0 vs 1, and 1 with partial rollouts),
+side by side in one run.
 
     python bench/bench_async.py                  # 20 steps each, ~3 min on 2 cores
     python bench/bench_async.py --steps 8 --json out.json
@@ -16,8 +17,9 @@ Setup
 Printed
   wall time of each run (torchrun start to exit, the same fixed start-up cost in both), the
   per-step mean of t_step, the ratio sync / async of the step time and of the whole run, the
-  maximum staleness seen (<= async_steps), dropped samples, the trainer's waits, and peak RSS of
-  the run's processes (ru_maxrss of the children).
+  maximum staleness seen (<= async_steps), dropped samples, samples carried over a weight push
+  (partial rollouts), the trainer's waits, and peak RSS of the run's processes (ru_maxrss of the
+  children).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def _hf_dir(path: str) -> str:
     return path
 
 
-def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: str) -> dict:
+def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: str, partial: bool = False) -> dict:
     from sglang_double import sglang_overrides
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -59,7 +61,7 @@ def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: 
            "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}",
            "model.hf_config=null", f"train.max_steps={steps}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
            "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
-           "train.minibatches_per_step=2", f"rollout.async_steps={async_steps}",
+           "train.minibatches_per_step=2", f"rollout.async_steps={async_steps}", f"rollout.partial={str(partial).lower()}",
            # the synchronous loop's pi_old default; the same in both runs, so only the overlap differs
            "loss.old_logprobs=recompute",
            *sglang_overrides(url, weight_sync="disk", shared_dir=shared)]
@@ -72,7 +74,8 @@ def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: 
     rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"gspo"' in x]
     peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     mean = lambda k: sum(x.get(k, 0.0) for x in rows) / len(rows)  # noqa: E731
-    return {"async_steps": async_steps, "wall_s": wall, "steps": len(rows), "t_step": mean("t_step"),
+    return {"async_steps": async_steps, "partial": partial, "carried": sum(x.get("samples_carried", 0) for x in rows),
+            "wall_s": wall, "steps": len(rows), "t_step": mean("t_step"),
             "t_rollout": mean("t_rollout"), "t_train": mean("t_train"), "t_old": mean("t_old_logprobs"),
             "t_wait_rollout": mean("t_wait_rollout"), "t_sync": mean("t_weight_sync"), "staleness_max": max(x.get("staleness_max", 0) for x in rows),
             "dropped": sum(x.get("samples_dropped_stale", 0) for x in rows),
@@ -102,18 +105,20 @@ def main() -> None:
                 print(f"calibration (3 sync steps, no delay): rollout {cal['t_rollout']:.2f} s, "
                       f"rest of the step {train:.2f} s -> per-token delay {per_token * 1e3:.0f} ms")
             dbl.faults.per_token_s = per_token
-            res = [_run(os.path.join(tmp, f"async{k}"), hf_dir, dbl.url, args.steps, k, os.path.join(tmp, f"s{k}"))
-                   for k in (0, 1)]
-    sync, asy = res
+            res = [_run(os.path.join(tmp, f"async{k}{'p' * p}"), hf_dir, dbl.url, args.steps, k,
+                        os.path.join(tmp, f"s{k}{'p' * p}"), partial=p)
+                   for k, p in ((0, False), (1, False), (1, True))]
+    sync, asy, part = res
     print(f"\n{args.steps} steps, 2 trainer processes (TP2+SP), the double at {per_token * 1e3:.0f} ms/token")
-    print(f"{'async_steps':>11} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} {'push':>8} "
-          f"{'stale max':>9} {'dropped':>7} {'peak MiB':>9}")
+    print(f"{'async_steps':>11} {'partial':>7} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} "
+          f"{'push':>8} {'stale max':>9} {'dropped':>7} {'carried':>7} {'peak MiB':>9}")
     for r in res:
-        print(f"{r['async_steps']:>11} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} {r['t_rollout']:>8.2f} "
-              f"{r['t_old']:>8.2f} {r['t_train']:>8.2f} {r['t_sync']:>8.2f} {r['staleness_max']:>9} {r['dropped']:>7} "
-              f"{r['peak_rss_mib']:>9.0f}")
-    print(f"speed-up async/sync: step time {sync['t_step'] / asy['t_step']:.2f}x, whole run "
-          f"{sync['wall_s'] / asy['wall_s']:.2f}x (ideal 2x when rollout = training)")
+        print(f"{r['async_steps']:>11} {str(r['partial']):>7} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} "
+              f"{r['t_rollout']:>8.2f} {r['t_old']:>8.2f} {r['t_train']:>8.2f} {r['t_sync']:>8.2f} "
+              f"{r['staleness_max']:>9} {r['dropped']:>7} {r['carried']:>7} {r['peak_rss_mib']:>9.0f}")
+    for name, r in (("async", asy), ("async + partial rollouts", part)):
+        print(f"speed-up {name} / sync: step time {sync['t_step'] / r['t_step']:.2f}x, whole run "
+              f"{sync['wall_s'] / r['wall_s']:.2f}x (ideal 2x when rollout = training)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"per_token_s": per_token, "runs": res}, f, indent=1)

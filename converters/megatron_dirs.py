@@ -85,6 +85,12 @@ def iterations(root: str) -> list[str]:
     return sorted((d for d in os.listdir(root) if _ITER.match(d)), key=lambda d: int(_ITER.match(d).group(1)))
 
 
+def is_root(path: str) -> bool:
+    """A Megatron-LM root (a tracker or iter_* directories, no torch_dist files of its own)?"""
+    return (os.path.isdir(path) and not os.path.isfile(os.path.join(path, FORMAT_FILE))
+            and (os.path.isfile(os.path.join(path, TRACKER)) or bool(iterations(path))))
+
+
 def resolve(path: str) -> str:
     """The torch_dist directory `path` stands for: itself when it holds metadata.json; for a
     Megatron-LM root, the directory its tracker names, else its newest iter_*. One-line errors."""

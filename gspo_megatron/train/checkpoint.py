@@ -197,9 +197,9 @@ def resolve_resume(resume: str, out_dir: str) -> str | None:
         return None
     if resume == "auto":
         return find_latest(out_dir)
-    from converters.megatron_dirs import resolve
+    from converters.megatron_dirs import is_root, resolve
 
-    return resolve(resume)  # a checkpoint directory, or a root (its tracker)
+    return resolve(resume) if is_root(resume) else resume  # a root resumes from what its tracker names
 
 
 def read_trainer_state(path: str) -> dict:

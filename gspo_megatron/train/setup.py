@@ -305,11 +305,10 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     prompts.check_render()
     score = resolve_reward(cfg, prompts.task)
     if cfg.checkpoint.resume not in ("auto", "never"):  # an explicit path: a trainer checkpoint
-        from gspo_megatron.train.checkpoint import read_trainer_state
+        from gspo_megatron.train.checkpoint import read_trainer_state, resolve_resume
 
-        from converters.megatron_dirs import resolve
-
-        read_trainer_state(resolve(cfg.checkpoint.resume))  # one CheckpointError line naming the path
+        # one CheckpointError line naming the path (a root resolves to the iteration its tracker names)
+        read_trainer_state(resolve_resume(cfg.checkpoint.resume, cfg.out_dir))
     heldout = None
     if cfg.eval.interval:
         from gspo_megatron.train.evaluation import HeldOut
