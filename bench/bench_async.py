@@ -11,8 +11,9 @@ Setup
   server's decode time; concurrent requests overlap as in a batching server). By default the
   per-token time is calibrated so that a step's rollout takes about as long as its training
   (measured in a short synchronous calibration run): the case async training is for, with an
-  ideal speed-up of 2x. The double generates with transformers on the same CPU, so some rollout
-  compute does compete with training.
+  ideal speed-up of 2x. The double generates with transformers on the same CPU, with one thread
+  (it stands in for rollout GPUs), so some rollout compute still competes with training; with
+  torch's default threads it takes both cores and the speed-up falls to ~1.3x.
 
 Printed
   wall time of each run (torchrun start to exit, the same fixed start-up cost in both), the
@@ -90,7 +91,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
+    import torch
     from sglang_double import Faults, SGLangDouble
+
+    # the double stands in for rollout GPUs: its transformers generation should take as little of
+    # the trainers' two cores as it can (one thread, as the double's own server mode uses)
+    torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = _hf_dir(os.path.join(tmp, "hf"))
