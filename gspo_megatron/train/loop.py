@@ -379,6 +379,8 @@ def train(cfg, *, world_size: int) -> dict:
             state.wandb_run_id = tracker.run_id
         writer = MetricsWriter(cfg.out_dir, tensorboard=cfg.logging.tensorboard,
                                resume_step=state.step if resume_from else -1, tracker=tracker)
+    if cfg.logging.wandb.mode != "disabled":  # every rank saves the same loop state
+        state.wandb_run_id = _broadcast(state.wandb_run_id)
     if not state.sft_done:
         sft_warmup(parts, writer)
         state.sft_done = True
