@@ -52,7 +52,7 @@ class PartialGenerator:
         pending = [i for i, s in enumerate(out) if s.finish_reason == "abort"]
         rounds = 0
         while pending:
-            self._wait_for_push(out[pending[0]].weight_version if rounds == 0 else rows[pending[0]][-1].weight_version)
+            self._wait_for_push(rows[pending[0]][-1].weight_version)  # the version that was interrupted
             rounds += 1
             todo = [i for i in pending if self._left(rows[i], sampling) > 0]
             for i in set(pending) - set(todo):  # interrupted exactly at its last token
