@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import types
 
 import numpy as np
 import pytest
@@ -48,15 +49,97 @@ def test_proxy_redirects_only_cuda_devices():
 
 
 def test_runtime_is_inert_for_cuda_devices():
+    """For CUDA only the TE/apex-absent shims are installed (never the proxy or the RNG tracker)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
     from gspo_megatron.parallel import cpu_runtime
     from megatron.core.pipeline_parallel import schedules
 
-    assert cpu_runtime.activate("cuda") is False
-    assert schedules.torch is torch and not cpu_runtime.is_active()
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    try:
+        assert cpu_runtime.activate("cuda") is False
+        assert schedules.torch is torch and not cpu_runtime.is_active()
+        assert mrandom._CUDA_RNG_STATE_TRACKER is tracker
+    finally:
+        cpu_runtime.deactivate()
+
+
+def _keys(when: str) -> set[str]:
+    from gspo_megatron.parallel import cpu_runtime
+
+    return {a.key for a in cpu_runtime.ASSUMPTIONS if a.when == when}
+
+
+def test_selection_follows_te_and_apex_not_only_the_device():
+    """Which entries apply, for every (device, TE, apex) combination. A CUDA run without TE (the
+    first GPU machine: torch + transformers only) gets the TE-absent shims and the torch-Adam
+    checkpoint fixes — before, the runtime was keyed on the device and bound neither there."""
+    from gspo_megatron.parallel import cpu_runtime
+
+    sel = lambda *a: set(cpu_runtime.selected(*a))  # noqa: E731
+    assert {a.when for a in cpu_runtime.ASSUMPTIONS} <= set(cpu_runtime.WHEN)
+    no_te, torch_adam = _keys("no-te"), _keys("torch-adam")
+    assert no_te == {"te-general-gemm", "te-fp8-recompute-names"}
+    assert torch_adam == {"torch-adam-distopt-load"}
+    assert sel("cuda", False, False) == no_te | torch_adam  # GPU, no TE, no apex
+    assert sel("cuda", False, True) == no_te  # GPU with apex only: FusedAdam keeps its step in the groups
+    assert sel("cuda", True, True) == set()  # the GPU presets' image: Megatron as it is
+    cpu_side = _keys("cpu") | no_te | torch_adam
+    assert sel("cpu", False, False) == cpu_side  # every CI machine
+    assert sel("cpu", True, True) == cpu_side | _keys("te-on-cpu")  # parallel.device=cpu on a TE node
+    assert sel("cpu", False, True) == cpu_side | _keys("te-on-cpu")
+
+
+@pins("te-kernels-on-cpu")
+def test_te_installed_cpu_run_takes_torch_optimizer_and_kernels(monkeypatch):
+    """On a node with TE (or apex), parallel.device=cpu must not reach TE's FusedAdam, GEMM or
+    multi-tensor kernels: the runtime routes Megatron to what it picks when they are absent.
+    Simulated here by setting Megatron's import-time flags as a TE install leaves them."""
+    from megatron.core import optimizer as mopt
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer as moptimizer
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    sentinel = object()
+    monkeypatch.setattr(moe_utils, "HAVE_TE", True)
+    monkeypatch.setattr(moe_utils, "te_general_gemm", sentinel, raising=False)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    monkeypatch.setattr(distrib_optimizer, "USING_TE_OPTIMIZER", True)
+    monkeypatch.setattr(mopt, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(clip_grads, "multi_tensor_applier", sentinel)
+    assert "USING_PYTORCH_OPTIMIZER" in inspect.getsource(mopt._get_megatron_optimizer_based_on_param_groups)
+    try:
+        assert cpu_runtime.activate("cpu") is True
+        assert moe_utils.te_general_gemm is None
+        assert mopt.USING_PYTORCH_OPTIMIZER is True
+        assert distrib_optimizer.HAVE_APEX_OR_TE is False and distrib_optimizer.USING_TE_OPTIMIZER is False
+        assert distrib_optimizer.Adam is torch.optim.Adam
+        assert clip_grads.multi_tensor_applier is local_multi_tensor_applier
+        assert moptimizer.multi_tensor_applier is local_multi_tensor_applier
+        assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm
+        # and the torch-Adam checkpoint fixes come with it
+        assert hasattr(distrib_optimizer.DistributedOptimizer.load_state_dict, "__wrapped__")
+    finally:
+        cpu_runtime.deactivate()
+    assert moe_utils.te_general_gemm is sentinel and distrib_optimizer.HAVE_APEX_OR_TE is True
+    assert clip_grads.multi_tensor_applier is sentinel
+    # on CUDA with TE the same flags leave Megatron untouched
+    try:
+        assert cpu_runtime.activate("cuda") is False
+        assert moe_utils.te_general_gemm is sentinel and mopt.USING_PYTORCH_OPTIMIZER is False
+        assert not hasattr(distrib_optimizer.DistributedOptimizer.load_state_dict, "__wrapped__")
+    finally:
+        cpu_runtime.deactivate()
 
 
 @pins("te-general-gemm")
-def test_te_general_gemm_is_unbound_without_te():
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_te_general_gemm_is_unbound_without_te(device):
+    """Without TE the router reads an unbound name on every device: the stand-in is bound for a
+    CUDA run as well (activate("cuda") binds nothing of the CPU part, so the router runs here on
+    CPU tensors with only the device-independent shims)."""
     from megatron.core.transformer.moe import moe_utils
 
     if moe_utils.HAVE_TE:
@@ -65,7 +148,8 @@ def test_te_general_gemm_is_unbound_without_te():
     from gspo_megatron.parallel import cpu_runtime
 
     try:
-        cpu_runtime.activate("cpu")
+        cpu_runtime.activate(device)
+        assert cpu_runtime.is_active() is (device == "cpu")
         assert moe_utils.te_general_gemm is None
         x, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
         y = moe_utils.RouterGatingLinearFunction.apply(x, w, None, torch.float32)
@@ -304,6 +388,56 @@ def test_distributed_optimizer_torch_adam_load_gaps_are_still_there():
     assert float(next(iter(adam.state.values()))["step"]) == 1.0
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_distopt_step_counters_after_a_load_are_per_parameter(device, monkeypatch):
+    """After Megatron's DistributedOptimizer.load_state_dict over torch's Adam every parameter's
+    state holds the *same* step tensor (distrib_optimizer.py:818-825) and torch's Adam increments
+    each state's step in place: one update then adds the number of parameters to every step (wrong
+    bias correction after every resume). The fix is keyed on HAVE_APEX_OR_TE, so a CUDA run
+    without TE/apex gets it too; with TE/apex (FusedAdam keeps the step in its param groups) it
+    is not installed."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    cls = distrib_optimizer.DistributedOptimizer
+
+    def adam_after_megatron_load():
+        params = [torch.nn.Parameter(torch.ones(3)) for _ in range(4)]
+        adam = torch.optim.Adam(params, lr=0.1)
+        shared = torch.tensor(5.0)  # what load_state_dict leaves: one tensor for all states
+        for p in params:
+            adam.state[p] = {"step": shared, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+        return adam
+
+    def load_then_step(load):
+        fake = types.SimpleNamespace(optimizer=adam_after_megatron_load())
+        load(fake, {})
+        for p in fake.optimizer.param_groups[0]["params"]:
+            p.grad = torch.ones(3)
+        fake.optimizer.step()
+        return sorted(float(st["step"]) for st in fake.optimizer.state.values())
+
+    # the gap: without the fix one update moves every step from 5 to 9
+    assert load_then_step(lambda self, sd: None) == [9.0] * 4
+    megatron_load = cls.load_state_dict
+    try:
+        cpu_runtime.activate(device)
+        assert cls.load_state_dict is not megatron_load
+        # the installed wrapper around a stand-in for Megatron's body (no process group needed)
+        fixed = cpu_runtime._distopt_load_state_dict(lambda self, sd: None)
+        assert load_then_step(fixed) == [6.0] * 4
+    finally:
+        cpu_runtime.deactivate()
+    assert cls.load_state_dict is megatron_load
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)  # FusedAdam: not installed on CUDA
+    try:
+        cpu_runtime.activate("cuda")
+        assert cls.load_state_dict is megatron_load
+    finally:
+        cpu_runtime.deactivate()
+
+
 @pins("recompute-cuda-rng")
 def test_activation_recompute_saves_the_cuda_generator():
     """Megatron's CheckpointFunction saves the CUDA generator (fails on CPU torch); the runtime's
@@ -329,9 +463,11 @@ def test_activation_recompute_saves_the_cuda_generator():
 
 
 @pins("te-fp8-recompute-names")
-def test_checkpoint_without_output_asks_te_for_fp8():
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_checkpoint_without_output_asks_te_for_fp8(device):
     """Selective recompute of norms/activations (CheckpointWithoutOutput) asks TE's FP8 state even
-    with fp8 off; without TE the name is unbound. The runtime binds a no-FP8 stand-in."""
+    with fp8 off; without TE the name is unbound, on every device (the 30B preset's
+    train.recompute=selective on a GPU without TE). The runtime binds a no-FP8 stand-in."""
     from megatron.core.tensor_parallel import random as mrandom
 
     from gspo_megatron.parallel import cpu_runtime
@@ -351,7 +487,11 @@ def test_checkpoint_without_output_asks_te_for_fp8():
         return x.grad.clone()
 
     try:
-        cpu_runtime.activate("cpu")
+        cpu_runtime.activate(device)
+        assert mrandom.FP8GlobalStateManager is cpu_runtime._NoFP8
+        assert mrandom.activation_recompute_forward is cpu_runtime._null_context
+        if device == "cuda":
+            return  # the recompute itself saves CUDA RNG states: run below on CPU with the same stand-ins
         stand_in = mrandom.FP8GlobalStateManager
         del mrandom.FP8GlobalStateManager  # the runtime minus this one entry
         with pytest.raises(NameError):

@@ -1,10 +1,22 @@
 """Run Megatron-Core 0.16.1 on CPU with gloo.
 
-Megatron-Core assumes CUDA in a handful of places. On a machine without a GPU this module covers
-exactly those, and nothing else; `activate()` is a no-op when CUDA is in use, so the GPU path is
-never touched. Each assumption is listed in `ASSUMPTIONS` with where it lives and what we do about
-it; `tests/test_cpu_runtime.py` pins every entry so an upgrade of Megatron that moves or removes one
-fails loudly instead of silently running unpatched code.
+Megatron-Core assumes CUDA in a handful of places, and Transformer Engine (or apex) in a few more.
+This module covers exactly those, and nothing else. Each assumption is listed in `ASSUMPTIONS`
+with where it lives, what we do about it and *when* it applies (`Assumption.when`):
+
+  cpu          computing on CPU (the proxy, the RNG tracker, ...): never on CUDA
+  no-te        Transformer Engine absent, whatever the device: Megatron reads TE-only names
+               unconditionally (a CUDA run without TE raised NameError in the first router
+               forward); also on CPU when TE is installed, since its kernels cannot take CPU tensors
+  torch-adam   Megatron's optimizer is torch's Adam (no TE/apex, any device; or CPU, where the
+               runtime makes it so): gaps in the distributed optimizer's checkpoint path
+  te-on-cpu    TE/apex installed but computing on CPU: route Megatron to torch's Adam and its local
+               multi-tensor kernels
+
+`selected(device_type, have_te, have_apex_or_te)` is that selection as a pure function (tested on
+CPU for every combination); `activate(device)` applies it and is called for every device, so the
+TE-absent shims reach GPU runs too. `tests/test_cpu_runtime.py` pins every entry so an upgrade of
+Megatron that moves or removes one fails loudly instead of silently running unpatched code.
 
 How: instead of patching `torch` globally, the listed Megatron modules get a module-local `torch`
 that is a thin proxy of the real one. The proxy only differs in (1) tensor factories rewrite
@@ -32,6 +44,10 @@ class Assumption:
     where: str  # module (and symbol) in Megatron-Core 0.16.1
     what: str  # the CUDA assumption
     fix: str  # what the runtime does
+    when: str = "cpu"  # cpu | no-te | torch-adam | te-on-cpu (module docstring)
+
+
+WHEN = ("cpu", "no-te", "torch-adam", "te-on-cpu")
 
 
 # Modules whose module-level `torch` becomes the CPU proxy, with the reason each one needs it.
@@ -94,6 +110,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "so forward and recompute always use TE's FP8GlobalStateManager, activation_recompute_forward "
         "and fp8_autocast, names only bound when TE imports: NameError",
         "bind them to stand-ins for 'no FP8': is_fp8_enabled() is False, the two contexts do nothing",
+        when="no-te",
     ),
     Assumption(
         "rope-cp-slice",
@@ -108,6 +125,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "megatron.core.transformer.moe.moe_utils.te_general_gemm",
         "name only bound when Transformer Engine imports: NameError in the router without TE",
         "bind it to None so the router takes its torch.mm path",
+        when="no-te",
     ),
     Assumption(
         "a2a-split-sizes",
@@ -148,6 +166,18 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "its first step (step 0, zero moments: _init_group in torch/optim/adam.py); (2) the copy "
         "skips 'step', which load_state_dict restores from the saved param groups; (3) after "
         "load_state_dict each state gets its own copy of the step tensor",
+        when="torch-adam",
+    ),
+    Assumption(
+        "te-kernels-on-cpu",
+        "megatron.core.optimizer (USING_PYTORCH_OPTIMIZER), megatron.core.optimizer.distrib_optimizer "
+        "(HAVE_APEX_OR_TE, USING_TE_OPTIMIZER, USING_APEX_OPTIMIZER, Adam), "
+        "megatron.core.optimizer.optimizer and megatron.core.optimizer.clip_grads (multi_tensor_applier)",
+        "with TE or apex importable Megatron builds their FusedAdam and runs their multi-tensor CUDA "
+        "kernels (scale, l2norm) whatever the parameters' device: a CPU run on a node that has TE fails",
+        "point them at torch's Adam and Megatron's local multi-tensor implementations (what Megatron "
+        "itself selects when neither imports); the torch-adam entries then apply as on any CPU machine",
+        when="te-on-cpu",
     ),
 )
 
@@ -464,10 +494,11 @@ class _State:
 
     def __init__(self):
         self.saved: list[tuple[Any, str, Any, bool]] = []
+        self.device_type: str | None = None  # what activate() was called for
 
     @property
     def active(self) -> bool:
-        return bool(self.saved)
+        return self.device_type is not None
 
 
 _STATE = _State()
@@ -480,18 +511,85 @@ def _set(obj: Any, name: str, value: Any) -> None:
 
 
 def should_activate(device: str | torch.device | None = None) -> bool:
-    """The runtime applies when computing on CPU (explicitly, or because CUDA is absent)."""
+    """The CPU part of the runtime applies when computing on CPU (explicitly, or because CUDA is absent)."""
     if device is None or str(device) == "auto":
         return not torch.cuda.is_available()
     return torch.device(device).type == "cpu"
 
 
+def selected(device_type: str, have_te: bool, have_apex_or_te: bool) -> tuple[str, ...]:
+    """Keys of the ASSUMPTIONS entries that apply to a run on `device_type` with TE / apex
+    importable or not (module docstring). Pure: the GPU selections are tested on CPU."""
+    cpu = device_type == "cpu"
+    applies = {
+        "cpu": cpu,
+        "no-te": cpu or not have_te,
+        "torch-adam": cpu or not have_apex_or_te,
+        "te-on-cpu": cpu and (have_te or have_apex_or_te),
+    }
+    return tuple(a.key for a in ASSUMPTIONS if applies[a.when])
+
+
+def library_flags() -> tuple[bool, bool]:
+    """(HAVE_TE, HAVE_APEX_OR_TE) as the installed Megatron-Core found them at import."""
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.transformer.moe import moe_utils
+
+    return bool(getattr(moe_utils, "HAVE_TE", False)), bool(distrib_optimizer.HAVE_APEX_OR_TE)
+
+
 def activate(device: str | torch.device | None = None) -> bool:
-    """Install the CPU runtime if `device` resolves to CPU. Idempotent; returns whether active."""
-    if not should_activate(device):
-        return False
+    """Install what a run on `device` needs (`selected`): the TE/apex-absent shims on any device,
+    the CPU runtime on CPU. Idempotent; returns whether the CPU runtime is active."""
+    device_type = "cpu" if should_activate(device) else "cuda"
     if _STATE.active:
-        return True
+        if _STATE.device_type == device_type:
+            return device_type == "cpu"
+        deactivate()  # activated for the other device (tests switch in one process)
+    keys = set(selected(device_type, *library_flags()))
+    _STATE.device_type = device_type
+    if "te-kernels-on-cpu" in keys:
+        _route_to_torch_optimizers()
+    if "te-general-gemm" in keys:
+        from megatron.core.transformer.moe import moe_utils
+
+        _set(moe_utils, "te_general_gemm", None)
+    if "te-fp8-recompute-names" in keys:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        _set(mrandom, "FP8GlobalStateManager", _NoFP8)
+        _set(mrandom, "activation_recompute_forward", _null_context)
+        _set(mrandom, "fp8_autocast", _null_context)
+    if "torch-adam-distopt-load" in keys:
+        from megatron.core.optimizer import distrib_optimizer
+
+        cls = distrib_optimizer.DistributedOptimizer
+        _set(cls, "sharded_state_dict", _distopt_sharded_state_dict(cls.sharded_state_dict))
+        _set(cls, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
+        _set(cls, "load_state_dict", _distopt_load_state_dict(cls.load_state_dict))
+    if device_type == "cpu":
+        _activate_cpu()
+    return device_type == "cpu"
+
+
+def _route_to_torch_optimizers() -> None:
+    """te-kernels-on-cpu: what Megatron's own imports select when neither TE nor apex imports."""
+    from megatron.core import optimizer as mopt
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer as moptimizer
+    from megatron.core.utils import local_multi_tensor_applier, local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    _set(mopt, "USING_PYTORCH_OPTIMIZER", True)
+    _set(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    _set(distrib_optimizer, "USING_TE_OPTIMIZER", False)
+    _set(distrib_optimizer, "USING_APEX_OPTIMIZER", False)
+    _set(distrib_optimizer, "Adam", torch.optim.Adam)
+    for mod in (moptimizer, clip_grads):
+        _set(mod, "multi_tensor_applier", local_multi_tensor_applier)
+        _set(mod, "multi_tensor_scale_impl", local_multi_tensor_scale)
+    _set(clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm)
+
+
+def _activate_cpu() -> None:
     proxy = _TorchProxy()
     for modname in PROXIED_MODULES:
         mod = importlib.import_module(modname)
@@ -505,8 +603,6 @@ def activate(device: str | torch.device | None = None) -> bool:
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    if not getattr(moe_utils, "HAVE_TE", False):
-        _set(moe_utils, "te_general_gemm", None)
     _set(moe_utils, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
 
@@ -522,24 +618,12 @@ def activate(device: str | torch.device | None = None) -> bool:
     for modname, clsname, meth in CUDA_TENSOR_METHOD_USERS:
         cls = getattr(importlib.import_module(modname), clsname)
         _set(cls, meth, _with_cuda_tensor_methods(getattr(cls, meth)))
-    from megatron.core.optimizer import distrib_optimizer
 
-    if not distrib_optimizer.HAVE_APEX_OR_TE:
-        cls = distrib_optimizer.DistributedOptimizer
-        _set(cls, "sharded_state_dict", _distopt_sharded_state_dict(cls.sharded_state_dict))
-        _set(cls, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
-        _set(cls, "load_state_dict", _distopt_load_state_dict(cls.load_state_dict))
-
-    if not getattr(mrandom, "HAVE_TE", False):
-        _set(mrandom, "FP8GlobalStateManager", _NoFP8)
-        _set(mrandom, "activation_recompute_forward", _null_context)
-        _set(mrandom, "fp8_autocast", _null_context)
     _set(mrandom, "_get_cuda_rng_state", _get_cuda_rng_state)
     _set(mrandom, "_set_cuda_rng_state", _set_cuda_rng_state)
     tracker = CpuRNGStatesTracker()
     _set(mrandom, "_CUDA_RNG_STATE_TRACKER", tracker)
     _set(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
-    return True
 
 
 def deactivate() -> None:
@@ -550,10 +634,12 @@ def deactivate() -> None:
             setattr(obj, name, value)
         else:
             delattr(obj, name)
+    _STATE.device_type = None
 
 
 def is_active() -> bool:
-    return _STATE.active
+    """Whether the CPU runtime (not only the device-independent shims) is installed."""
+    return _STATE.active and _STATE.device_type == "cpu"
 
 
 def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
@@ -569,6 +655,6 @@ def seed_model_parallel_rng(seed: int, tp_rank: int, ep_rank: int, etp_rank: int
 
 
 __all__ = [
-    "ASSUMPTIONS", "PROXIED_MODULES", "CpuRNGStatesTracker", "activate", "deactivate",
-    "is_active", "seed_model_parallel_rng", "should_activate",
+    "ASSUMPTIONS", "PROXIED_MODULES", "WHEN", "CpuRNGStatesTracker", "activate", "deactivate",
+    "is_active", "library_flags", "seed_model_parallel_rng", "selected", "should_activate",
 ]

@@ -98,8 +98,9 @@ def init_parallel(
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_min)
         )
-    if device.type == "cpu":
-        cpu_runtime.activate("cpu")
+    # every device: the TE/apex-absent shims apply to CUDA runs too; the CPU part only on CPU
+    # (tests/test_cpu_runtime.py test_selection_* shows the CUDA selections)
+    cpu_runtime.activate(device)
 
     from megatron.core import parallel_state as ps
 
