@@ -233,3 +233,24 @@ def test_direct_writer_writes_what_megatrons_save_writes(tmp_path, layout):
     if "model.dtype=bfloat16" in layout:
         assert any(t.dtype == torch.bfloat16 for t in ta.values())
         assert all(ta[k].dtype == torch.float32 for k in ta if "optimizer.state." in k)
+
+
+def test_rng_states_restore_only_on_the_device_type_that_saved_them():
+    """A CPU-saved checkpoint resumed on a GPU at the same parallel layout must re-seed instead of
+    loading CPU generator states into the CUDA tracker ("RNG state is wrong size"): the device is
+    part of the layout. Checkpoints written before it was recorded read it off their RNG file."""
+    import types
+
+    from gspo_megatron.config import ParallelConfig
+    from gspo_megatron.train.checkpoint import layout_of, same_layout
+
+    def ctx(device):
+        return types.SimpleNamespace(parallel=ParallelConfig(tp=2), world_size=2, device=torch.device(device))
+
+    cpu, cuda = layout_of(ctx("cpu")), layout_of(ctx("cuda"))
+    assert cpu != cuda and cpu["device"] == "cpu"
+    assert same_layout(cpu, layout_of(ctx("cpu"))) and not same_layout(cpu, cuda)
+    old = {k: v for k, v in cpu.items() if k != "device"}  # a checkpoint from before this field
+    cpu_rng, cuda_rng = {"torch": torch.get_rng_state()}, {"torch": torch.get_rng_state(), "cuda": torch.zeros(16)}
+    assert same_layout(old, cpu, cpu_rng) and not same_layout(old, cuda, cpu_rng)
+    assert same_layout(old, cuda, cuda_rng) and not same_layout(old, cuda)

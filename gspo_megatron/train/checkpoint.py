@@ -95,9 +95,24 @@ def set_rng_state(state: dict) -> None:
 
 
 def layout_of(ctx) -> dict:
+    """What must be equal for a rank's saved RNG state to be this rank's: the parallel layout and
+    the device type (a CPU run's tracker holds CPU generator states, a CUDA run's CUDA ones:
+    loading one into the other fails with "RNG state is wrong size")."""
     p = ctx.parallel
     return {"world_size": ctx.world_size, "tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.etp, "cp": p.cp,
-            "sequence_parallel": p.sequence_parallel}
+            "sequence_parallel": p.sequence_parallel, "device": ctx.device.type}
+
+
+def same_layout(saved: dict, here: dict, rng: dict | None = None) -> bool:
+    """Whether a checkpoint saved at `saved` restores its RNG states at `here`. Checkpoints from
+    before the device was recorded: the device is read off their RNG file (a CUDA-capable saver
+    also stored the CUDA generator, rng_state below) when given, else taken as different."""
+    saved = dict(saved)
+    if "device" not in saved:
+        if rng is None:
+            return False
+        saved["device"] = "cuda" if "cuda" in rng else "cpu"
+    return saved == here
 
 
 def _rng_path(directory: str, rank: int) -> str:
@@ -244,8 +259,10 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
         optimizer.load_state_dict(load_sharded({"optimizer": opt_state}, path)["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     saved, here = trainer["layout"], layout_of(ctx)
-    if saved == here:
-        set_rng_state(torch.load(_rng_path(path, ctx.rank), weights_only=True, map_location="cpu"))
+    rng = torch.load(_rng_path(path, ctx.rank), weights_only=True, map_location="cpu") \
+        if os.path.exists(_rng_path(path, ctx.rank)) else None
+    if rng is not None and same_layout(saved, here, rng):
+        set_rng_state(rng)
     else:
         from gspo_megatron.parallel.state import seed_rng
 
