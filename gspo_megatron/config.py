@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import re
 import types
@@ -13,6 +14,12 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal, Optional
 
 import yaml
+
+
+# Process-group timeout when no setting bounds rank 0's waits (Config.collective_timeout_s), and
+# the margin added to the longest bounded wait.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 30 * 60.0
+COLLECTIVE_TIMEOUT_MARGIN_S = 10 * 60.0
 
 
 class ConfigError(ValueError):
@@ -490,6 +497,15 @@ class RolloutConfig:
                 "rollout.sglang.weight_sync=tensor passes CUDA IPC handles and needs colocated "
                 "servers (rollout.sglang.launch=true); use disk or distributed for remote urls"
             )
+        if s.weight_sync == "distributed" and s.launch:
+            # rank 0's GPU is also server 0's TP rank 0: one NCCL communicator cannot hold a GPU
+            # twice ("Duplicate GPU detected"; SGLang's weight-update group joins the trainer's
+            # rank 0 with every server rank, weight_updater.py init_weights_update_group)
+            raise ConfigError(
+                "rollout.sglang.weight_sync=distributed cannot work with colocated servers "
+                "(rollout.sglang.launch=true: trainer rank 0 and server 0 share a GPU, which one NCCL group "
+                "refuses); use weight_sync=tensor (CUDA IPC, one node) or disk (a shared filesystem, any nodes)"
+            )
 
 
 @dataclass(frozen=True)
@@ -781,6 +797,51 @@ class Config:
                 ConfigWarning,
                 stacklevel=2,
             )
+
+    def collective_timeout_s(self) -> tuple[float, dict]:
+        """Timeout of every process group, seconds, and the waits it covers.
+
+        Rank 0 alone talks to the rollout engine (start, weight pushes, generation, held-out
+        evaluation) while every other rank already waits in the next collective, so the timeout
+        must outlast the longest such wait the config allows, or NCCL's watchdog kills a healthy
+        run. Bounds, from the settings that bound them (SGLang):
+          one request        (max_retries + 1) * request_timeout_s + the retry back-offs
+                             (rollout/sglang_engine.py: 0.5 s doubling, capped at 8 s)
+          one generate call  ceil(prompts / concurrency) requests one after another (one request
+                             per prompt group, at most `concurrency` in flight)
+          a step (sync)      a weight push (one request) + the rollout's sampling rounds (1, or
+                             1 + max_oversample_rounds with dynamic sampling) + a held-out
+                             evaluation (every set)
+          a step (async)     a weight push + async_timeout_s (the wait for the producer's batch)
+          engine start       ready_timeout_s (SGLang's /health_generate)
+        The in-process engine (rollout.backend=hf) generates on the trainer's own device: no
+        setting bounds it, and the default DEFAULT_COLLECTIVE_TIMEOUT_S applies. The result is the
+        largest of the default and the longest wait plus COLLECTIVE_TIMEOUT_MARGIN_S. A worst
+        case: a crashed rank is still noticed at once (torchrun tears the job down); the bound
+        only lets a *hung* rank 0 hold the others that long."""
+        waits: dict[str, float] = {}
+        r = self.rollout
+        if r.backend == "sglang":
+            sg = r.sglang
+            backoff = sum(min(0.5 * 2 ** k, 8.0) for k in range(sg.max_retries))
+            request = (sg.max_retries + 1) * sg.request_timeout_s + backoff
+
+            def call(prompts: int) -> float:
+                return request * math.ceil(prompts / sg.concurrency)
+
+            waits["engine start"] = sg.ready_timeout_s
+            if r.async_steps:
+                waits["async step (push + producer wait)"] = request + r.async_timeout_s
+            else:
+                rounds = 1 + (r.max_oversample_rounds if r.dynamic_sampling else 0)
+                step = request + rounds * call(r.prompts_per_step)
+                if self.eval.interval:
+                    step += sum(call(n) for n in [self.eval.num_prompts] + [x.num_prompts for x in self.eval.extra_sets])
+                waits[f"step (push + {rounds} rollout round(s){' + eval' if self.eval.interval else ''})"] = step
+        elif r.async_steps:
+            waits["async step (producer wait)"] = r.async_timeout_s
+        longest = max(waits.values(), default=0.0)
+        return max(DEFAULT_COLLECTIVE_TIMEOUT_S, longest + COLLECTIVE_TIMEOUT_MARGIN_S), waits
 
     @property
     def engine_routing(self) -> bool:

@@ -348,6 +348,7 @@ def plan(config: Config, world_size: int) -> dict:
         "peak_memory_stage": peak["pp_rank"],
         "micro_batch_tokens": config.train.micro_batch_tokens,
         "training": training_setup(config),
+        "collective_timeout": _collective_timeout(config),
         "memory_assumptions": [
             "weights in model.dtype; gradients fp32 when optimizer.grad_reduce_in_fp32",
             "Adam: fp32 master (16-bit dtypes) + m + v = 12 (or 8) bytes/param, sharded over "
@@ -360,6 +361,11 @@ def plan(config: Config, world_size: int) -> dict:
             "not counted: CUDA context, NCCL buffers, fragmentation, colocated SGLang",
         ],
     }
+
+
+def _collective_timeout(config) -> dict:
+    seconds, waits = config.collective_timeout_s()
+    return {"seconds": seconds, "waits_s": waits}
 
 
 def training_setup(config) -> dict:
@@ -458,6 +464,9 @@ def format_plan(pl: dict) -> str:
             f"expert {_b(st['expert_params'])}): {parts}"
         )
     lines.append(f"peak {_mem(pl['peak_memory_gib'])} per GPU on stage {pl['peak_memory_stage']}")
+    ct = pl["collective_timeout"]
+    waits = "; ".join(f"{k} {v / 60:.0f} min" for k, v in ct["waits_s"].items()) or "none bounded by the config"
+    lines.append(f"collective timeout {ct['seconds'] / 60:.0f} min (rank 0's longest engine waits: {waits})")
     lines.append("assumptions: " + "; ".join(pl["memory_assumptions"]))
     return "\n".join(lines)
 

@@ -319,6 +319,10 @@ def test_sglang_settings_only_checked_for_sglang(tmp_path):
                     f"rollout.sglang.model_path={tmp_path}", "rollout.sglang.weight_sync=tensor"])
     assert "weight_sync" in err(p, ["rollout.backend=sglang", "rollout.sglang.urls=[http://a:1]",
                                     "rollout.sglang.weight_sync=tensor"])
+    # Colocated servers share rank 0's GPU: an NCCL weight-update group cannot hold it twice.
+    msg = err(p, ["rollout.backend=sglang", "rollout.sglang.launch=true", f"rollout.sglang.model_path={tmp_path}",
+                  "rollout.sglang.weight_sync=distributed"])
+    assert "weight_sync=distributed" in msg and "tensor" in msg and "disk" in msg and "\n" not in msg
     assert "mem_fraction" in err(p, ["rollout.backend=sglang", "rollout.sglang.urls=[http://a:1]",
                                      "rollout.sglang.mem_fraction=1.5"])
     cfg = load_config(p, ["rollout.backend=sglang", "rollout.sglang.urls=[https://a.b:443/]"])
@@ -458,3 +462,51 @@ def test_train_help_lists_every_key():
     missing = [e["key"] for e in entries() if f"  {e['key']} = " not in r.stdout]
     assert not missing, missing
     assert "--dry-run" in r.stdout
+
+
+# ---- collective timeout ----------------------------------------------------------------------
+
+
+def test_collective_timeout_outlasts_rank0_engine_waits(tmp_path, monkeypatch):
+    """Rank 0 waits for the engine alone while the other ranks sit in a collective: the process
+    groups' timeout comes from the config's own bounds (the 30-minute default was shorter than
+    async_timeout_s = 3600 s, so NCCL's watchdog would kill a healthy run), and it reaches
+    torch.distributed and Megatron's groups."""
+    from gspo_megatron.config import COLLECTIVE_TIMEOUT_MARGIN_S, DEFAULT_COLLECTIVE_TIMEOUT_S
+
+    p = minimal(tmp_path)
+    assert load_config(p).collective_timeout_s() == (DEFAULT_COLLECTIVE_TIMEOUT_S, {})  # hf: nothing bounded
+    t, waits = load_config(p, ["rollout.async_steps=1", "rollout.async_timeout_s=7200"]).collective_timeout_s()
+    assert t == 7200 + COLLECTIVE_TIMEOUT_MARGIN_S and list(waits.values()) == [7200]
+    sg = ["rollout.backend=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.request_timeout_s=1000",
+          "rollout.sglang.max_retries=2", "rollout.sglang.concurrency=4", "rollout.prompts_per_step=8"]
+    request = 3 * 1000 + 0.5 + 1.0  # 3 attempts, back-offs 0.5 s and 1 s
+    t, waits = load_config(p, sg + ["rollout.dynamic_sampling=true", "rollout.max_oversample_rounds=2",
+                                    "eval.interval=5", "eval.num_prompts=6"]).collective_timeout_s()
+    # push + 3 rounds x 2 waves of 4 prompt groups + eval (2 waves)
+    assert t == request * (1 + 3 * 2 + 2) + COLLECTIVE_TIMEOUT_MARGIN_S, waits
+    t, _ = load_config(p, sg + ["rollout.async_steps=2", "rollout.async_timeout_s=5000"]).collective_timeout_s()
+    assert t == request + 5000 + COLLECTIVE_TIMEOUT_MARGIN_S
+
+    # init_parallel hands it to torch.distributed and Megatron
+    import torch.distributed as dist
+
+    from gspo_megatron.parallel import state
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(backend, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = load_config(p, ["rollout.async_steps=1", "rollout.async_timeout_s=7200", "parallel.device=cpu"])
+    with pytest.raises(Stop):
+        state.init_parallel(cfg.parallel, timeout_s=cfg.collective_timeout_s()[0])
+    assert seen["timeout"].total_seconds() == 7200 + COLLECTIVE_TIMEOUT_MARGIN_S

@@ -217,6 +217,13 @@ def test_sglang_sbatch_multinode_servers_and_colocated(tmp_path):
     assert args[:3] == ["--config", preset("qwen3_30b_a3b"), "checkpoint.resume=auto"]
     assert "rollout.sglang.launch=true" in args and args[-1] == "x.y=1"
     assert "rollout.sglang.host=0.0.0.0" in args  # rank 0 reaches the other node's servers
+    # the preset's weight_sync=distributed cannot share rank 0's GPU: disk across nodes, IPC on one
+    assert "rollout.sglang.weight_sync=disk" in args
+    cfg = load_config(preset("qwen3_30b_a3b"), args[2:-1] + [f"rollout.sglang.model_path={tmp_path}"])
+    assert cfg.rollout.sglang.weight_sync == "disk" and cfg.rollout.sglang.launch
+    (trainer,) = render(script, [preset("qwen3_30b_a3b")], env={"SGLANG_MODE": "colocated"}, nodes=["a"],
+                        tmp_path=tmp_path)
+    assert "rollout.sglang.weight_sync=tensor" in train_args(trainer)
 
     # Errors: no server model, no node left for training, uneven multi-node servers.
     render(script, [preset("qwen3_30b_a3b")], nodes=["a", "b"], tmp_path=tmp_path, expect_rc=2)
@@ -251,6 +258,10 @@ def test_dry_run_param_counts_match_published(name, args, total, active):
     pl = dry_run_json(name, *args)
     assert abs(pl["total_params"] / total - 1) < 0.01, pl["total_params"]
     assert abs(pl["active_params"] / active - 1) < 0.03, pl["active_params"]
+    # the process groups' timeout the run will use, from the config's own waits (SGLang presets)
+    ct = pl["collective_timeout"]
+    assert ct["seconds"] == load_config(preset(name), []).collective_timeout_s()[0]
+    assert ct["seconds"] > max(ct["waits_s"].values()) > 3600
 
 
 def test_param_counts_equal_transformers_model():

@@ -3,6 +3,7 @@ everything else receives a `ParallelContext` and passes its groups explicitly.""
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -13,8 +14,9 @@ import torch.distributed as dist
 from gspo_megatron.config import ParallelConfig
 from gspo_megatron.parallel import cpu_runtime
 
-# Every collective wait is bounded: a rank that died must not hang the others forever.
-DEFAULT_TIMEOUT_MIN = 30
+# Every collective wait is bounded: a rank that died must not hang the others forever. Runs pass
+# the config's bound (Config.collective_timeout_s: it outlasts rank 0's engine waits).
+DEFAULT_TIMEOUT_S = 30 * 60.0
 
 
 @dataclass
@@ -72,7 +74,7 @@ def init_parallel(
     *,
     seed: int = 1234,
     model_dims: dict | None = None,
-    timeout_min: int = DEFAULT_TIMEOUT_MIN,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> ParallelContext:
     """Validate the layout, start torch.distributed and Megatron's groups, seed model-parallel RNG.
 
@@ -96,7 +98,7 @@ def init_parallel(
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=timeout_min)
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
         )
     # every device: the TE/apex-absent shims apply to CUDA runs too; the CPU part only on CPU
     # (tests/test_cpu_runtime.py test_selection_* shows the CUDA selections)
@@ -112,7 +114,7 @@ def init_parallel(
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
-        distributed_timeout_minutes=timeout_min,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),  # Megatron's own groups
         create_gloo_process_groups=True,  # Megatron's optimizer asks for the gloo DP groups
     )
     ctx = ParallelContext(

@@ -336,7 +336,8 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     dtype = parse_dtype(cfg.model.dtype)
 
     # ---- heavy work ------------------------------------------------------------------------
-    ctx = init_parallel(cfg.parallel, seed=cfg.model.init_seed, model_dims=None)
+    timeout_s, _ = cfg.collective_timeout_s()  # outlasts rank 0's engine waits (config.py)
+    ctx = init_parallel(cfg.parallel, seed=cfg.model.init_seed, model_dims=None, timeout_s=timeout_s)
     colocated, node_servers, engine = cfg.rollout.backend == "sglang" and cfg.rollout.sglang.launch, None, None
     if colocated:  # the servers start (and release their memory) before the model takes the GPUs
         from gspo_megatron.rollout.colocate import start_colocated
