@@ -182,7 +182,8 @@ class ModelConfig:
     # Tokenizer directory; null = load's hf_config/ or hf_dir when they have tokenizer files, else
     # the synthetic task's built-in tokenizer.
     tokenizer: Optional[str] = None
-    # Parameter / compute dtype of the policy (Megatron keeps fp32 master weights for 16-bit).
+    # Parameter / compute dtype of the policy (Megatron keeps fp32 master weights for 16-bit;
+    # float16 adds dynamic loss scaling from 2^16).
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # Seed of the random init (used only without hf_dir / load).
     init_seed: int = 1234

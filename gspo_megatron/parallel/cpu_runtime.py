@@ -72,6 +72,7 @@ PROXIED_MODULES: dict[str, str] = {
     "megatron.core.optimizer.clip_grads": 'norm buffers on device="cuda"',
     "megatron.core.optimizer.optimizer": 'found_inf / scale tensors on device="cuda"',
     "megatron.core.optimizer.distrib_optimizer": "placeholder Adam state on torch.cuda.current_device() (load_state_dict)",
+    "megatron.core.optimizer.grad_scaler": "fp16 loss scale and its counters created with device='cuda'",
     "megatron.core.utils": "GlobalMemoryBuffer (attention matmul buffer) on torch.cuda.current_device()",
 }
 

@@ -37,6 +37,10 @@ def build_optimizer(opt_cfg, model, *, total_steps: int = 1, dtype=torch.float32
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
+        # float16: dynamic loss scaling from 2^16 (torch.amp.GradScaler's start) rather than
+        # Megatron's 2^32, which skips the first ~30 updates while it backs off (hysteresis 2):
+        # a short warm start would never step
+        initial_loss_scale=2.0 ** 16,
     )
     optimizer = get_megatron_optimizer(config, model)
     scheduler = OptimizerParamScheduler(

@@ -362,6 +362,12 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
                      use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
     total_updates = cfg.train.max_steps * cfg.train.minibatches_per_step
     optimizer, scheduler = build_optimizer(cfg.optimizer, model, total_steps=total_updates, dtype=dtype)
+    if dtype == torch.float16:
+        # Megatron's schedules scale the loss before backward only through config.grad_scale_func
+        # (schedules.py backward_step), and the fp16 optimizer divides the gradients by its loss
+        # scale (2^32 to start) before the step: without it float16 never learns (Megatron-LM's
+        # training.py sets the same). bf16 / fp32 have no loss scale (the function would multiply by 1).
+        tconfig.grad_scale_func = optimizer.scale_loss
     from gspo_megatron.parallel.state import seed_rng
 
     seed_rng(ctx, cfg.train.seed)
