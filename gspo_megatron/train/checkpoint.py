@@ -165,21 +165,62 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
             extra_sharded_state={"optimizer": optimizer_state(optimizer, model_state, is_loading=False),
                                  "trainer": trainer},
         )
+    dist.barrier()  # the directory is in place on every rank's view
+    _write_checksums(final, ctx)
     if ctx.rank == 0:
         from converters.megatron_dirs import write_tracker
 
         write_tracker(root, step)
-        _prune(root, keep_last)
+        _prune(root, keep_last, step)
     dist.barrier()
     return final
 
 
-def _prune(root: str, keep_last: int) -> None:
+def _write_checksums(directory: str, ctx) -> None:
+    """Every rank hashes its share of the files; rank 0 writes checksums.json (before the tracker
+    names the checkpoint, so a tracked checkpoint always has them)."""
+    from gspo_megatron.checkpoint import integrity
+
+    files = integrity.list_files(directory)
+    mine = integrity.compute(directory, integrity.share(files, ctx.rank, ctx.world_size))
+    parts = [None] * ctx.world_size
+    dist.all_gather_object(parts, mine)
+    if ctx.rank == 0:
+        integrity.write(directory, dict(ChainMap(*parts)))
+
+
+def verify_checksums(directory: str, ctx) -> bool:
+    """Collective: every rank checks its share of the files against checksums.json; any mismatch
+    is one CheckpointError line naming the file, raised on every rank. False when the checkpoint
+    has no checksums (saved by an earlier version)."""
+    from gspo_megatron.checkpoint import integrity
+    from gspo_megatron.model.hf_io import CheckpointError
+
+    try:
+        recorded = integrity.read(directory)
+        err = None
+    except integrity.IntegrityError as e:
+        recorded, err = {}, str(e)
+    if recorded is not None and err is None:
+        err = integrity.verify(directory, recorded, integrity.share(sorted(recorded), ctx.rank, ctx.world_size))
+    errors = [None] * ctx.world_size
+    dist.all_gather_object(errors, err)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+    return recorded is not None
+
+
+def _prune(root: str, keep_last: int, just_written: int) -> None:
+    """Keep the newest `keep_last` iterations up to the one just written; never delete a newer
+    one (a run that resumed from an older checkpoint — tracker lost — must not delete the
+    newer ones, nor count them and delete what it just wrote)."""
     from converters.megatron_dirs import iterations
 
     if keep_last <= 0:
         return
-    for d in iterations(root)[:-keep_last]:
+    upto = [d for d in iterations(root) if int(d.split("_")[-1]) <= just_written]
+    for d in upto[:-keep_last]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
@@ -188,23 +229,58 @@ def is_trainer_checkpoint(path: str) -> bool:
 
 
 def find_latest(out_dir: str) -> str | None:
-    from converters.megatron_dirs import read_tracker
+    """The checkpoint `checkpoint.resume=auto` continues from: what the tracker names when that is a
+    complete trainer checkpoint; otherwise (tracker deleted, or naming a directory that is missing
+    or incomplete) the newest complete iter_* directory, with a log line saying so. None when there
+    is no checkpoint at all; one CheckpointError line when there are iter_* directories but none is
+    usable (nothing is deleted: the run would otherwise start over and prune them)."""
+    from converters.megatron_dirs import iterations, read_tracker
+
+    from gspo_megatron.model.hf_io import CheckpointError
 
     root = ckpt_root(out_dir)
-    name = read_tracker(root) if os.path.isdir(root) else None
-    if name is None:  # a run of an earlier version
-        p = os.path.join(root, LATEST)
-        if not os.path.isfile(p):
-            return None
-        with open(p) as f:
+    if not os.path.isdir(root):
+        return None
+    try:
+        name = read_tracker(root)
+    except CheckpointError as e:  # an unreadable tracker is a missing one: scan
+        log.warning("%s; looking for the newest complete checkpoint instead", e)
+        name = None
+    if name is None and os.path.isfile(os.path.join(root, LATEST)):  # a run of an earlier version
+        with open(os.path.join(root, LATEST)) as f:
             name = f.read().strip()
-    d = os.path.join(root, name)
-    if os.path.isfile(os.path.join(d, "meta.json")) and not is_trainer_checkpoint(d):
-        from gspo_megatron.model.hf_io import CheckpointError
+    if name is not None:
+        d = os.path.join(root, name)
+        if os.path.isfile(os.path.join(d, "meta.json")) and not is_trainer_checkpoint(d):
+            raise CheckpointError(f"{d}: a checkpoint of the earlier per-rank format, which this version cannot "
+                                  "resume; remove it (or set checkpoint.resume=never) to start over")
+        if _complete(d):
+            return d
+    candidates = iterations(root)
+    for it in reversed(candidates):
+        d = os.path.join(root, it)
+        if _complete(d):
+            why = "no tracker" if name is None else f"the tracker names {name}, which is not a complete checkpoint"
+            log.warning("checkpoints in %s: %s; resuming from the newest complete one, %s", root, why, it)
+            return d
+    if candidates:
+        raise CheckpointError(f"{root}: {len(candidates)} checkpoint director{'y' if len(candidates) == 1 else 'ies'} "
+                              f"({candidates[0]} .. {candidates[-1]}) but none complete (metadata.json, .metadata and "
+                              "common.pt with trainer state); nothing was deleted: fix or move them, or set "
+                              "checkpoint.resume=never with another out_dir")
+    return None
 
-        raise CheckpointError(f"{d}: a checkpoint of the earlier per-rank format, which this version cannot "
-                              "resume; remove it (or set checkpoint.resume=never) to start over")
-    return d if is_trainer_checkpoint(d) else None
+
+def _complete(d: str) -> bool:
+    """A trainer checkpoint whose metadata and common state read (what a resume needs first)."""
+    if not (is_trainer_checkpoint(d) and os.path.isfile(os.path.join(d, ".metadata"))):
+        return False
+    try:
+        _read_common(d)
+    except Exception as e:  # noqa: BLE001 - any unreadable common.pt makes it incomplete
+        log.warning("%s: not a complete checkpoint (%s)", d, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False
+    return True
 
 
 def resolve_resume(resume: str, out_dir: str) -> str | None:
@@ -215,6 +291,38 @@ def resolve_resume(resume: str, out_dir: str) -> str | None:
     from converters.megatron_dirs import is_root, resolve
 
     return resolve(resume) if is_root(resume) else resume  # a root resumes from what its tracker names
+
+
+def agree_on_resume(resume: str, out_dir: str, ctx) -> str | None:
+    """Collective: rank 0 resolves the checkpoint to resume from and every rank takes its answer
+    (each rank resolving on its own could load different iterations while another job writes).
+    Rank 0 also removes temporary directories of saves that never finished (the run lock,
+    train/runlock.py, guarantees no other job is writing them). A CheckpointError on rank 0 is
+    raised on every rank."""
+    from gspo_megatron.model.hf_io import CheckpointError
+
+    box: list = [None, None]
+    if ctx.rank == 0:
+        try:
+            _clean_stale_temps(ckpt_root(out_dir))
+            box = [resolve_resume(resume, out_dir), None]
+        except CheckpointError as e:
+            box = [None, str(e)]
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise CheckpointError(box[1])
+    return box[0]
+
+
+def _clean_stale_temps(root: str) -> None:
+    """Hidden `.iter_*.tmp-*` directories of interrupted saves (each one a full checkpoint's size)."""
+    if not os.path.isdir(root):
+        return
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith(".") and ".tmp" in name and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s, the temporary directory of a save that never finished", path)
 
 
 def read_trainer_state(path: str) -> dict:
@@ -240,7 +348,7 @@ def _read_common(path: str) -> dict:
 
 
 def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
-         chunk_bytes: int = LOAD_CHUNK_BYTES) -> dict:
+         chunk_bytes: int = LOAD_CHUNK_BYTES, arch=None) -> dict:
     """Restore model, optimizer, scheduler and RNG at this run's layout (any); returns the loop state.
 
     The model first (its temporary tensors are freed before the optimizer's are read), then the
@@ -248,7 +356,10 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     any other through Megatron's sharded_state_dict in one load."""
     from converters.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
 
+    verify_checksums(path, ctx)  # before anything is read: a corrupted file is one line naming it
     common = _read_common(path)
+    if arch is not None:
+        check_architecture(path, arch)
     trainer, saved_optimizer = common["trainer"], common.get("optimizer") or {}
     _check_optimizer_kind(path, saved_optimizer, optimizer)
     load_mcore_into_model(model, path)
@@ -270,6 +381,29 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
         if ctx.rank == 0:
             log.info("resharding %s: saved at %s, loaded at %s; RNG re-seeded", path, saved, here)
     return trainer["loop"]
+
+
+def check_architecture(path: str, arch) -> None:
+    """The run's architecture equals the one the checkpoint was trained with (its hf_config/),
+    field by field: a changed rope_theta or rms_norm_eps loads every tensor without complaint and
+    trains a different function. One CheckpointError line naming the fields."""
+    import dataclasses
+    import json
+
+    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+
+    cfg_path = os.path.join(path, "hf_config", "config.json")
+    if not os.path.isfile(cfg_path):
+        return  # written without it (nothing to compare with)
+    with open(cfg_path) as f:
+        saved = Qwen3MoeArch.from_hf_dict(json.load(f), source=cfg_path)
+    # max_position_embeddings only bounds the RoPE table (no effect on the math of a sequence)
+    diff = [f"{f.name} {getattr(saved, f.name)!r} -> {getattr(arch, f.name)!r}" for f in dataclasses.fields(saved)
+            if f.name != "max_position_embeddings" and getattr(saved, f.name) != getattr(arch, f.name)]
+    if diff:
+        raise CheckpointError(f"{path}: this run's architecture differs from the checkpoint's ({cfg_path}): "
+                              f"{', '.join(diff)}; resume with the model it was trained as")
 
 
 def _check_optimizer_kind(path: str, common: dict, optimizer) -> None:

@@ -190,7 +190,8 @@ class RunParts:
     def load_checkpoint(self, path: str) -> dict:
         from gspo_megatron.train import checkpoint
 
-        return checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.ctx, seed=self.cfg.train.seed)
+        return checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.ctx, seed=self.cfg.train.seed,
+                               arch=self.arch)
 
     def export_hf(self, out_dir: str) -> None:
         """Final policy as an HF checkpoint (collective; rank 0 writes)."""

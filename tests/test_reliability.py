@@ -1,0 +1,124 @@
+"""Nothing lost: what a resume does when the checkpoint directory is not what the run left there
+(tracker deleted or stale, corrupted files, a changed architecture). One single-process trainer
+run (TP1) with a checkpoint every step is made once; each test works on a copy of it."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
+BASE = ["parallel.tp=1", "parallel.sequence_parallel=false", "train.sft_warmup_steps=2",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "checkpoint.interval=1",
+        "checkpoint.keep_last=0", "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    return env
+
+
+def train(out, *overrides, ok=True, timeout=300):
+    r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE,
+                        *overrides], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+    if ok:
+        assert r.returncode == 0, r.stderr[-4000:]
+    else:
+        assert r.returncode != 0, r.stderr[-2000:]
+    return r
+
+
+def one_line_error(r) -> str:
+    lines = [x for x in r.stderr.strip().splitlines() if x.startswith("gspo_megatron.train: error")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    return lines[0]
+
+
+def steps(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(x)["step"] for x in f if '"gspo"' in x]
+
+
+def ckpts(out):
+    root = os.path.join(out, "checkpoints")
+    return sorted(d for d in os.listdir(root) if d.startswith("iter_"))
+
+
+@pytest.fixture(scope="module")
+def run4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reliability") / "run"
+    train(out, "train.max_steps=4")
+    assert ckpts(out) == [f"iter_{i:07d}" for i in range(1, 5)]
+    return out
+
+
+def copy_run(run4, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run4, out)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_tracker_lost_resumes_from_newest_complete_and_prunes_nothing_newer(run4, tmp_path):
+    """Before: without the tracker resume=auto started at step 1, rewrote metrics.jsonl, and
+    keep_last deleted each new checkpoint right after saving it (the older, higher-numbered ones
+    counted first)."""
+    out = copy_run(run4, tmp_path)
+    tracker = out / "checkpoints" / "latest_checkpointed_iteration.txt"
+    tracker.unlink()
+    r = train(out, "train.max_steps=5", "checkpoint.keep_last=2")
+    assert "no tracker; resuming from the newest complete one, iter_0000004" in r.stderr
+    assert steps(out) == [1, 2, 3, 4, 5]
+    assert ckpts(out) == ["iter_0000004", "iter_0000005"] and tracker.read_text().strip() == "5"
+
+    # the tracker names a checkpoint whose files are gone: the newest complete one before it
+    out = copy_run(run4, tmp_path / "b")
+    (out / "checkpoints" / "iter_0000004" / "common.pt").unlink()
+    r = train(out, "train.max_steps=4", "checkpoint.keep_last=1")
+    assert "the tracker names iter_0000004, which is not a complete checkpoint" in r.stderr
+    assert "resuming from the newest complete one, iter_0000003" in r.stderr and steps(out) == [1, 2, 3, 4]
+    # pruning kept only the step-4 checkpoint it just wrote (older ones are up to it)
+    assert ckpts(out) == ["iter_0000004"]
+
+    # checkpoints, none usable: one line, nothing deleted
+    out = copy_run(run4, tmp_path / "c")
+    for d in ckpts(out):
+        (out / "checkpoints" / d / "metadata.json").unlink()
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").unlink()
+    r = train(out, "train.max_steps=6", ok=False)
+    assert "none complete" in one_line_error(r) and "nothing was deleted" in r.stderr
+    assert ckpts(out) == [f"iter_{i:07d}" for i in range(1, 5)] and steps(out) == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(600)
+def test_a_flipped_byte_in_a_shard_is_one_line_naming_the_file(run4, tmp_path):
+    """Before: bytes overwritten in a shard loaded without complaint (Adam's second moment became
+    3.7e19 and training went on)."""
+    out = copy_run(run4, tmp_path)
+    d = out / "checkpoints" / "iter_0000004"
+    sums = json.loads((d / "checksums.json").read_text())["files"]
+    assert {".metadata", "common.pt", "metadata.json"} <= set(sums) and any(f.endswith(".distcp") for f in sums)
+    shard = max((f for f in sums if f.endswith(".distcp")), key=lambda f: sums[f]["size"])
+    data = bytearray((d / shard).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (d / shard).write_bytes(bytes(data))
+    r = train(out, "train.max_steps=5", ok=False)
+    line = one_line_error(r)
+    assert str(d / shard) in line and "checksum" in line
+    assert steps(out) == [1, 2, 3, 4] and ckpts(out)[-1] == "iter_0000004"
+
+
+@pytest.mark.timeout(600)
+def test_resume_with_a_changed_architecture_is_refused(run4, tmp_path):
+    """A changed rope_theta loads every tensor (same shapes) and would train another function."""
+    out = copy_run(run4, tmp_path)
+    r = train(out, "train.max_steps=5", "model.hf_config.rope_theta=500000.0", ok=False)
+    line = one_line_error(r)
+    assert "rope_theta 10000.0 -> 500000.0" in line and "iter_0000004" in line
