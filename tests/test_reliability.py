@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -73,7 +75,13 @@ def test_tracker_lost_resumes_from_newest_complete_and_prunes_nothing_newer(run4
     out = copy_run(run4, tmp_path)
     tracker = out / "checkpoints" / "latest_checkpointed_iteration.txt"
     tracker.unlink()
+    # and the lock of a run killed with kill -9 (its process is gone): taken over, with a line
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    (out / ".gspo-run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
     r = train(out, "train.max_steps=5", "checkpoint.keep_last=2")
+    assert f"took over the run lock {out / '.gspo-run.lock'}: its process {dead.pid} on this host is gone" in r.stderr
+    assert not (out / ".gspo-run.lock").exists()  # released at the end
     assert "no tracker; resuming from the newest complete one, iter_0000004" in r.stderr
     assert steps(out) == [1, 2, 3, 4, 5]
     assert ckpts(out) == ["iter_0000004", "iter_0000005"] and tracker.read_text().strip() == "5"
@@ -122,3 +130,31 @@ def test_resume_with_a_changed_architecture_is_refused(run4, tmp_path):
     r = train(out, "train.max_steps=5", "model.hf_config.rope_theta=500000.0", ok=False)
     line = one_line_error(r)
     assert "rope_theta 10000.0 -> 500000.0" in line and "iter_0000004" in line
+
+
+@pytest.mark.timeout(600)
+def test_a_second_job_on_the_same_out_dir_stops_in_one_line(tmp_path):
+    """Before: no lock, each rank resolved `resume` on its own, and the two jobs overwrote each
+    other's metrics and checkpoints (ranks could load different iterations: SIGABRT)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE, "train.max_steps=6"]
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+    try:
+        lock = out / ".gspo-run.lock"
+        for _ in range(600):
+            if lock.exists() or first.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert lock.exists(), "the first run never took the lock"
+        second = train(out, "train.max_steps=2", "train.seed=99", ok=False)
+        line = one_line_error(second)
+        assert "is in use by another run" in line and f"pid {first.pid}," in line
+        _, err = first.communicate(timeout=500)
+        assert first.returncode == 0, err[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=60)
+    assert steps(out) == [1, 2, 3, 4, 5, 6] and ckpts(out)[-1] == "iter_0000006"
+    assert "seed: 99" not in (out / "config.yaml").read_text()  # the second job wrote nothing
+    assert not lock.exists()

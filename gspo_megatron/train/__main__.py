@@ -45,9 +45,18 @@ def main(argv=None) -> int:
 
         cfg = load_config(args.config, args.overrides)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if rank == 0:
-            cfg.dump_yaml(os.path.join(cfg.out_dir, "config.yaml"))
-        train(cfg, world_size=world)
+        lock = None
+        if rank == 0:  # one run per out_dir, taken before anything is written there
+            from gspo_megatron.train.runlock import RunLock
+
+            lock = RunLock(cfg.out_dir).acquire()
+        try:
+            if rank == 0:
+                cfg.dump_yaml(os.path.join(cfg.out_dir, "config.yaml"))
+            train(cfg, world_size=world)
+        finally:
+            if lock is not None:
+                lock.release()
     return 0
 
 
