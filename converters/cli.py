@@ -95,6 +95,39 @@ def _size(text: str) -> int:
     return n
 
 
+def _within(path: str, parent: str) -> bool:
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def converter_output(path: str, command: str) -> bool:
+    """Whether `path` looks like what `command` writes (the only kind --overwrite replaces):
+    hf-to-mcore a Megatron-LM root (tracker + release/ or iter_*), mcore-to-hf an HF directory
+    (config.json + safetensors)."""
+    if command == "hf-to-mcore":
+        from converters.megatron_dirs import TRACKER, is_root
+
+        return is_root(path) and os.path.isfile(os.path.join(path, TRACKER))
+    names = os.listdir(path)
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+
+
+def check_out(out: str, inputs: list[str], overwrite: bool, command: str) -> None:
+    """--out may not be (or lie inside, or contain) an input, and --overwrite only replaces a
+    previous output of the same command: `--overwrite --out ~/data` would otherwise delete the
+    whole directory once the conversion succeeds, and `--out` = `--hf-dir` the source itself."""
+    from gspo_megatron.cli_util import InputError
+
+    for src in inputs:
+        if _within(out, src) or _within(src, out):
+            raise InputError(f"--out {out}: is, contains or lies inside the input {src}; write somewhere else")
+    if overwrite and os.path.exists(out):
+        if not os.path.isdir(out) or not converter_output(out, command):
+            what = "a Megatron checkpoint root" if command == "hf-to-mcore" else "a Hugging Face checkpoint"
+            raise InputError(f"--out {out}: --overwrite replaces only a previous {command} output ({what}); "
+                             "this is something else: remove it yourself or choose another --out")
+
+
 def _init_dist() -> bool:
     """Start a gloo group under torchrun (WORLD_SIZE > 1); returns whether this call started it."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -117,6 +150,8 @@ def main(argv=None) -> int:
         from converters import mcore
 
         max_size = _size(args.max_shard_size)
+        inputs = [args.hf_dir] if args.command == "hf-to-mcore" else [args.load, args.hf_config_dir]
+        check_out(args.out, [d for d in inputs if d], args.overwrite, args.command)
         started = _init_dist()
         try:
             if args.command == "hf-to-mcore":

@@ -457,9 +457,22 @@ def test_bad_input(ckpts, tmp_path, capsys):
     (out / "keep").write_text("x")
     _fails(capsys, h2m(hf), "already exists", "--overwrite")
     assert (out / "keep").read_text() == "x"
+    # --overwrite replaces only an earlier output of the same command, never another directory
+    _fails(capsys, h2m(hf) + ["--overwrite"], "replaces only a previous hf-to-mcore output")
+    assert (out / "keep").read_text() == "x"
     shutil.rmtree(out)
+    # --out equal to, inside or around the input: the source would be replaced
+    from converters.cli import main
+
+    for bad in (hf, hf / "sub", hf.parent):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main(["hf-to-mcore", "--hf-dir", str(hf), "--out", str(bad), "--overwrite", "--no-progress"])
+        assert "is, contains or lies inside the input" in capsys.readouterr().err
+    assert (hf / "config.json").is_file()
 
     m2h = lambda src, *extra: ["mcore-to-hf", "--load", str(src), "--out", str(out), *extra]  # noqa: E731
+    _fails(capsys, ["mcore-to-hf", "--load", str(mc), "--out", str(mc / "hf"), "--overwrite"], "lies inside the input")
     _fails(capsys, m2h(hf), str(hf), "not a Megatron torch_dist checkpoint", out=out)
     _fails(capsys, m2h(tmp_path / "nope"), "no such directory", out=out)
 
