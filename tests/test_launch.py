@@ -198,6 +198,10 @@ def test_sglang_sbatch_multinode_servers_and_colocated(tmp_path):
     (trainer,) = [c for c in cmds if "gspo_megatron.train" in c]
     assert "rollout.sglang.urls=[http://b:31000]" in train_args(trainer)
     assert opt(trainer, "--nnodes") == "1"
+    # servers on the nodes' addresses and no SGLANG_API_KEY: a generated key, the same on both sides
+    keys = {c[c.index("--api-key") + 1] for c in servers}
+    assert len(keys) == 1 and len(keys.pop()) == 32
+    assert f"rollout.sglang.api_key={servers[0][servers[0].index('--api-key') + 1]}" in train_args(trainer)
 
     # Servers in their own image; the trainer keeps the host interpreter.
     cmds = render(script, [preset("qwen3_30b_a3b"), "model.hf_dir=/m"],

@@ -39,6 +39,7 @@ from .sglang_server import LaunchSpec, ServerClient, ServerProcesses, SGLangErro
 log = logging.getLogger("gspo_megatron.rollout")
 
 MEMORY_SAVER_FLAG = "--enable-memory-saver"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # The trainer's torchrun variables: a server started from a trainer rank must not take them for
 # its own (SGLang initializes its own process groups; torch's tcp rendezvous reads
 # TORCHELASTIC_USE_AGENT_STORE).
@@ -80,7 +81,7 @@ def check_colocated(sg, nnodes: int) -> None:
     if nnodes > 1 and sg.weight_sync == "tensor":
         raise SGLangError("colocated SGLang on more than one node: weight_sync=tensor (CUDA IPC) reaches only "
                           "rank 0's node; use weight_sync=distributed (or disk on a shared filesystem)")
-    if nnodes > 1 and sg.host in ("127.0.0.1", "localhost", "::1"):
+    if nnodes > 1 and sg.host in LOOPBACK:
         raise SGLangError("colocated SGLang on more than one node: rollout.sglang.host=127.0.0.1 is not reachable "
                           "from the other nodes; set rollout.sglang.host=0.0.0.0 (or this network's interface)")
     if sg.dp > 1 and sg.weight_sync in ("distributed", "tensor"):
@@ -128,13 +129,23 @@ class NodeServers:
 
 def start_colocated(cfg, ctx, *, make_engine) -> tuple[object | None, NodeServers]:
     """Collective. Start every node's engines, gather their URLs, build the engine on global rank 0
-    with `make_engine(urls)`, release the servers' memory; returns (engine or None, NodeServers)."""
+    with `make_engine(urls, api_key)`, release the servers' memory; returns (engine or None,
+    NodeServers). Servers bound beyond loopback without rollout.sglang.api_key get a generated key."""
     sg = cfg.rollout.sglang
     layout = NodeLayout.from_env(ctx.rank, ctx.world_size)
     check_colocated(sg, layout.nnodes)
     model_path = sg.model_path or cfg.model.hf_dir
     if not model_path:
         raise SGLangError("colocated SGLang needs rollout.sglang.model_path or model.hf_dir (the servers' model)")
+    if sg.api_key is None and sg.host not in LOOPBACK:
+        # servers reachable beyond this host require a key: one per run, from rank 0 to every node
+        import dataclasses
+        import secrets
+
+        box = [secrets.token_urlsafe(24) if ctx.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        sg = dataclasses.replace(sg, api_key=box[0])
+        log.info("colocated SGLang servers bind %s: they require a generated API key", sg.host)
     procs, urls, error = None, [], None
     if layout.local_rank == 0:
         try:
@@ -168,7 +179,7 @@ def start_colocated(cfg, ctx, *, make_engine) -> tuple[object | None, NodeServer
     engine = None
     try:
         if ctx.rank == 0:
-            engine = make_engine(all_urls)
+            engine = make_engine(all_urls, sg.api_key)
             engine.sleep()  # release: the trainer builds its model and optimizer next
         _barrier(ctx)
     except BaseException:

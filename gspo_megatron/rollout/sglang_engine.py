@@ -361,11 +361,16 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
-    def from_config(cls, config, **kw) -> "SGLangEngine":
+    def from_config(cls, config, *, sglang_overrides: dict | None = None, **kw) -> "SGLangEngine":
         """From the trainer's whole `Config`: model_path defaults to model.hf_dir, shared_dir to
-        <out_dir>/weight_sync, the HF config to hf_dir/config.json or model.hf_config,
-        return_routing to config.engine_routing / rollout.return_routing (when the config has them)."""
+        <out_dir>/weight_sync, the HF config (kw hf_config: the trainer passes the run's resolved
+        architecture, whatever its source) to hf_dir/config.json or model.hf_config,
+        return_routing to config.engine_routing / rollout.return_routing (when the config has them).
+        `sglang_overrides`: fields of rollout.sglang replaced for this engine only (colocated
+        servers: their urls and key; a frozen config re-validated with launch=false would refuse
+        the weight_sync=tensor that colocation needs)."""
         s = _cfg_dict(config.rollout.sglang)
+        s.update(sglang_overrides or {})
         if s.get("model_path") is None:
             s["model_path"] = config.model.hf_dir
         if s.get("shared_dir") is None:

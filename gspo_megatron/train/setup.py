@@ -251,17 +251,16 @@ def _make_hf_engine(cfg, hf_config, tokenizer, dtype):
     return HFEngine(model, device=device, tokenizer=tokenizer, return_routing=cfg.engine_routing)
 
 
-def _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls: list[str] | None = None):
+def _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls: list[str] | None = None, api_key: str | None = None):
     """The SGLang engine of global rank 0: to the configured urls, or to the colocated servers'
-    `urls` (rollout/colocate.py started them)."""
-    import dataclasses
-
+    `urls` with their `api_key` (rollout/colocate.py started them). The engine gets the run's
+    architecture (model.load's, model.hf_dir's or the inline one): disk sync writes it as the
+    servers' config.json."""
     from gspo_megatron.rollout.sglang_engine import SGLangEngine
 
-    if urls is not None:
-        sg = dataclasses.replace(cfg.rollout.sglang, launch=False, urls=list(urls))
-        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, sglang=sg))
-    return SGLangEngine.from_config(cfg)
+    overrides = None if urls is None else {"launch": False, "urls": list(urls), "api_key": api_key}
+    arch = {**hf_config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    return SGLangEngine.from_config(cfg, sglang_overrides=overrides, hf_config=arch)
 
 
 ENGINES = {"hf": _make_hf_engine, "sglang": _make_sglang_engine}
@@ -344,7 +343,7 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
         from gspo_megatron.rollout.colocate import start_colocated
 
         engine, node_servers = start_colocated(
-            cfg, ctx, make_engine=lambda urls: _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls))
+            cfg, ctx, make_engine=lambda urls, key: _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls, key))
     routing_replay = cfg.train.routing_replay != "none" or cfg.engine_routing  # RouterReplay in every router
     chunks, tconfig = build_policy(ctx, arch, reader=reader, dtype=dtype,
                                    recompute=cfg.train.recompute,
