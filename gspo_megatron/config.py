@@ -523,8 +523,16 @@ class DataConfig:
     task: str = "sort"
     # Seed of prompt generation / shuffling.
     seed: int = 0
+    # Longest prompt in tokens (after the chat template); null = the model's
+    # max_position_embeddings - rollout.max_new_tokens.
+    max_prompt_tokens: Optional[int] = None
+    # What happens to a longer prompt: "skip" it (counted in data_skipped) or "truncate" it to its
+    # last max_prompt_tokens tokens (the chat template's generation prompt is at the end).
+    long_prompts: Literal["skip", "truncate"] = "skip"
 
     def __post_init__(self):
+        if self.max_prompt_tokens is not None:
+            _positive("data.max_prompt_tokens", self.max_prompt_tokens)
         if self.source == "file" and not self.path:
             raise ConfigError("data.source=file needs data.path")
         if self.source == "synthetic" and self.path:

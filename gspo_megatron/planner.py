@@ -542,8 +542,12 @@ def _check_inputs(cfg, world: int) -> dict:
 
     got = check_inputs(cfg, world_size=world)
     p = got.prompts
-    data = (f"synthetic task {cfg.data.task!r}" if p.task is not None
-            else f"{cfg.data.path}: {len(p.stream.examples)} records, the first render with the chat template")
+    if p.task is not None:
+        data = f"synthetic task {cfg.data.task!r}"
+    else:  # every record, as the trainer will see it (training skips and counts the same ones)
+        c = p.check_all()
+        data = (f"{cfg.data.path}: {c['records']} records checked in {c['seconds']:.2f} s, {c['usable']} usable, "
+                f"{c['skipped']} skipped by training" + (f" ({'; '.join(c['first_problems'])})" if c["skipped"] else ""))
     return {"tokenizer": f"{len(got.tokenizer)} tokens (vocab_size {got.arch.vocab_size})", "data": data,
             "reward": cfg.reward.fn or "the synthetic task's", "warm start": f"{cfg.train.sft_warmup_steps} steps"}
 

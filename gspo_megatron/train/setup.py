@@ -23,9 +23,15 @@ log = logging.getLogger("gspo_megatron.train")
 
 class PromptSource:
     """Prompts for each step: a synthetic task (generated from a per-step seed, so a resumed run
-    sees the same prompts) or a dataset file (a resumable shuffled stream)."""
+    sees the same prompts) or a dataset file (a resumable shuffled stream).
 
-    def __init__(self, data_cfg, tokenizer, seed: int):
+    File data never stops a run: a record that is malformed (rollout/data.py record_problem), does
+    not render with the tokenizer, or is longer than `max_prompt_tokens` (policy `long_prompts`:
+    skip, or truncate keeping its end, where the chat template's generation prompt is) is skipped
+    when the stream reaches it and counted (`take_skipped`, the step's `data_skipped`); the stream
+    keeps the file's positions, so fixing a record in place does not shift a resumed run."""
+
+    def __init__(self, data_cfg, tokenizer, seed: int, *, max_prompt_tokens: int | None = None):
         from gspo_megatron.rollout.data import PromptStream, load_prompts
         from gspo_megatron.rollout.tasks import TASKS, SyntheticTask
 
@@ -33,42 +39,112 @@ class PromptSource:
         self.seed = data_cfg.seed
         self.task = None
         self.stream = None
+        self.max_prompt_tokens = max_prompt_tokens
+        self.long_prompts = data_cfg.long_prompts
+        self.skipped = 0  # since the last take_skipped()
+        self._ids: dict[int, list[int]] = {}  # id(record) -> its checked token ids
+        self._reported = 0
         if data_cfg.source == "synthetic":
             if data_cfg.task not in TASKS:
                 raise InputError(f"data.task: unknown synthetic task {data_cfg.task!r}; choose from {sorted(TASKS)}")
             self.task = SyntheticTask(data_cfg.task, seed=data_cfg.seed)
         else:
-            examples = load_prompts(data_cfg.path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key)
+            self._problems: dict[int, str] = {}
+            examples = load_prompts(data_cfg.path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key,
+                                    skip_malformed=True, problems=self._problems)
+            self.path = data_cfg.path
             self.prompt_key = data_cfg.prompt_key
-            self.stream = PromptStream(examples, 1, seed=data_cfg.seed)
+            self._index = {id(ex): i for i, ex in enumerate(examples) if ex is not None}
+            bad = sum(ex is None for ex in examples)
+            if bad:
+                log.warning("data.path %s: %d of %d records are malformed and will be skipped (--dry-run lists them)",
+                            data_cfg.path, bad, len(examples))
+            self.stream = PromptStream(examples, 1, seed=data_cfg.seed, source=f"data.path {data_cfg.path}")
 
     def batch(self, step: int, round_: int, n: int) -> list[dict]:
         if self.task is not None:
             return self.task.sample_prompts(n, random.Random(f"{self.seed}:{step}:{round_}"))
-        return self.stream.next_batch(n)
+        out, misses = [], 0
+        while len(out) < n:
+            (ex,) = self.stream.next_batch(1)
+            if self._check(ex)[0] is None:
+                self.skipped += 1
+                misses += 1
+                if misses > len(self.stream.examples):
+                    raise InputError(f"data.path {self.path}: every record is skipped (malformed, unrenderable or "
+                                     "longer than data.max_prompt_tokens): run --dry-run to see why")
+                continue
+            out.append(ex)
+        return out
+
+    def take_skipped(self) -> int:
+        n, self.skipped = self.skipped, 0
+        return n
+
+    def _check(self, ex) -> tuple[list[int] | None, str | None]:
+        """(token ids, None) of a usable record, else (None, why)."""
+        if ex is None:
+            return None, "malformed"
+        ids = self._ids.get(id(ex))
+        if ids is not None:
+            return ids, None
+        try:
+            ids = self._render(ex)
+        except Exception as e:  # noqa: BLE001 - a user's template or data: skip, say why
+            return None, f"does not render with the tokenizer's chat template: {type(e).__name__}: {e}"
+        if not ids:
+            return None, "renders to no tokens"
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            if self.long_prompts == "skip":
+                return None, f"is {len(ids)} tokens, over data.max_prompt_tokens={self.max_prompt_tokens}"
+            ids = ids[-self.max_prompt_tokens:]
+        self._ids[id(ex)] = ids
+        return ids, None
+
+    def _render(self, example: dict) -> list[int]:
+        from gspo_megatron.rollout.data import render_prompt
+
+        key = "prompt" if self.task is not None else self.prompt_key
+        return render_prompt(self.tokenizer, example[key])
 
     def text(self, example: dict):
         """The record's prompt as written (string or chat messages)."""
         return example["prompt" if self.task is not None else self.prompt_key]
 
     def encode(self, example: dict) -> list[int]:
-        from gspo_megatron.rollout.data import render_prompt
-
-        key = "prompt" if self.task is not None else self.prompt_key
-        return render_prompt(self.tokenizer, example[key])
+        if self.task is not None:
+            return self._render(example)
+        ids, why = self._check(example)
+        if ids is None:
+            raise InputError(f"data.path {self.path}: record {self._index.get(id(example), -1) + 1} (1-based) {why}")
+        return ids
 
     def check_render(self, n: int = 3) -> None:
-        """The first `n` records through the tokenizer's chat template (file data)."""
+        """The first `n` usable records through the tokenizer (file data): a wrong template fails
+        the run in seconds instead of skipping everything."""
         if self.stream is None:
             return
-        for i, ex in enumerate(self.stream.examples[:n], 1):
-            try:
-                ids = self.encode(ex)
-            except Exception as e:
-                raise InputError(f"data.path: record {i} (1-based) does not render with the tokenizer's chat "
-                                 f"template: {type(e).__name__}: {e}") from None
-            if not ids:
-                raise InputError(f"data.path: record {i} (1-based) renders to no tokens")
+        usable = [ex for ex in self.stream.examples if ex is not None][:n]
+        for ex in usable:
+            ids, why = self._check(ex)
+            if ids is None and not why.startswith("is "):  # too long is data, not the template
+                raise InputError(f"data.path {self.path}: record {self._index[id(ex)] + 1} (1-based) {why}")
+
+    def check_all(self) -> dict:
+        """Every record (--dry-run): counts, the first problems, seconds."""
+        import time
+
+        t0 = time.perf_counter()
+        if self.stream is None:
+            return {}
+        problems = []
+        for i, ex in enumerate(self.stream.examples, 1):
+            _, why = self._check(ex)
+            if why is not None:
+                problems.append(f"record {i} {self._problems.get(i - 1, why)}")
+        n = len(self.stream.examples)
+        return {"records": n, "usable": n - len(problems), "skipped": len(problems), "first_problems": problems[:5],
+                "seconds": time.perf_counter() - t0}
 
     def demonstrations(self, n: int, rng: random.Random) -> list[TrainSample]:
         if self.task is None:
@@ -298,7 +374,8 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     if len(tokenizer) > arch.vocab_size:
         raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {arch.vocab_size} "
                          "(model.tokenizer and the model's checkpoint must belong together)")
-    prompts = PromptSource(cfg.data, tokenizer, cfg.train.seed)
+    limit = cfg.data.max_prompt_tokens or max(1, arch.max_position_embeddings - cfg.rollout.max_new_tokens)
+    prompts = PromptSource(cfg.data, tokenizer, cfg.train.seed, max_prompt_tokens=limit)
     if cfg.train.sft_warmup_steps > 0 and prompts.task is None:
         raise InputError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} needs demonstrations, which only "
                          "data.source=synthetic has: set train.sft_warmup_steps=0 (start from an SFT model)")
