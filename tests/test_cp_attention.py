@@ -367,3 +367,26 @@ def test_cp2_layout_refusals(cp2):
     for rank in range(2):
         assert "multiple of 4" in cp2[rank]["err_thd_len"]
         assert "must be even" in cp2[rank]["err_sbhd_odd"]
+
+
+def test_packed_microbatch_passes_padded_boundaries_only_when_padded():
+    """TE takes any cu_seqlens_q_padded as "padded between sequences" and then cannot use
+    FlashAttention-2: a packed microbatch whose sequences fill their segments exactly passes only
+    cu_seqlens_q (which Megatron's THD RoPE then uses too, attention.py:1082-1089); one with a
+    sequence padded inside its segment (CP's 2*cp multiple) passes both."""
+    from gspo_megatron.train.batch import BatchShape, TrainSample, collate_packed
+
+    def sample(n_prompt, n_resp):
+        return TrainSample(list(range(1, n_prompt + 1)), list(range(1, n_resp + 1)), 1.0)
+
+    exact = collate_packed([sample(3, 3), sample(2, 2)], BatchShape(multiple=2, pad_id=0, cp=1, cp_rank=0, packed=True))
+    psp = exact.packed_seq_params()
+    assert psp.cu_seqlens_q_padded is None and psp.cu_seqlens_kv_padded is None
+    assert psp.cu_seqlens_q.tolist() == [0, 6, 10]
+    # CP 2: each sequence padded to a multiple of 4 (7 -> 8)
+    padded = collate_packed([sample(4, 3), sample(2, 2)], BatchShape(multiple=4, pad_id=0, cp=2, cp_rank=0, packed=True))
+    psp = padded.packed_seq_params()
+    assert psp.cu_seqlens_q.tolist() == [0, 7, 11] and psp.cu_seqlens_q_padded.tolist() == [0, 8, 12]
+    # a filler segment is not padding inside a sequence
+    filled = collate_packed([sample(3, 3)], BatchShape(multiple=2, pad_id=0, cp=1, cp_rank=0, packed=True), total=10)
+    assert filled.packed_seq_params().cu_seqlens_q_padded is None and filled.cu_seqlens.tolist() == [0, 6, 10]

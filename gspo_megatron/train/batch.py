@@ -1,6 +1,9 @@
 """From samples to Megatron microbatches: minibatches, DP split balanced by tokens, token-budget
 microbatches, context-parallel split. Pure Python + torch; every rank computes the same plan from
-the same samples, so no communication is needed to agree on it.
+every sample's length, so no communication is needed to agree on it. A rank needs the content
+only of its own DP rank's samples: the others may be RemoteSamples (their lengths), and the
+training loop sends each DP rank only its share (`dp_owners`, `encode_shares` / `decode_share`,
+moved by parallel/dataplane.py).
 
 Layout of one training sequence (prompt p_0..p_{P-1}, response r_0..r_{R-1}):
     tokens    = p_0 .. p_{P-1} r_0 .. r_{R-1}
@@ -44,6 +47,33 @@ class TrainSample:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
+    @property
+    def has_response(self) -> bool:
+        return bool(self.response_ids)
+
+    @property
+    def has_routing(self) -> bool:
+        return self.routing is not None
+
+
+@dataclass(frozen=True)
+class RemoteSample:
+    """Another DP rank's sample, on this rank: what planning needs of it (every DP rank's plan
+    is computed everywhere, from every sample's length), without its content, which only the
+    ranks of its DP rank receive (parallel/dataplane.py, `decode_share`)."""
+
+    prompt_len: int
+    response_len: int
+    has_routing: bool = False
+
+    @property
+    def length(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def has_response(self) -> bool:
+        return self.response_len > 0
+
 
 @dataclass
 class MicroBatch:
@@ -57,6 +87,9 @@ class MicroBatch:
     index: torch.Tensor | None = None  # [n, L] long: flat index into tokens of each slot, -1 if none (packed)
     cu_seqlens: torch.Tensor | None = None  # [k+1] int32, packed: cumulative padded lengths (all CP ranks)
     cu_seqlens_real: torch.Tensor | None = None  # [k+1] int32, packed: the same without per-sequence padding
+    # packed: some sequence is padded inside its segment (cu_seqlens != cu_seqlens_real); decided
+    # from the lengths at collation, so building PackedSeqParams never syncs with the device
+    padded_segments: bool = False
     max_seqlen: int = 0  # packed: the longest padded segment (RoPE table length)
     seq_length: int = 0  # the full (all CP ranks) sequence length of the model input: Megatron's seq_length
     # Filled by forward-only passes before the update (on the last pipeline stage), rows layout:
@@ -99,13 +132,19 @@ class MicroBatch:
         return torch.where(self.index >= 0, picked, torch.zeros((), dtype=t.dtype, device=t.device))
 
     def packed_seq_params(self, cp_group=None):
-        """Megatron's PackedSeqParams for this packed microbatch (None for padded ones)."""
+        """Megatron's PackedSeqParams for this packed microbatch (None for padded ones).
+
+        The `*_padded` boundaries only when a sequence is actually padded inside its segment: TE
+        treats any given `cu_seqlens_q_padded` as a padded batch between sequences, which rules out
+        its FlashAttention-2 backend (TE 2.x `dot_product_attention/utils.py`
+        get_attention_backend: `pad_between_seqs`), so an unpadded batch must not pass them."""
         if not self.packed:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        padded = self.cu_seqlens if self.padded_segments else None
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens_real, cu_seqlens_kv=self.cu_seqlens_real,
-                               cu_seqlens_q_padded=self.cu_seqlens, cu_seqlens_kv_padded=self.cu_seqlens,
+                               cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen, cp_group=cp_group)
 
 
@@ -290,15 +329,17 @@ def collate_packed(samples: list[TrainSample], shape: BatchShape, total: int | N
     n_seq = sum(1 for x in samples if x.response_ids)  # on the whole sequences, not this CP rank's part
     return MicroBatch(torch.cat(tok_parts).unsqueeze(0), mask, adv, eng, n_seq,
                       targets=torch.cat(tgt_parts).unsqueeze(0), positions=positions, index=index, cu_seqlens=cu,
-                      cu_seqlens_real=cu_real, max_seqlen=max(seg_len), seq_length=total,
+                      cu_seqlens_real=cu_real, padded_segments=seg_len != real_len, max_seqlen=max(seg_len),
+                      seq_length=total,
                       routing=torch.cat(route_parts).unsqueeze(0) if dims is not None else None)
 
 
 def plan_microbatches(
-    samples: list[TrainSample], *, dp: int, dp_rank: int, token_budget: int, multiple: int, pad_id: int = 0,
+    samples: list[TrainSample | RemoteSample], *, dp: int, dp_rank: int, token_budget: int, multiple: int, pad_id: int = 0,
     cp: int = 1, cp_rank: int = 0, packed: bool = False,
 ) -> tuple[list[list[int]], list[MicroBatch]]:
-    """Sample indices and collated microbatches of this DP rank (and CP rank).
+    """Sample indices and collated microbatches of this DP rank (and CP rank). Other DP ranks'
+    samples may be RemoteSamples: only their lengths are read.
 
     Every DP rank gets the same number of microbatches, and the k-th microbatch has the same
     shape on every DP rank (filler rows or a filler segment; microbatches with an empty mask):
@@ -313,6 +354,7 @@ def plan_microbatches(
     plans = [p + [[] for _ in range(n_micro - len(p))] for p in plans]
     mbs = []
     for k, group in enumerate(plans[dp_rank]):
+        _here([samples[i] for i in group])
         if packed:
             total = max(_round_up(max(sum(_round_up(max(lengths[i], 2), granule) for i in p[k]), 1), multiple)
                         for p in plans)
@@ -326,11 +368,174 @@ def plan_microbatches(
 
 
 def plan_minibatch(
-    samples: list[TrainSample], *, dp: int, dp_rank: int, token_budget: int, multiple: int, pad_id: int = 0,
+    samples: list[TrainSample | RemoteSample], *, dp: int, dp_rank: int, token_budget: int, multiple: int, pad_id: int = 0,
     cp: int = 1, cp_rank: int = 0, packed: bool = False,
 ) -> tuple[list[MicroBatch], int]:
     """This DP rank's microbatches for one minibatch, and the minibatch's global sequence count."""
     _, mbs = plan_microbatches(samples, dp=dp, dp_rank=dp_rank, token_budget=token_budget, multiple=multiple,
                                pad_id=pad_id, cp=cp, cp_rank=cp_rank, packed=packed)
-    global_sequences = sum(1 for x in samples if x.response_ids)
+    global_sequences = sum(1 for x in samples if x.has_response)
     return mbs, global_sequences
+
+
+def _here(samples: list) -> None:
+    """The samples this DP rank collates must be here, not another DP rank's (RemoteSample)."""
+    if any(isinstance(x, RemoteSample) for x in samples):
+        raise RuntimeError("this DP rank's plan holds a sample whose content went to another DP rank: the "
+                           "samples were distributed for another minibatch count or DP size than they are "
+                           "planned with (train/loop.py)")
+
+
+# --------------------------------------------------------------------------------------------
+# Distributing samples: which DP rank trains on each sample, and its content as bytes
+# (parallel/dataplane.py moves them: the header to every rank, each share only to its DP rank)
+
+
+def dp_owners(lengths: list[int], dp: int, minibatches: int) -> list[int]:
+    """The DP rank that trains on each sample of a list split into `minibatches` minibatches
+    (split_minibatches), each balanced over `dp` ranks (balance_dp): plan_microbatches' own split,
+    so a DP rank can be sent its samples only."""
+    owners = [0] * len(lengths)
+    for idx in split_minibatches(len(lengths), minibatches):
+        for r, shard in enumerate(balance_dp([lengths[i] for i in idx], dp)):
+            for j in shard:
+                owners[idx[j]] = r
+    return owners
+
+
+# One header row per sample, every rank receives all of them: what planning needs (lengths,
+# owner, routing present) and how the owner's bytes are laid out (which fields, their wire types).
+HEADER = ("prompt_len", "response_len", "owner", "logprobs", "mask", "routing_rows", "routing_layers",
+          "routing_topk", "routing_dtype", "routing_wire", "token_wire")
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)  # routing as the engine gave it
+# Routing on the wire, per sample the narrowest that holds its values: uint8 for expert ids up to
+# 254 (-1, "none", wraps to 255 on the way in and is mapped back on the way out), else signed.
+# At 30B-A3B size (48 layers x top-8 of 128 experts) that is 384 bytes a token instead of the
+# engine's int32 (1.5 kB) or int64.
+_ROUTING_WIRE = (torch.uint8, torch.int16, torch.int32, torch.int64)
+_TOKEN_WIRE = (torch.int32, torch.int64)
+_ALIGN = 8  # every section starts 8-byte aligned: read back as typed views of the buffer, no copy
+
+
+def _sections(row: list[int]) -> list[tuple[str, torch.dtype, int]]:
+    """(field, wire dtype, elements) of one sample's bytes, in order."""
+    p, r, _, lp, mask, rows, layers, topk, _, rwire, twire = row
+    out = [("advantage", torch.float64, 1), ("tokens", _TOKEN_WIRE[twire], p + r)]
+    if lp:
+        out.append(("logprobs", torch.float32, r))  # what _full_sequence converts them to
+    if mask:
+        out.append(("mask", torch.bool, r))
+    if rows >= 0:
+        out.append(("routing", _ROUTING_WIRE[rwire], rows * layers * topk))
+    return out
+
+
+def _section_bytes(dtype: torch.dtype, n: int) -> int:
+    return _round_up(n * dtype.itemsize, _ALIGN)
+
+
+def _sample_bytes(row: list[int]) -> int:
+    return sum(_section_bytes(dt, n) for _, dt, n in _sections(row))
+
+
+def _fits(lo: int, hi: int, dtype: torch.dtype) -> bool:
+    info = torch.iinfo(dtype)
+    return info.min <= lo and hi <= info.max
+
+
+def _header_row(x: TrainSample, owner: int, i: int) -> list[int]:
+    if not isinstance(x, TrainSample):
+        raise TypeError(f"sample {i}: a TrainSample is needed to send its content, got {type(x).__name__}")
+    p, r = len(x.prompt_ids), len(x.response_ids)
+    ids = x.prompt_ids + x.response_ids
+    twire = 0 if not ids or _fits(min(ids), max(ids), torch.int32) else 1
+    for name, v in (("engine_logprobs", x.engine_logprobs), ("token_mask", x.token_mask)):
+        if v is not None and len(v) != r:
+            raise ValueError(f"sample {i}: {len(v)} {name} for {r} response tokens")
+    rows = layers = topk = dtype = rwire = 0
+    if x.routing is None:
+        rows = -1
+    else:
+        t = x.routing
+        if not isinstance(t, torch.Tensor) or t.dtype not in _INT_DTYPES or t.dim() != 3:
+            raise ValueError(f"sample {i}: routing must be an integer tensor [positions, layers, top_k], got "
+                             f"{type(t).__name__} {getattr(t, 'dtype', '')} {tuple(getattr(t, 'shape', ()))}")
+        rows, layers, topk = t.shape
+        dtype = _INT_DTYPES.index(t.dtype)
+        lo, hi = (int(v) for v in torch.aminmax(t)) if t.numel() else (0, 0)
+        rwire = 0 if -1 <= lo and hi <= 254 else next(k for k in (1, 2, 3) if _fits(lo, hi, _ROUTING_WIRE[k]))
+    return [p, r, owner, int(x.engine_logprobs is not None), int(x.token_mask is not None), rows, layers, topk,
+            dtype, rwire, twire]
+
+
+def encode_shares(samples: list[TrainSample], owners: list[int], dp: int
+                  ) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    """Rank 0: the header (int64 [n, len(HEADER)]) and each DP rank's share of the content, one
+    uint8 buffer per DP rank holding its samples in list order (`decode_share` reads it back).
+    The buffers are all as long as the longest share (the scatter's common size; `sizes` are the
+    real ones)."""
+    rows = [_header_row(x, o, i) for i, (x, o) in enumerate(zip(samples, owners))]
+    nbytes = [_sample_bytes(row) for row in rows]
+    sizes = [0] * dp
+    for row, n in zip(rows, nbytes):
+        sizes[row[2]] += n
+    width = max(sizes, default=0)
+    shares = [torch.empty(width, dtype=torch.uint8) for _ in range(dp)]
+    offsets = [0] * dp
+    for x, row in zip(samples, rows):
+        buf, off = shares[row[2]], offsets[row[2]]
+        for name, dt, n in _sections(row):
+            end = off + _section_bytes(dt, n)
+            buf[off + n * dt.itemsize: end].zero_()  # the alignment gap: no stale memory on the wire
+            view = buf[off: off + n * dt.itemsize].view(dt)
+            if name == "advantage":
+                view[0] = float(x.advantage)
+            elif name == "tokens":
+                view.copy_(torch.as_tensor(x.prompt_ids + x.response_ids, dtype=dt))
+            elif name == "logprobs":
+                view.copy_(torch.as_tensor(x.engine_logprobs, dtype=torch.float32))
+            elif name == "mask":
+                view.copy_(torch.as_tensor(x.token_mask, dtype=torch.bool))
+            else:  # integer conversion is modular: -1 becomes 255 in uint8
+                view.view(x.routing.shape).copy_(x.routing)
+            off = end
+        offsets[row[2]] = off
+    for d in range(dp):
+        shares[d][sizes[d]:].zero_()  # padding up to the common size
+    return torch.tensor(rows, dtype=torch.int64).view(len(rows), len(HEADER)), shares, sizes
+
+
+def decode_share(header: torch.Tensor, share: torch.Tensor, dp_rank: int,
+                 local: list[TrainSample] | None = None) -> list[TrainSample | RemoteSample]:
+    """Every sample of the batch in header order: this DP rank's as TrainSamples read from its
+    `share` (or, on rank 0, taken from `local`: the samples it encoded), every other one as a
+    RemoteSample. Engine log-probs come back as float32 values (what collation uses), routing
+    in the dtype the engine gave, -1 kept."""
+    out: list[TrainSample | RemoteSample] = []
+    off = 0
+    for i, row in enumerate(header.tolist()):
+        p, r, owner, _, _, routing_rows, layers, topk, dtype, rwire, _ = row
+        if owner != dp_rank:
+            out.append(RemoteSample(p, r, routing_rows >= 0))
+            continue
+        if local is not None:
+            out.append(local[i])
+            continue
+        fields = {}
+        for name, dt, n in _sections(row):
+            fields[name] = share[off: off + n * dt.itemsize].view(dt)
+            off += _section_bytes(dt, n)
+        tokens = fields["tokens"].tolist()
+        routing = None
+        if "routing" in fields:
+            wire = fields["routing"]
+            routing = wire.to(_INT_DTYPES[dtype], copy=True).view(routing_rows, layers, topk)
+            if rwire == 0:
+                routing.view(-1).masked_fill_(wire == 255, -1)
+        out.append(TrainSample(tokens[:p], tokens[p:], float(fields["advantage"][0]),
+                               fields["logprobs"].tolist() if "logprobs" in fields else None, routing,
+                               token_mask=fields["mask"].tolist() if "mask" in fields else None))
+    if local is None and off != share.numel():
+        raise RuntimeError(f"data plane: DP rank {dp_rank}'s share has {share.numel()} bytes, its header rows "
+                           f"describe {off}")
+    return out

@@ -5,8 +5,12 @@
     -> per minibatch: Megatron forward_backward with the GSPO loss, optimizer step
     -> push weights to the engine -> metrics -> periodic checkpoint
 
-Rank 0 drives the rollout engine and the reward; samples are broadcast to all ranks, which then
-train together through Megatron's schedules.
+Rank 0 drives the rollout engine and the reward, shuffles the samples and decides which DP rank
+trains on which (train/batch.py dp_owners: the plan's own minibatch split and DP balance). Every
+rank receives every sample's lengths; the content (tokens, advantages, engine log-probs, masks,
+routing) as tensors, each DP rank's share only to that DP rank's ranks (parallel/dataplane.py).
+Then all ranks train together through Megatron's schedules, each planning every DP rank's
+microbatches from the lengths and collating its own.
 """
 from __future__ import annotations
 
@@ -24,9 +28,11 @@ from gspo_megatron.algorithms.mismatch import MAX_KEYS as MISMATCH_MAXES
 from gspo_megatron.algorithms.mismatch import SUM_KEYS as MISMATCH_SUMS
 from gspo_megatron.algorithms.mismatch import mismatch_metrics
 from gspo_megatron.model.export import iter_hf_tensors
+from gspo_megatron.parallel.dataplane import DataPlane
 from gspo_megatron.rollout.base import Sample, SamplingParams
 from gspo_megatron.train import checkpoint
-from gspo_megatron.train.batch import TrainSample, split_minibatches
+from gspo_megatron.train.batch import (RemoteSample, TrainSample, decode_share, dp_owners, encode_shares,
+                                       split_minibatches)
 from gspo_megatron.train.loss import WEIGHTED_METRICS, LossSettings, fill_logprobs_step, policy_loss_step, sft_loss_step
 from gspo_megatron.train.metrics import MetricsWriter, plot, reduce_max, reduce_report
 from gspo_megatron.train.setup import RunParts, setup_run
@@ -105,7 +111,7 @@ def push_weights(parts: RunParts, version: int, producer=None) -> float:
     return time.perf_counter() - t0
 
 
-def sft_warmup(parts: RunParts, writer: MetricsWriter | None) -> None:
+def sft_warmup(parts: RunParts, writer: MetricsWriter | None, plane: DataPlane | None = None) -> None:
     """Brief supervised warm start on the task's demonstrations (RL normally starts from an SFT
     model; a random-init demo model would otherwise see reward 0 everywhere).
 
@@ -113,11 +119,13 @@ def sft_warmup(parts: RunParts, writer: MetricsWriter | None) -> None:
     weights live in the optimizer, so a second optimizer would keep its own masters and the first
     GSPO step would write the main optimizer's stale ones back over the warm start (and double
     optimizer memory). Afterwards Adam's moments are cleared (GSPO starts with fresh statistics,
-    the masters keep the warmed-up weights) and the scheduler's LR is restored."""
+    the masters keep the warmed-up weights) and the scheduler's LR is restored.
+    `plane`: the run's data plane (built here when not given)."""
     cfg, ctx = parts.cfg, parts.ctx
     steps = cfg.train.sft_warmup_steps
     if steps <= 0:
         return
+    plane = plane or DataPlane(ctx)
     from gspo_megatron.train.optim import reset_optimizer_state, set_lr
 
     opt = parts.optimizer
@@ -126,7 +134,7 @@ def sft_warmup(parts: RunParts, writer: MetricsWriter | None) -> None:
     rng = random.Random(cfg.train.seed + 7919)
     for s in range(steps):
         samples = parts.prompts.demonstrations(batch, rng) if ctx.rank == 0 else None
-        samples = _broadcast(samples)
+        samples = distribute(plane, samples, minibatches=1)  # planned below as one minibatch
         mbs, _ = parts.plan(samples)
         reports, _ = _optimizer_step(parts, opt, None, sft_loss_step(ctx, parts.arch.vocab_size), mbs)
         tot = reduce_report(reports, _reporter(parts), ("nll_sum", "tokens"), ctx.device)
@@ -139,9 +147,31 @@ def sft_warmup(parts: RunParts, writer: MetricsWriter | None) -> None:
 
 
 def _broadcast(obj):
+    """A small object from rank 0 to every rank (pickled: not for samples, see `distribute`)."""
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def distribute(plane: DataPlane, samples: list[TrainSample] | None, minibatches: int
+               ) -> list[TrainSample | RemoteSample]:
+    """Collective. Rank 0's `samples` (in training order; None elsewhere) as every rank needs
+    them for `minibatches` minibatches: the ones its DP rank trains on as TrainSamples, every other
+    one as a RemoteSample (its lengths). Only each DP rank's ranks receive its samples' content
+    (parallel/dataplane.py); rank 0 keeps its own objects."""
+    ctx = plane.ctx
+    if ctx.rank != 0:
+        header, share = plane.exchange()
+        return decode_share(header, share, ctx.dp_rank)
+    try:
+        owners = dp_owners([x.length for x in samples], ctx.dp, minibatches)
+        header, shares, sizes = encode_shares(samples, owners, ctx.dp)
+    except BaseException:
+        plane.abort()  # the other ranks raise instead of waiting for samples
+        raise
+    header, _ = plane.exchange(header, shares, sizes)
+    del shares
+    return decode_share(header, torch.empty(0, dtype=torch.uint8), ctx.dp_rank, local=samples)
 
 
 def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], list[float], dict]:
@@ -212,8 +242,11 @@ def drop_stale(samples: list[Sample], rewards: list[float], step: int, max_age: 
     return kept, kept_r, ages, dropped
 
 
-def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
-    """π_old for every minibatch, then one optimizer step per minibatch. Collective."""
+def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dict:
+    """π_old for every minibatch, then one optimizer step per minibatch. Collective.
+
+    `samples`: the step's samples in training order on every rank; the ones another DP rank trains
+    on may be RemoteSamples (`distribute` with train.minibatches_per_step minibatches)."""
     cfg, ctx = parts.cfg, parts.ctx
     minibatches = []
     for idx in split_minibatches(len(samples), cfg.train.minibatches_per_step):
@@ -224,7 +257,7 @@ def gspo_step(parts: RunParts, samples: list[TrainSample]) -> dict:
     temperature = cfg.rollout.temperature
     mismatch = {}
     replay = cfg.train.routing_replay
-    engine_routing = any(x.routing is not None for x in samples)
+    engine_routing = any(x.has_routing for x in samples)  # the same on every rank (RemoteSamples say it too)
     if cfg.loss.old_logprobs == "recompute":
         # one forward-only pass before the first update: π_old is the policy that generated; it
         # also measures how far the engine's log-probs of the same tokens are (mismatch_*), and
@@ -381,8 +414,9 @@ def train(cfg, *, world_size: int) -> dict:
                                resume_step=state.step if resume_from else -1, tracker=tracker)
     if cfg.logging.wandb.mode != "disabled":  # every rank saves the same loop state
         state.wandb_run_id = _broadcast(state.wandb_run_id)
+    plane = DataPlane(ctx)
     if not state.sft_done:
-        sft_warmup(parts, writer)
+        sft_warmup(parts, writer, plane)
         state.sft_done = True
     # Servers/engines may hold other weights (another checkpoint, a fresh random init): push ours
     # before the first rollout of every run, fresh or resumed.
@@ -401,17 +435,18 @@ def train(cfg, *, world_size: int) -> dict:
         for step in range(state.step, cfg.train.max_steps):
             t_step = time.perf_counter()
             t0 = time.perf_counter()
+            samples = rstats = data_state = None
             if ctx.rank == 0:
                 kept, rewards, rstats, data_state = _take_rollout(parts, producer, step)
-                payload = (to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt, step=step,
-                                            max_token_age=cfg.loss.max_token_age), rstats, data_state)
-            else:
-                payload = None
-            samples, rstats, data_state = _broadcast(payload)
+                samples = to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt, step=step,
+                                           max_token_age=cfg.loss.max_token_age)
+                # the training order, before the DP split is decided on it
+                random.Random(cfg.train.seed * 7 + step).shuffle(samples)
+            data_state = _broadcast(data_state)  # every rank saves it; rstats stay on rank 0 (it writes the rows)
+            samples = distribute(plane, samples, cfg.train.minibatches_per_step)
             if parts.colocation is not None:  # the engines release their memory for training
                 parts.colocation.after_rollout()
             t_rollout = time.perf_counter() - t0
-            random.Random(cfg.train.seed * 7 + step).shuffle(samples)
             metrics = gspo_step(parts, samples) if samples else {}
             t_sync = push_weights(parts, step + 1, producer)
             state.step = step + 1
