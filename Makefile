@@ -34,13 +34,15 @@ test: $(STAMP)
 
 # On a GPU machine (torch + transformers present, no network): the default cluster path on one GPU
 # (bf16 + fp32 masters, distributed optimizer, NCCL, SFT, checkpoint, resume, HF export), a
-# PASS/FAIL table. `make gpu-wheels` (where the package index is reachable) puts the wheels it may
-# need into ./wheels to carry along.
+# PASS/FAIL table. The project need not be installed; megatron-core, when missing, is installed from
+# ./wheels into a venv of the check's own (the interpreter is never written to). `make gpu-wheels`
+# (where the package index is reachable) fills ./wheels for CPython PYVERS (default 3.10-3.13,
+# ~15 MiB; e.g. PYVERS="3.12"). WHEELS=DIR for another folder, PY=... for another interpreter.
 gpu-check:
-	python3 bench/gpu_check.py --wheels wheels $(ARGS)
+	$(PY) bench/gpu_check.py --wheels $(or $(WHEELS),wheels) $(ARGS)
 
 gpu-wheels:
-	python3 -m pip download --no-deps -d wheels "megatron-core==0.16.1" pyyaml tqdm
+	$(PY) bench/gpu_check.py --fetch-wheels $(or $(WHEELS),wheels) --python-versions "$(or $(PYVERS),3.10 3.11 3.12 3.13)"
 
 clean:
 	rm -rf $(VENV)
