@@ -548,8 +548,19 @@ class RewardConfig:
     # null = the synthetic task's own reward; "math" = built-in math-verify reward;
     # otherwise "package.module:function" (imported by the trainer).
     fn: Optional[str] = None
+    # Worker processes scoring in parallel (0 = one call at a time in a helper thread of rank 0).
+    workers: int = 0
+    # Bound on one reward call, seconds: a call past it scores 0 (and counts as failed).
+    timeout_s: float = 60.0
+    # Largest fraction of a rollout's samples whose reward call may fail (raise, return a
+    # non-number, time out) before the run stops with one line naming the first failure.
+    max_error_frac: float = 0.5
 
     def __post_init__(self):
+        _positive("reward.workers", self.workers, allow_zero=True)
+        _positive("reward.timeout_s", self.timeout_s)
+        if not 0 <= self.max_error_frac <= 1:
+            raise ConfigError(f"reward.max_error_frac must be in [0, 1], got {self.max_error_frac!r}")
         if self.fn is not None and self.fn != "math" and not _REWARD_FN_RE.match(self.fn):
             raise ConfigError(
                 f"reward.fn must be null, 'math' or 'module.path:function', got {self.fn!r}"

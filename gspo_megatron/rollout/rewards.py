@@ -1,6 +1,9 @@
 """Reward functions: loading user functions by spec, a math-verify reward, and fault-tolerant scoring.
 
 A reward function has the signature ``fn(response_text: str, example: dict) -> float``.
+`RewardScorer` runs it for the trainer: every call bounded by a timeout, optionally in a pool of
+worker processes, and a step whose calls fail too often stops the run in one line (a reward that
+always raises would otherwise train on zeros forever).
 """
 from __future__ import annotations
 
@@ -64,6 +67,16 @@ def math_reward(response: str, example: dict) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
 
 
+def _classify(r) -> float:
+    """A reward call's result as a finite float, else an exception describing it."""
+    if isinstance(r, (str, bytes)):
+        raise TypeError(f"reward must be a number, got {type(r).__name__} {r!r}")
+    r = float(r)  # int, bool, numpy / 0-d torch scalars
+    if not math.isfinite(r):
+        raise ValueError(f"reward is not finite: {r}")
+    return r
+
+
 def score_samples(
     fn: RewardFn, responses: Sequence[str], examples: Sequence[dict]
 ) -> tuple[list[float], list[bool]]:
@@ -80,12 +93,7 @@ def score_samples(
     first: str | None = None
     for resp, ex in zip(responses, examples):
         try:
-            r = fn(resp, ex)
-            if isinstance(r, (str, bytes)):
-                raise TypeError(f"reward must be a number, got {type(r).__name__} {r!r}")
-            r = float(r)  # int, bool, numpy / 0-d torch scalars
-            if not math.isfinite(r):
-                raise ValueError(f"reward is not finite: {r}")
+            r = _classify(fn(resp, ex))
         except Exception as e:
             if first is None:
                 first = f"{type(e).__name__}: {e}"
@@ -101,3 +109,143 @@ def score_samples(
             name, sum(raised), len(raised), first.splitlines()[0] if first else "",
         )
     return rewards, raised
+
+
+class RewardError(ValueError):
+    """A step's reward calls failed more often than reward.max_error_frac allows (one line)."""
+
+
+# What a worker process builds its reward function from (the function itself may not pickle):
+# ("task", name, seed) | ("math",) | ("spec", "package.module:function")
+Recipe = tuple
+
+
+def build_reward_fn(recipe: Recipe) -> RewardFn:
+    kind = recipe[0]
+    if kind == "task":
+        from gspo_megatron.rollout.tasks import SyntheticTask
+
+        return SyntheticTask(recipe[1], seed=recipe[2]).reward
+    if kind == "math":
+        return math_reward
+    if kind == "spec":
+        return load_reward_fn(recipe[1])
+    raise ValueError(f"unknown reward recipe {recipe!r}")
+
+
+_WORKER_FN: RewardFn | None = None  # the worker process's reward function (set by its initializer)
+
+
+def _worker_init(recipe: Recipe) -> None:
+    global _WORKER_FN
+    _WORKER_FN = build_reward_fn(recipe)
+
+
+def _worker_call(resp: str, ex: dict):
+    try:
+        return True, _classify(_WORKER_FN(resp, ex))
+    except Exception as e:  # noqa: BLE001 - reported back as the sample's failure
+        return False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+class RewardScorer:
+    """`scorer(texts, examples) -> (rewards, raised)` for the trainer (rank 0).
+
+    workers = 0: calls run one at a time in a helper thread, each waited for at most `timeout_s`;
+    a call that does not return in time is abandoned (the thread is replaced; Python cannot stop
+    it) and scored 0. workers = N: N worker processes (spawned; each builds the function from
+    its recipe) score in parallel; a call past its timeout is scored 0 and the pool is replaced,
+    which kills the hung worker. Either way a sample whose call raised, returned a non-number or
+    timed out gets 0.0 and raised=True, and when more than `max_error_frac` of one call's samples
+    failed, RewardError names the first failure."""
+
+    def __init__(self, recipe: Recipe, *, workers: int = 0, timeout_s: float = 60.0, max_error_frac: float = 0.5,
+                 fn: RewardFn | None = None):
+        self.recipe = recipe
+        self.fn = fn if fn is not None else build_reward_fn(recipe)
+        self.name = getattr(self.fn, "__qualname__", repr(self.fn))
+        self.workers, self.timeout_s, self.max_error_frac = workers, timeout_s, max_error_frac
+        self._pool = None
+        self._thread = None
+
+    # -- executors
+    def _thread_pool(self):
+        if self._thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        return self._thread
+
+    def _process_pool(self):
+        if self._pool is None:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=mp.get_context("spawn"),
+                                             initializer=_worker_init, initargs=(self.recipe,))
+        return self._pool
+
+    def _drop(self, which: str) -> None:
+        ex = getattr(self, which)
+        setattr(self, which, None)
+        if ex is None:
+            return
+        if which == "_pool":  # kill the workers (a hung call never returns)
+            for p in list(getattr(ex, "_processes", {}).values()):
+                p.kill()
+        ex.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        self._drop("_pool")
+        self._drop("_thread")
+
+    # -- scoring
+    def __call__(self, responses: Sequence[str], examples: Sequence[dict]) -> tuple[list[float], list[bool]]:
+        import time
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        if len(responses) != len(examples):
+            raise ValueError(f"{len(responses)} responses but {len(examples)} examples")
+        rewards, raised = [0.0] * len(responses), [True] * len(responses)
+        errors: list[str] = []
+        timed_out = False
+        if self.workers > 0:
+            pool = self._process_pool()
+            futs = [pool.submit(_worker_call, r, e) for r, e in zip(responses, examples)]
+            # every call has timeout_s of its own once a worker takes it: wait for the batch's
+            # share of the workers' time, then whatever is unfinished is late
+            deadline = time.monotonic() + self.timeout_s * max(1, -(-len(futs) // self.workers))
+            for i, f in enumerate(futs):
+                try:
+                    ok, val = f.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    timed_out = True
+                    errors.append(f"timed out after {self.timeout_s:g} s (reward.timeout_s)")
+                    continue
+                except Exception as e:  # noqa: BLE001 - a worker that died: the sample's failure
+                    errors.append(f"{type(e).__name__}: {e}")
+                    continue
+                if ok:
+                    rewards[i], raised[i] = val, False
+                else:
+                    errors.append(val)
+            if timed_out:
+                self._drop("_pool")
+        else:
+            for i, (r, e) in enumerate(zip(responses, examples)):
+                fut = self._thread_pool().submit(self.fn, r, e)
+                try:
+                    rewards[i], raised[i] = _classify(fut.result(timeout=self.timeout_s)), False
+                except FutureTimeout:
+                    errors.append(f"timed out after {self.timeout_s:g} s (reward.timeout_s)")
+                    self._drop("_thread")  # abandoned: the next call gets a fresh thread
+                except Exception as err:  # noqa: BLE001 - the sample's failure
+                    errors.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        n_bad = sum(raised)
+        if n_bad:
+            logger.warning("reward function %s failed on %d/%d samples (scored 0.0); first: %s",
+                           self.name, n_bad, len(raised), errors[0] if errors else "")
+        if responses and n_bad / len(responses) > self.max_error_frac:
+            raise RewardError(f"reward function {self.name} failed on {n_bad} of {len(responses)} samples, more "
+                              f"than reward.max_error_frac={self.max_error_frac:g}; first: {errors[0]}")
+        return rewards, raised

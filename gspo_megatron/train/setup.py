@@ -168,20 +168,21 @@ class PromptSource:
 # Reward
 
 
-def resolve_reward(cfg, task) -> Callable[[list[str], list[dict]], tuple[list[float], list[bool]]]:
-    """Import the reward before any heavy work (a bad module:function fails in seconds)."""
-    from gspo_megatron.rollout.rewards import load_reward_fn, math_reward, score_samples
+def resolve_reward(cfg, task):
+    """The run's RewardScorer (rollout/rewards.py), built before any heavy work: a bad
+    module:function fails in seconds."""
+    from gspo_megatron.rollout.rewards import RewardScorer
 
     spec = cfg.reward.fn
     if spec is None:
         if task is None:
             raise InputError("reward.fn is required when data.source=file")
+        recipe = ("task", task.name, task.seed)
         fn = task.reward
-    elif spec == "math":
-        fn = math_reward
     else:
-        fn = load_reward_fn(spec)
-    return lambda texts, examples: score_samples(fn, texts, examples)
+        recipe, fn = (("math",) if spec == "math" else ("spec", spec)), None
+    r = cfg.reward
+    return RewardScorer(recipe, workers=r.workers, timeout_s=r.timeout_s, max_error_frac=r.max_error_frac, fn=fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,6 +288,8 @@ class RunParts:
     def close(self) -> None:
         from gspo_megatron.parallel.state import destroy_parallel
 
+        if hasattr(self.score, "close"):
+            self.score.close()
         if self.engine is not None:
             self.engine.close()
         if self.colocation is not None:
