@@ -8,16 +8,17 @@ a time in plan order, so memory is one chunk (plus its producer's temporaries), 
 Under torch.distributed each rank declares its own chunks; DCP merges the plans into the one
 global `.metadata` on rank 0, exactly as it does for Megatron's own saves.
 
-Reading: `DcpReader` reads the global metadata and returns any rectangular region of a stored
-tensor by loading only the chunks that overlap it (each chunk is a `torch.save`d tensor at a known
-file offset), so a reader can walk a checkpoint layer by layer whatever chunking wrote it
-(the converter's one-chunk-per-layer/expert, or Megatron's per-rank shards).
+Reading: `DcpReader` reads the global metadata (with the restricted unpickler of
+gspo_megatron/checkpoint/safe_metadata.py: nothing in a checkpoint runs code) and returns any
+rectangular region of a stored tensor by loading only the chunks that overlap it (each chunk is a
+`torch.save`d tensor at a known file offset, read with weights_only=True), so a reader can walk
+a checkpoint layer by layer whatever chunking wrote it (the converter's one-chunk-per-layer/expert,
+or Megatron's per-rank shards).
 """
 from __future__ import annotations
 
 import io
 import os
-import pickle
 import queue
 import threading
 import warnings
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from gspo_megatron.checkpoint.safe_metadata import read_dcp_metadata
 from gspo_megatron.model.hf_io import CheckpointError
 
 
@@ -226,12 +228,9 @@ class DcpReader:
 
         directory = resolve(directory) if os.path.isdir(directory) else directory
         self.directory = directory
-        try:
-            self.metadata = FileSystemReader(directory).read_metadata()
-        except FileNotFoundError:
-            raise CheckpointError(f"{directory}: no .metadata file (not a torch_dist checkpoint, or an incomplete one)") from None
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as e:
-            raise CheckpointError(f"{os.path.join(directory, '.metadata')}: unreadable DCP metadata ({e})") from None
+        # not torch's FileSystemReader.read_metadata: that is an unrestricted pickle.load
+        # (torch/distributed/checkpoint/filesystem.py:926-930), so a crafted .metadata would run code
+        self.metadata = read_dcp_metadata(directory)
         self.tensors: dict[str, TensorStorageMetadata] = {
             k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
         }

@@ -658,10 +658,13 @@ def load_mcore_into_model(
     Returns the loaded `extra_sharded_state` entries (e.g. the optimizer's), {} when none.
     `model_state`: the model's sharded state dict when the caller already built it.
 
-    Only tensors are read from the data files: a ShardedObject (pickled bytes, which PyTorch's DCP
-    planner unpickles with weights_only=False, torch/distributed/checkpoint/default_planner.py
-    load_bytes) in the requested state is refused. Megatron's common.pt is read with torch.load's
-    default, weights_only=True (dist_checkpointing/strategies/common.py, load_common).
+    Nothing in the checkpoint can run code: `.metadata` is read once, with the restricted
+    unpickler (gspo_megatron/checkpoint/safe_metadata.py), and that parsed metadata is what
+    Megatron's load uses (not torch's FileSystemReader, an unrestricted pickle.load); common.pt is
+    read with weights_only=True passed explicitly; only tensors are read from the data files: a
+    ShardedObject (pickled bytes, which PyTorch's DCP planner unpickles with weights_only=False,
+    torch/distributed/checkpoint/default_planner.py:382-392, load_bytes) in the requested state is
+    refused (see load_sharded).
 
     After loading into a model whose optimizer keeps fp32 main parameters, call the optimizer's
     `reload_model_params()` so they follow.
@@ -680,7 +683,7 @@ def load_mcore_into_model(
     for k in extra:
         if k in sd:
             raise ValueError(f"load_mcore_into_model: extra_sharded_state key {k!r} clashes with the model's")
-    loaded = load_sharded({**sd, **extra}, ckpt_dir)
+    loaded = load_sharded({**sd, **extra}, ckpt_dir, metadata=reader.metadata)
     for i, chunk in enumerate(chunks):
         got = loaded[_chunk_key(i, len(chunks))]
         for name, p in _unwrap(chunk).named_parameters():
@@ -691,17 +694,32 @@ def load_mcore_into_model(
     return {k: loaded[k] for k in extra}
 
 
-def load_sharded(sharded_state: dict, ckpt_dir: str, *, partial: bool = False) -> dict:
+def load_sharded(sharded_state: dict, ckpt_dir: str, *, partial: bool = False, metadata=None) -> dict:
     """`dist_checkpointing.load` of a sharded state dict (collective), tensors only: ShardedObjects
     are refused (see load_mcore_into_model), errors become one CheckpointError naming the path.
     `partial`: the ranks together ask for only part of some tensors (a piecewise load), so
-    Megatron's check that every region is requested is off (validate_access_integrity)."""
+    Megatron's check that every region is requested is off (validate_access_integrity).
+    `metadata`: the checkpoint's `.metadata` already read with
+    gspo_megatron.checkpoint.safe_metadata.read_dcp_metadata (e.g. DcpReader.metadata); pass it
+    when loading from one checkpoint several times, else every call reads and checks it again.
+
+    Megatron's own strategies would unpickle `.metadata` unrestricted (its torch_dist strategy builds
+    torch's FileSystemReader itself, dist_checkpointing/strategies/torch.py:798); the strategies
+    of gspo_megatron/checkpoint/megatron_load.py read it with the restricted unpickler, and it is
+    read here first, so a refused file is one line naming it before Megatron starts."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import CheckpointException  # a BaseException
 
+    from gspo_megatron.checkpoint.megatron_load import safe_load_strategies
+    from gspo_megatron.checkpoint.safe_metadata import read_dcp_metadata
+
     _refuse_sharded_objects(sharded_state)
+    if metadata is None:
+        metadata = read_dcp_metadata(ckpt_dir)
+    sharded_strategy, common_strategy = safe_load_strategies(ckpt_dir, metadata)
     try:
-        return dist_checkpointing.load(sharded_state, ckpt_dir, validate_access_integrity=not partial)
+        return dist_checkpointing.load(sharded_state, ckpt_dir, sharded_strategy=sharded_strategy,
+                                       common_strategy=common_strategy, validate_access_integrity=not partial)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:

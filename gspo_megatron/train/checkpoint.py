@@ -332,14 +332,13 @@ def read_trainer_state(path: str) -> dict:
 
 def _read_common(path: str) -> dict:
     """common.pt of a trainer checkpoint (read once per load): {"trainer": ..., "optimizer": ...}."""
-    from megatron.core import dist_checkpointing
-
+    from gspo_megatron.checkpoint.megatron_load import load_common_state_dict
     from gspo_megatron.model.hf_io import CheckpointError
 
     if not is_trainer_checkpoint(path):
         raise CheckpointError(f"{path}: not a trainer checkpoint (no metadata.json/common.pt; written by an "
                               "older version, or not a checkpoint directory)")
-    common = dist_checkpointing.load_common_state_dict(path)
+    common = load_common_state_dict(path)  # weights_only, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says
     trainer = common.get("trainer") if isinstance(common, dict) else None
     if not isinstance(trainer, dict) or trainer.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: common.pt holds no trainer state of format {FORMAT_VERSION} "
@@ -492,6 +491,9 @@ def _load_param_state(opt, params: dict, path: str, chunk_bytes: int, device) ->
     n = torch.tensor([len(pieces)], device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX)
     pieces += [[] for _ in range(int(n) - len(pieces))]
+    from gspo_megatron.checkpoint.safe_metadata import read_dcp_metadata
+
+    metadata = read_dcp_metadata(path)  # once (restricted unpickler), not once per piece
     for piece in pieces:
         request = {}
         for i, (p, _) in enumerate(piece):
@@ -502,7 +504,7 @@ def _load_param_state(opt, params: dict, path: str, chunk_bytes: int, device) ->
                 if not isinstance(sh, ShardedTensorFactory):
                     kw["dtype"] = torch.float32
                 request[i][kind] = replace(sh, **kw)
-        loaded = load_sharded(request, path, partial=True)
+        loaded = load_sharded(request, path, partial=True, metadata=metadata)
         with torch.no_grad():  # fp32 main params are views of the model's parameters
             for i, (p, rng) in enumerate(piece):
                 dst = opt._get_main_param_and_optimizer_states(p)

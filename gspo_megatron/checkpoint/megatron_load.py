@@ -1,0 +1,211 @@
+"""Megatron-Core's torch_dist loading with nothing unpickled unrestricted.
+
+`megatron.core.dist_checkpointing.load` reads two pickles besides the tensor data:
+
+* `.metadata`, through TorchDistLoadShardedStrategy.load, which builds its reader with the
+  module-level `_get_filesystem_reader` (dist_checkpointing/strategies/torch.py:750-760, :798) —
+  PyTorch's FileSystemReader, whose read_metadata is an unrestricted pickle.load
+  (torch/distributed/checkpoint/filesystem.py:926-930). The strategy takes no reader argument, so
+  `SafeTorchDistLoadStrategy.load` is a copy of the upstream method (megatron-core 0.16.1,
+  strategies/torch.py:770-821) with that one line replaced by the restricted reader
+  (safe_metadata.py). UPSTREAM_LOAD_SHA256 pins the upstream source: tests/test_safe_loading.py
+  fails when an upgrade changes it, so the copy is re-checked rather than silently stale. The
+  other upstream readers of `.metadata` (load_tensors_metadata, load_sharded_metadata) are
+  overridden too; remove_sharded_tensors (which rewrites a checkpoint) is refused.
+* `common.pt`, through TorchCommonLoadStrategy.load_common: `torch.load(path)` with no
+  weights_only argument (strategies/common.py:89), i.e. weights-only by torch's default since 2.6
+  — unless TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 is in the environment, which flips a call that does
+  not pass weights_only to a full unpickle (torch/serialization.py:1480-1505).
+  `SafeCommonLoadStrategy` passes weights_only=True explicitly (which that variable cannot
+  override) and refuses ShardedObject files (`<key>/shard_*.pt`, read with the same call).
+
+The data files themselves are read by torch with weights_only=True (filesystem.py:899-903); byte
+entries (ShardedObjects) would be unpickled with weights_only=False by the load planner
+(default_planner.py:382-392), so callers refuse ShardedObjects in what they request
+(converters/mcore.py load_sharded).
+"""
+from __future__ import annotations
+
+import os
+
+from gspo_megatron.checkpoint.safe_metadata import read_dcp_metadata, safe_file_system_reader
+from gspo_megatron.model.hf_io import CheckpointError
+
+# sha256 of inspect.getsource(TorchDistLoadShardedStrategy.load) in megatron-core 0.16.1
+UPSTREAM_LOAD_SHA256 = "960cfa14f177d722fda23c97fdc3d90dd078a2b98d28fbaeefe63dd1cc9c37db"
+
+
+def upstream_load_sha256() -> str:
+    import hashlib
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    return hashlib.sha256(inspect.getsource(TorchDistLoadShardedStrategy.load).encode()).hexdigest()
+
+
+def _same_dir(a, b) -> bool:
+    return os.path.realpath(os.fspath(a)) == os.path.realpath(os.fspath(b))
+
+
+def _strategy_classes():
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    class SafeTorchDistLoadStrategy(TorchDistLoadShardedStrategy):
+        """Megatron's torch_dist load strategy reading `.metadata` with the restricted unpickler.
+        `metadata`/`directory`: the checkpoint's metadata already read that way (used when the load
+        is of that directory), so the file is parsed once and what was checked is what is used."""
+
+        def __init__(self, metadata=None, directory=None):
+            super().__init__()
+            self._known = (directory, metadata) if metadata is not None else None
+
+        def _metadata(self, checkpoint_dir):
+            if self._known is not None and _same_dir(self._known[0], checkpoint_dir):
+                return self._known[1]
+            md = read_dcp_metadata(checkpoint_dir)
+            self._known = (checkpoint_dir, md)
+            return md
+
+        def load(self, sharded_state_dict, checkpoint_dir):
+            # megatron-core 0.16.1 strategies/torch.py:770-821, but for the reader (marked)
+            from typing import Dict, List, Union, cast
+            import io
+
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+            from megatron.core.dist_checkpointing.mapping import ShardedTensor
+            from megatron.core.dist_checkpointing.strategies.torch import (
+                MCoreLoadPlanner,
+                _replace_sharded_keys_with_state_dict_keys,
+                _replace_state_dict_keys_with_sharded_keys,
+                _restore_dict_types,
+                _unwrap_pyt_sharded_tensor,
+                mcore_to_pyt_state_dict,
+            )
+            from torch.distributed import checkpoint
+            from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+
+            flexible_shape_sharded_tensors = [
+                sh_ten
+                for sh_ten in nested_values(sharded_state_dict)
+                if isinstance(sh_ten, ShardedTensor) and not sh_ten.allow_shape_mismatch
+            ]
+            allow_shape_mismatch_sharded_tensors = {
+                sh_ten.key: sh_ten
+                for sh_ten in nested_values(sharded_state_dict)
+                if isinstance(sh_ten, ShardedTensor) and sh_ten.allow_shape_mismatch
+            }
+
+            orig_sharded_state_dict = sharded_state_dict
+            # MCore state dict to PyT Distributed compatible
+            (sharded_state_dict, flat_mapping, rename_mapping) = (
+                _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+            )
+            pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
+            # Load PyT Distributed format
+            # [changed] upstream: fsr = _get_filesystem_reader(checkpoint_dir, cache_metadata=True)
+            fsr = safe_file_system_reader(checkpoint_dir, self._metadata(checkpoint_dir))
+            checkpoint.load_state_dict(
+                pyt_state_dict,
+                fsr,
+                planner=MCoreLoadPlanner(
+                    shapes_validation_sharded_tensors=flexible_shape_sharded_tensors,
+                    allow_shape_mismatch_sharded_tensors=allow_shape_mismatch_sharded_tensors,
+                ),
+            )
+
+            self.cached_global_metadata = (
+                fsr.read_metadata()
+            )  # no storage interaction thanks to caching
+
+            pyt_state_dict = cast(
+                Dict[str, Union[TorchShardedTensor, List[io.BytesIO]]], pyt_state_dict
+            )
+            # Unwrap ShardedTensors and return to original state dict
+            mcore_state_dict = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+            mcore_state_dict = _replace_sharded_keys_with_state_dict_keys(
+                mcore_state_dict, flat_mapping, rename_mapping  # type: ignore[arg-type]
+            )
+            _restore_dict_types(mcore_state_dict, orig_sharded_state_dict)
+            return mcore_state_dict
+
+        def load_tensors_metadata(self, checkpoint_dir, metadata=None):
+            return super().load_tensors_metadata(
+                checkpoint_dir, metadata if metadata is not None else self._metadata(checkpoint_dir))
+
+        def load_sharded_metadata(self, checkpoint_dir):
+            # upstream strategies/torch.py:841-854, but for the reader
+            from megatron.core.dist_checkpointing.mapping import ShardedObject
+            from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+            metadata = self._metadata(checkpoint_dir)
+            sharded_metadata = {}
+            for metadata_key, storage_metadata in metadata.state_dict_metadata.items():
+                if not isinstance(storage_metadata, BytesStorageMetadata):
+                    continue
+                sh_obj = ShardedObject.empty_from_unique_key(metadata_key)
+                sharded_metadata[sh_obj.unique_key] = sh_obj
+            sharded_metadata.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+            return sharded_metadata
+
+        def remove_sharded_tensors(self, checkpoint_dir, key_prefix):
+            raise NotImplementedError("SafeTorchDistLoadStrategy only loads")
+
+    class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+        """Megatron's common.pt reader with weights_only=True passed explicitly; no ShardedObjects."""
+
+        def load_common(self, checkpoint_dir):
+            return load_common_state_dict(checkpoint_dir)
+
+        def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+            keys = [getattr(v, "key", "?") for v in nested_values(sharded_objects_state_dict)]
+            if keys:
+                raise CheckpointError(f"{checkpoint_dir}: refusing to load {keys[0]!r}: a pickled object "
+                                      "(only tensors are loaded)")
+            return sharded_objects_state_dict
+
+    return SafeTorchDistLoadStrategy, SafeCommonLoadStrategy
+
+
+_classes = None
+
+
+def _get_classes():
+    global _classes
+    if _classes is None:
+        _classes = _strategy_classes()
+    return _classes
+
+
+def safe_load_strategies(checkpoint_dir: str, metadata=None):
+    """(sharded, common) strategies for `megatron.core.dist_checkpointing.load(...,
+    sharded_strategy=, common_strategy=)` of the torch_dist checkpoint `checkpoint_dir`;
+    `metadata`: its `.metadata` already read with safe_metadata.read_dcp_metadata."""
+    sharded_cls, common_cls = _get_classes()
+    return sharded_cls(metadata, checkpoint_dir), common_cls()
+
+
+def load_common_state_dict(checkpoint_dir: str) -> dict:
+    """Megatron's common.pt (its non-sharded state) read with torch.load(weights_only=True) passed
+    explicitly; the equivalent of dist_checkpointing.load_common_state_dict. One-line
+    CheckpointError when missing, or when it holds anything weights-only loading refuses."""
+    import pickle
+    import re
+
+    import torch
+
+    path = os.path.join(os.fspath(checkpoint_dir), "common.pt")  # strategies/common.py COMMON_STATE_FNAME
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (not a complete torch_dist checkpoint)") from None
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's message names the refused global
+        what = f"it holds {found.group(1)}" if found else str(e).splitlines()[0]
+        raise CheckpointError(f"{path}: refused by weights-only loading ({what}); nothing from it was run") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: unreadable ({why})") from None

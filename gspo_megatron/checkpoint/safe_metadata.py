@@ -1,0 +1,307 @@
+"""Read a PyTorch Distributed Checkpoint's `.metadata` without running code from it.
+
+`.metadata` (the global index of a torch_dist checkpoint: key -> global shape, dtype, chunks, and
+where each chunk lies in the data files) is a plain pickle. PyTorch reads it with an unrestricted
+`pickle.load` (torch/distributed/checkpoint/filesystem.py:926-930, FileSystemReader.read_metadata),
+and so does Megatron-Core, through that reader (dist_checkpointing/strategies/torch.py:750-760,
+_get_filesystem_reader), so a crafted file runs arbitrary code the moment a checkpoint is opened.
+`torch.load(weights_only=True)` does not cover it: `.metadata` is not a torch.save file, and
+torch's weights-only unpickler (torch/_weights_only_unpickler.py) implements protocol 2's opcodes
+only, while DCP writes the default protocol 4 ("Unsupported operand 149": FRAME).
+
+Here the file goes through a restricted unpickler instead (Python's own pickle machine,
+`pickle._Unpickler`, with its four risky operations narrowed):
+
+* globals (GLOBAL, STACK_GLOBAL, INST, EXT*): only those listed below (`admitted_globals()`);
+  anything else is one CheckpointError naming the file and the refused `module.name`, raised
+  without importing or touching what it names, so nothing from the file runs;
+* REDUCE (a call): only the admitted value constructors (torch.Size, the layout lookup, the
+  memory-format enum, pure paths);
+* NEWOBJ / NEWOBJ_EX (`cls.__new__(cls)`): only the DCP metadata dataclasses; OBJ / INST
+  (protocol 0/1 instantiation) never;
+* BUILD (set an object's state): only on instances of those dataclasses, with a dict of plain
+  field names (or TensorProperties' own __setstate__). Python's C unpickler cannot be narrowed
+  this way: its BUILD will setattr on anything on the stack, including an admitted class object,
+  so a file restricted to harmless globals could still rewrite attributes of torch's classes in
+  this process (pickle.py load_build, the `slotstate` branch). That is why the pure-Python
+  machine is used; it is slower than the C unpickler (about 5x on a 50k-chunk file: 6.4 s vs
+  1.2 s on a busy 2-core machine; 10x on the tiny test checkpoints, milliseconds), and a caller
+  loading one checkpoint in several pieces reads it once (converters/mcore.py load_sharded).
+* persistent ids and out-of-band buffers: refused (the defaults of pickle._Unpickler).
+
+The result must be a `Metadata` whose entries have the expected types, and every data file it
+names must lie inside the checkpoint directory (no absolute paths, no `..`).
+
+How the list was derived: `.metadata` files written by this project (the converter's
+save_chunks; the trainer with the distributed optimizer, and with the plain one, i.e. Megatron's
+own torch_dist save planner; 1- and 2-process runs, TP1 / DP2 / DP2xTP2, fp32 and bf16: 20 files)
+unpickled with a tracing unpickler that records each find_class; all use protocol 4 and name
+exactly: torch.distributed.checkpoint.metadata.{Metadata,
+StorageMeta, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
+MetadataIndex, _MEM_FORMAT_ENCODING}, torch.distributed.checkpoint.filesystem._StorageInfo,
+torch.Size, torch.float32 / torch.bfloat16 (dtypes), torch.serialization._get_layout (how
+torch.layout pickles, torch/serialization.py:1641-1653) and pathlib.PosixPath
+(StorageMeta.checkpoint_id: the writer's directory). Admitted beyond that, as data only: every
+torch dtype / layout / memory_format singleton, collections.OrderedDict, and pathlib path classes
+under their Python 3.13 module name (pathlib._local), all rebuilt as *pure* paths (no I/O).
+Not admitted: builtins (protocol >= 2 builds dicts, lists, tuples and sets with opcodes, no
+global), copyreg._reconstructor (protocol 0/1 only; DCP writes the default protocol).
+"""
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pathlib
+import pickle
+from typing import Any
+
+from gspo_megatron.model.hf_io import CheckpointError
+
+METADATA_FILE = ".metadata"  # torch/distributed/checkpoint/filesystem.py _metadata_fn
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+_DATACLASSES = [(_DCP_METADATA, n) for n in ("Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+                                            "ChunkStorageMetadata", "TensorProperties", "MetadataIndex")]
+_DATACLASSES.append((_DCP_FILESYSTEM, "_StorageInfo"))
+_PATH_CLASSES = {"PosixPath": "PurePosixPath", "PurePosixPath": "PurePosixPath",
+                 "WindowsPath": "PureWindowsPath", "PureWindowsPath": "PureWindowsPath"}
+
+
+class _Refused(pickle.UnpicklingError):
+    """A pickle operation outside what DCP metadata holds (message: what was refused)."""
+
+
+class _Tables:
+    """The admitted globals, built once on first use (imports torch's DCP modules)."""
+
+    def __init__(self):
+        import torch
+        import torch.serialization
+        from torch.distributed.checkpoint import filesystem as dcp_fs
+        from torch.distributed.checkpoint import metadata as dcp_md
+
+        mods = {_DCP_METADATA: dcp_md, _DCP_FILESYSTEM: dcp_fs}
+        self.dataclasses = {key: getattr(mods[key[0]], key[1]) for key in _DATACLASSES}
+        calls = {("torch", "Size"): torch.Size,
+                 ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+                 (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): dcp_md._MEM_FORMAT_ENCODING,
+                 ("collections", "OrderedDict"): collections.OrderedDict}
+        for mod in ("pathlib", "pathlib._local"):
+            for name, pure in _PATH_CLASSES.items():
+                calls[(mod, name)] = getattr(pathlib, pure)
+        self.calls = calls
+        # dtypes, layouts and memory formats pickle as the global torch.<name> (their __reduce__
+        # returns the name). vars(torch), not getattr: torch's module __getattr__ imports submodules.
+        kinds = (torch.dtype, torch.layout, torch.memory_format)
+        values = {("torch", n): v for n, v in vars(torch).items() if isinstance(v, kinds)}
+        self.globals: dict[tuple[str, str], Any] = {**values, **calls, **self.dataclasses}
+        self.callable_ids = {id(v) for v in calls.values()}
+        self.new_ids = {id(v) for v in self.dataclasses.values()}
+        self.build_types = set(self.dataclasses.values())
+        self.tensor_properties = dcp_md.TensorProperties
+
+
+_tables: _Tables | None = None
+
+
+def _get_tables() -> _Tables:
+    global _tables
+    if _tables is None:
+        _tables = _Tables()
+    return _tables
+
+
+def admitted_globals() -> list[str]:
+    """`module.name` of every global a `.metadata` may name (documentation and tests)."""
+    return sorted(f"{m}.{n}" for m, n in _get_tables().globals)
+
+
+def _name(obj: Any) -> str:
+    """`module.name` of a class or function, else of the object's type."""
+    t = obj if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__")) else type(obj)
+    return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', '?')}"
+
+
+class _RestrictedUnpickler(pickle._Unpickler):  # the pure-Python machine (see the module docstring)
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file):
+        super().__init__(file)
+        self._t = _get_tables()
+
+    def find_class(self, module: str, name: str):
+        obj = self._t.globals.get((module, name))
+        if obj is None:
+            raise _Refused(f"the global {module}.{name}")
+        return obj
+
+    def persistent_load(self, pid):
+        raise _Refused("a persistent id")
+
+    def _instantiate(self, klass, args):  # OBJ / INST: protocol 0/1 instantiation
+        raise _Refused(f"a protocol 0/1 instance of {_name(klass)}")
+
+    def load_reduce(self):
+        func = self.stack[-2]
+        if id(func) not in self._t.callable_ids:
+            raise _Refused(f"a call of {_name(func)}")
+        super().load_reduce()
+
+    def load_newobj(self):
+        self._check_new(self.stack[-2])
+        super().load_newobj()
+
+    def load_newobj_ex(self):
+        self._check_new(self.stack[-3])
+        super().load_newobj_ex()
+
+    def _check_new(self, cls):
+        if id(cls) not in self._t.new_ids:
+            raise _Refused(f"a new {_name(cls)}")
+
+    def load_build(self):
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        t = type(inst)
+        if t not in self._t.build_types:
+            raise _Refused(f"state for {'the class ' if isinstance(inst, type) else 'a '}{_name(inst)}")
+        if t is self._t.tensor_properties:
+            inst.__setstate__(state)  # torch's own: unpacks (dtype, layout, requires_grad, memory format, pin)
+        elif isinstance(state, dict) and all(type(k) is str and not k.startswith("__") for k in state):
+            inst.__dict__.update(state)
+        else:
+            raise _Refused(f"state for a {_name(inst)} from a {_name(state)}")
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def loads_dcp_metadata(data: bytes, source: str):
+    """The DCP `Metadata` pickled in `data` (the contents of `source`, named in errors)."""
+    try:
+        md = _RestrictedUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise CheckpointError(
+            f"{source}: refusing to unpickle {e} (checkpoint metadata holds only PyTorch DCP metadata classes, "
+            "torch.Size, dtypes and paths); nothing from the file was run"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt or not a pickle at all
+        raise CheckpointError(f"{source}: unreadable DCP metadata ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    _validate(md, source)
+    return md
+
+
+def read_dcp_metadata(directory: str | os.PathLike, filename: str = METADATA_FILE):
+    """The `Metadata` of the torch_dist checkpoint `directory`, read with the restricted unpickler.
+    One-line CheckpointError naming the file: missing, unreadable, or holding anything but DCP
+    metadata (nothing in the file is run)."""
+    path = os.path.join(os.fspath(directory), filename)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{os.fspath(directory)}: no {filename} file (not a torch_dist checkpoint, "
+                              "or an incomplete one)") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    return loads_dcp_metadata(data, path)
+
+
+def _validate(md, source: str) -> None:
+    """The unpickled object is DCP metadata of the shape the readers rely on."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def bad(what: str):
+        raise CheckpointError(f"{source}: not valid DCP metadata ({what})")
+
+    if type(md) is not Metadata:
+        bad(f"holds a {_name(md)}")
+    sdm = getattr(md, "state_dict_metadata", None)
+    if not isinstance(sdm, dict):
+        bad("no state_dict_metadata dict")
+    for key, entry in sdm.items():
+        if type(key) is not str:
+            bad(f"a key of type {_name(key)}")
+        if isinstance(entry, TensorStorageMetadata):
+            props, size, chunks = (getattr(entry, a, None) for a in ("properties", "size", "chunks"))
+            if not (isinstance(props, TensorProperties) and isinstance(getattr(props, "dtype", None), torch.dtype)
+                    and isinstance(size, tuple) and isinstance(chunks, list)
+                    and all(isinstance(c, ChunkStorageMetadata) for c in chunks)):
+                bad(f"tensor entry {key!r}")
+        elif not isinstance(entry, BytesStorageMetadata):
+            bad(f"entry {key!r} is a {_name(entry)}")
+    storage = getattr(md, "storage_data", None)
+    if storage is not None:
+        if not isinstance(storage, dict):
+            bad(f"storage_data is a {_name(storage)}")
+        for idx, info in storage.items():
+            if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo):
+                bad(f"storage entry {_name(idx)} -> {_name(info)}")
+            fqn = getattr(idx, "fqn", None)
+            rel = getattr(info, "relative_path", None)
+            if (type(rel) is not str or not rel or os.path.isabs(rel)
+                    or os.path.normpath(rel).split(os.sep)[0] == ".."):
+                bad(f"data file {rel!r} of {fqn!r} is not a file inside the checkpoint directory")
+            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+            if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+                bad(f"storage entry of {fqn!r} has offset {offset!r}, length {length!r}")
+    meta = getattr(md, "storage_meta", None)
+    if meta is not None and not isinstance(meta, StorageMeta):
+        bad(f"storage_meta is a {_name(meta)}")
+
+
+def _file_system_reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeFileSystemReader(FileSystemReader):
+        """PyTorch's DCP file reader whose `read_metadata` uses the restricted unpickler (and reads
+        the file once; `metadata`: already read, e.g. by the caller's own checks).
+
+        `read_metadata` takes no arguments on purpose: when reading the global `.metadata` fails,
+        torch's loader retries with a rank-local `__<rank>.metadata` only if the reader's
+        read_metadata accepts `**kwargs` (torch/distributed/checkpoint/state_dict_loader.py:233-247);
+        a refused `.metadata` must stop the load, not fall back to another pickle."""
+
+        def __init__(self, path, metadata=None):
+            super().__init__(path)
+            self._metadata = metadata
+
+        def read_metadata(self):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if self._metadata is None:
+                self._metadata = read_dcp_metadata(self.path)
+            md = self._metadata
+            if getattr(md, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeFileSystemReader
+
+
+_reader_class = None
+
+
+def safe_file_system_reader(path: str | os.PathLike, metadata=None):
+    """A torch.distributed.checkpoint FileSystemReader for `path` whose metadata is read with the
+    restricted unpickler (or is `metadata`, already read that way)."""
+    global _reader_class
+    if _reader_class is None:
+        _reader_class = _file_system_reader_class()
+    return _reader_class(path, metadata)
