@@ -645,10 +645,20 @@ class CheckpointConfig:
     keep_last: int = 2
     # Export the final policy as an HF checkpoint to <out_dir>/hf.
     export_hf: bool = False
+    # Signals that make the run save a checkpoint at the end of the step in progress and exit
+    # with status 143 (preemption: Slurm sends them ahead of the kill; the launch scripts forward
+    # them through torchrun); [] = die at once as before.
+    save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
 
     def __post_init__(self):
         _positive("checkpoint.interval", self.interval, allow_zero=True)
         _positive("checkpoint.keep_last", self.keep_last, allow_zero=True)
+        import signal
+
+        for name in self.save_on_signals:
+            if name not in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP") or not hasattr(signal, name):
+                raise ConfigError(f"checkpoint.save_on_signals: {name!r} is not one of SIGTERM, SIGUSR1, SIGUSR2, "
+                                  "SIGINT, SIGHUP")
         if not self.resume:
             raise ConfigError("checkpoint.resume must be auto, never or a checkpoint path")
 

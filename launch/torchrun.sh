@@ -66,7 +66,12 @@ else
     rdzv=(--standalone)
 fi
 
-cmd=("$PYTHON" -m torch.distributed.run --nnodes=1 "--nproc-per-node=$NPROC" "${rdzv[@]}"
+# Preemption: forward SIGUSR1 too, and give the workers SHUTDOWN_TIMEOUT s to save (checkpoint.save_on_signals)
+sig=()
+if [[ ${DRY_RUN:-0} != 1 ]] && "$PYTHON" -m torch.distributed.run --help 2>/dev/null | grep -q -- --signals-to-handle; then
+    sig=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "--shutdown-timeout=${SHUTDOWN_TIMEOUT:-600}")
+fi
+cmd=("$PYTHON" -m torch.distributed.run --nnodes=1 "--nproc-per-node=$NPROC" "${rdzv[@]}" "${sig[@]}"
     -m gspo_megatron.train --config "$config" "$@")
 
 if [[ ${DRY_RUN:-0} == 1 ]]; then

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -158,3 +160,44 @@ def test_a_second_job_on_the_same_out_dir_stops_in_one_line(tmp_path):
     assert steps(out) == [1, 2, 3, 4, 5, 6] and ckpts(out)[-1] == "iter_0000006"
     assert "seed: 99" not in (out / "config.yaml").read_text()  # the second job wrote nothing
     assert not lock.exists()
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(tmp_path):
+    """Before: a preempted job (Slurm sends SIGTERM before the kill) saved nothing, and everything
+    since the last checkpoint interval was lost. The signal goes to torchrun, which forwards it to
+    its worker, as on a cluster."""
+    from megatron_utils import dcp_tensors
+
+    ref = tmp_path / "ref"
+    train(ref, "train.max_steps=5", "checkpoint.interval=0")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
+           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300",
+           "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE, "train.max_steps=5",
+           "checkpoint.interval=0"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+    try:
+        metrics = out / "metrics.jsonl"
+        for _ in range(3000):  # until step 2 is logged (step 3 is then in progress)
+            if p.poll() is not None or (metrics.exists() and len(steps(out)) >= 2):
+                break
+            time.sleep(0.1)
+        assert p.poll() is None and len(steps(out)) >= 2, "the run ended before it could be signalled"
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=60)
+    assert p.returncode != 0, err[-2000:]
+    done = steps(out)
+    assert 2 <= len(done) < 5 and ckpts(out) == [f"iter_{len(done):07d}"], (done, ckpts(out), err[-2000:])
+    assert f"saved the step-{len(done)} checkpoint after SIGTERM" in err
+    r = train(out, "train.max_steps=5", "checkpoint.interval=0")
+    assert f"resumed from" in r.stderr and steps(out) == [1, 2, 3, 4, 5]
+    a, b = dcp_tensors(str(ref / "checkpoints" / "iter_0000005")), dcp_tensors(str(out / "checkpoints" / "iter_0000005"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    rows = lambda d: [{k: v for k, v in json.loads(x).items() if not k.startswith("t_") and k != "tokens_per_s"}  # noqa: E731
+                      for x in (d / "metrics.jsonl").read_text().splitlines() if '"gspo"' in x]
+    assert rows(out) == rows(ref)

@@ -105,6 +105,7 @@ import binascii
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -147,6 +148,8 @@ __all__ = [
     "SGLangEngine", "SGLangError", "SGLangServerError", "SGLangProtocolError", "SGLangNotReadyError",
     "SGLangStaleWeightsError", "SGLangRoutingNotEnabledError", "sampling_to_sglang", "routing_shape",
 ]
+
+log = logging.getLogger("gspo_megatron.rollout")
 
 
 class SGLangStaleWeightsError(SGLangError):
@@ -550,7 +553,9 @@ class SGLangEngine(RolloutEngine):
             if self._interrupted.is_set():
                 return self._empty_rows(gi, prompt, n)
             if attempt:
-                self._inc("retries")
+                self._inc("retries")  # per step: rollout_retries in metrics.jsonl (train/loop.py)
+                log.warning("SGLang /generate for prompt %d: retry %d of %d after %s", gi, attempt, attempts - 1,
+                            str(last).splitlines()[0] if last is not None and str(last) else type(last).__name__)
                 time.sleep(self.servers[0].backoff(attempt))
                 if cancel.is_set():
                     raise _Aborted()

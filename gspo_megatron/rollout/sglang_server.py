@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import http.client
 import json
+import logging
 import os
 import random
 import signal
@@ -36,6 +37,8 @@ from typing import Any, Callable, Iterable, Sequence
 from gspo_megatron.cli_util import InputError
 
 from .sglang_api import ROUTED_EXPERTS_FLAG
+
+log = logging.getLogger("gspo_megatron.rollout")
 
 
 class SGLangError(RuntimeError):
@@ -181,6 +184,8 @@ class ServerClient:
         last: Exception | None = None
         for attempt in range(retries + 1):
             if attempt:
+                log.warning("SGLang server %s: %s %s, retry %d of %d after %s", self.url, method, path, attempt,
+                            retries, str(last).splitlines()[0] if str(last) else type(last).__name__)
                 time.sleep(self.backoff(attempt))
             try:
                 status, data = self.request_once(method, path, payload, timeout_s=timeout_s)

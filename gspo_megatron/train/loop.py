@@ -35,6 +35,7 @@ from gspo_megatron.train.batch import (RemoteSample, TrainSample, decode_share, 
                                        split_minibatches)
 from gspo_megatron.train.loss import WEIGHTED_METRICS, LossSettings, fill_logprobs_step, policy_loss_step, sft_loss_step
 from gspo_megatron.train.metrics import MetricsWriter, plot, reduce_max, reduce_report
+from gspo_megatron.train.preemption import Preempted, StopFlag
 from gspo_megatron.train.setup import RunParts, setup_run
 
 log = logging.getLogger("gspo_megatron.train")
@@ -182,6 +183,7 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
     sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_new_tokens=cfg.max_new_tokens, stop_token_ids=tuple(parts.stop_ids))
     G, P = cfg.samples_per_prompt, cfg.prompts_per_step
+    retries_before = _engine_retries(parts)
     kept: list[Sample] = []
     kept_rewards: list[float] = []
     kept_prompts: list[dict] = []
@@ -219,10 +221,17 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
         "reward_raised": raised, "response_len_mean": sum(lengths) / max(len(lengths), 1),
         "groups_kept": len(kept) // G, "rollout_rounds": rounds,
         "truncated_frac": sum(1 for s in kept if s.finish_reason == "length") / max(len(kept), 1),
+        # records the prompt stream skipped (malformed, unrenderable, too long) and engine requests retried
+        "data_skipped": parts.prompts.take_skipped(), "rollout_retries": _engine_retries(parts) - retries_before,
     }
     if parts.cfg.logging.prompts:
         stats["prompts"] = [parts.prompts.text(ex) for ex in kept_prompts[:P]]
     return kept, kept_rewards, stats
+
+
+def _engine_retries(parts: RunParts) -> int:
+    """Requests the engine has retried so far (engines that count them: SGLang's `metrics`)."""
+    return int(getattr(parts.engine, "metrics", {}).get("retries", 0))
 
 
 def drop_stale(samples: list[Sample], rewards: list[float], step: int, max_age: int, group: int):
@@ -396,7 +405,8 @@ def train(cfg, *, world_size: int) -> dict:
     if ctx.rank == 0:
         log.info("run: %s", startup_summary(parts))
     state = LoopState()
-    resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, cfg.out_dir)
+    # rank 0 resolves it for every rank (train/checkpoint.py agree_on_resume)
+    resume_from = checkpoint.agree_on_resume(cfg.checkpoint.resume, cfg.out_dir, ctx)
     if resume_from:
         state = LoopState(**parts.load_checkpoint(resume_from))
         parts.prompts.load_state_dict(state.data)
@@ -431,6 +441,7 @@ def train(cfg, *, world_size: int) -> dict:
 
         bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="GSPO", unit="step")
     last = {}
+    stop = StopFlag(cfg.checkpoint.save_on_signals)
     try:
         for step in range(state.step, cfg.train.max_steps):
             t_step = time.perf_counter()
@@ -465,6 +476,12 @@ def train(cfg, *, world_size: int) -> dict:
                     log.info(step_line(row, cfg.train.max_steps))
             if parts.heldout is not None and parts.heldout.due(state.step):
                 evaluate(parts, state.step, writer, producer)
+            if stop.requested(ctx.device):  # preemption: this step's checkpoint, then exit 143
+                _save(parts, state, writer)
+                if ctx.rank == 0:
+                    log.warning("saved the step-%d checkpoint after %s; exiting (resume with checkpoint.resume=auto)",
+                                state.step, stop.received)
+                raise Preempted(stop.received, state.step)
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and state.step < cfg.train.max_steps:
                 _save(parts, state, writer)
         _save(parts, state, writer)
@@ -477,6 +494,7 @@ def train(cfg, *, world_size: int) -> dict:
             if cfg.logging.plot:
                 plot(writer.path, os.path.join(cfg.out_dir, "metrics.png"))
     finally:
+        stop.restore()
         if producer is not None:
             producer.close()
         if writer is not None:

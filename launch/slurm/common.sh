@@ -132,10 +132,18 @@ torchrun_cmd() {
     shift 4
     local python
     python=$(pick_python)
+    local sig=()
+    # Preemption: torchrun forwards SIGUSR1 (Slurm's --signal, see the sbatch headers) as well as
+    # SIGTERM to the workers, which save a checkpoint at the end of the step (checkpoint.save_on_signals),
+    # and waits SHUTDOWN_TIMEOUT seconds for them before SIGKILL (its default is 30 s). Older
+    # torchruns lack the flags: then only SIGTERM reaches the workers, with torchrun's own grace.
+    if [[ ${DRY_RUN:-0} != 1 ]] && "$python" -m torch.distributed.run --help 2>/dev/null | grep -q -- --signals-to-handle; then
+        sig=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "--shutdown-timeout=${SHUTDOWN_TIMEOUT:-600}")
+    fi
     TORCHRUN_CMD=("$python" -m torch.distributed.run
         "--nnodes=$nnodes" "--nproc-per-node=$nproc"
         --rdzv-backend=c10d "--rdzv-endpoint=$head:$MASTER_PORT" "--rdzv-id=${SLURM_JOB_ID:-0}"
-        --max-restarts=0
+        --max-restarts=0 "${sig[@]}"
         -m gspo_megatron.train "$@")
 }
 
