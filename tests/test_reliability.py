@@ -201,3 +201,41 @@ def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(tmp_path):
     rows = lambda d: [{k: v for k, v in json.loads(x).items() if not k.startswith("t_") and k != "tokens_per_s"}  # noqa: E731
                       for x in (d / "metrics.jsonl").read_text().splitlines() if '"gspo"' in x]
     assert rows(out) == rows(ref)
+
+
+@pytest.mark.timeout(900)
+def test_bad_records_are_reported_by_dry_run_and_skipped_by_training(tmp_path):
+    """Before: --dry-run checked 3 records; record 20's prompt 12345 crashed training with a
+    traceback when its batch came (and again on resume), "answer": null became the gold text
+    "None", and removing the record made the run unresumable with a message naming no file."""
+    from gspo_megatron.rollout.tokenizer import build_tokenizer
+
+    tok = tmp_path / "tok"
+    build_tokenizer().save_pretrained(tok)
+    recs = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(24)]
+    recs[19]["prompt"] = 12345
+    recs[4]["answer"] = None
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    file_data = ["data.source=file", f"data.path={data}", "reward.fn=math", f"model.tokenizer={tok}",
+                 "train.sft_warmup_steps=0", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=2"]
+    dry = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, "--dry-run", *file_data],
+                         capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert "24 records checked in" in dry.stdout and "22 usable, 2 skipped by training" in dry.stdout
+    assert "record 5 'answer' is null" in dry.stdout and "record 20 'prompt' is int 12345" in dry.stdout
+
+    out = tmp_path / "run"
+    r = train(out, *file_data, "train.max_steps=3", "checkpoint.interval=1")  # 24 draws: the whole file
+    assert "2 of 24 records are malformed and will be skipped" in r.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"gspo"' in x]
+    assert [x["step"] for x in rows] == [1, 2, 3] and sum(x["data_skipped"] for x in rows) >= 2
+
+    # fixing a record in place keeps the stream's positions: the run resumes
+    recs[19]["prompt"] = "19+19="
+    data.write_text("".join(json.dumps(x) + "\n" for x in recs))
+    train(out, *file_data, "train.max_steps=4", "checkpoint.interval=1")
+    # removing one shifts every position: one line naming the file and what changed
+    data.write_text("".join(json.dumps(x) + "\n" for x in recs[:-1]))
+    line = one_line_error(train(out, *file_data, "train.max_steps=5", ok=False))
+    assert str(data) in line and "has 23 records but the checkpoint's prompt stream was saved over 24" in line
