@@ -239,3 +239,21 @@ def test_bad_records_are_reported_by_dry_run_and_skipped_by_training(tmp_path):
     data.write_text("".join(json.dumps(x) + "\n" for x in recs[:-1]))
     line = one_line_error(train(out, *file_data, "train.max_steps=5", ok=False))
     assert str(data) in line and "has 23 records but the checkpoint's prompt stream was saved over 24" in line
+
+
+@pytest.mark.timeout(300)
+def test_a_save_over_the_file_size_limit_is_one_line_and_leaves_nothing(tmp_path):
+    """Before: "unexpected pos 704 vs 598" or an OSError traceback, with a temp directory left."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE,
+                        "train.max_steps=1", "train.sft_warmup_steps=0"], capture_output=True, text=True,
+                       timeout=280, env=_env(), cwd=REPO, preexec_fn=limit)
+    assert r.returncode != 0
+    line = one_line_error(r)
+    assert f"cannot write checkpoint {out / 'checkpoints' / 'iter_0000001'}" in line and "ulimit -f" in line
+    assert os.listdir(out / "checkpoints") == []

@@ -131,8 +131,7 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
     from its own shard (train/checkpoint_shards.py), any other optimizer through Megatron's save;
     "megatron" — Megatron's save always (its fully_reshardable path gathers the optimizer state
     on every DP rank first). Both write the same checkpoint (tests/test_checkpoint.py)."""
-    from converters.mcore import model_sharded_state_dict, save_mcore_checkpoint
-    from gspo_megatron.train.checkpoint_shards import distributed_optimizer_plan
+    from converters.mcore import model_sharded_state_dict
 
     if writer not in ("auto", "megatron"):
         raise ValueError(f"checkpoint.save: writer={writer!r}, expected 'auto' or 'megatron'")
@@ -143,6 +142,31 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
     model_state = model_sharded_state_dict(model)
     trainer = {"format": FORMAT_VERSION, "step": step, "scheduler": scheduler.state_dict(), "loop": loop_state,
                "layout": layout_of(ctx)}
+
+    try:
+        return _save_collective(root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer,
+                     writer)
+    except (OSError, RuntimeError) as e:
+        # a file-size limit (ulimit -f: EFBIG), a full disk or quota: torch reports it as an OSError,
+        # or as "unexpected pos N vs M" from its zip writer (Megatron's save); one line naming the
+        # target instead of a traceback (the temporary directory is removed by the writer)
+        import errno
+
+        code = getattr(e, "errno", None)
+        if code in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in str(e):
+            from gspo_megatron.model.hf_io import CheckpointError
+
+            why = {errno.EFBIG: "a file exceeds the process's file-size limit (ulimit -f)",
+                   errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded"}.get(
+                code, f"a write stopped short ({str(e).splitlines()[0]}): file-size limit (ulimit -f) or a full disk?")
+            raise CheckpointError(f"cannot write checkpoint {final}: {why}") from None
+        raise
+
+
+def _save_collective(root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer,
+          writer) -> str:
+    from converters.mcore import save_mcore_checkpoint
+    from gspo_megatron.train.checkpoint_shards import distributed_optimizer_plan
 
     def rank_files(tmp: str) -> None:
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
