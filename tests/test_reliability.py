@@ -81,7 +81,12 @@ def test_tracker_lost_resumes_from_newest_complete_and_prunes_nothing_newer(run4
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
     (out / ".gspo-run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    # and the temporary directory of a save that never finished (a full checkpoint's size on a real model)
+    stale = out / "checkpoints" / ".iter_0000005.tmp-abc123"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"x" * 100)
     r = train(out, "train.max_steps=5", "checkpoint.keep_last=2")
+    assert f"removed {stale}, the temporary directory of a save that never finished" in r.stderr and not stale.exists()
     assert f"took over the run lock {out / '.gspo-run.lock'}: its process {dead.pid} on this host is gone" in r.stderr
     assert not (out / ".gspo-run.lock").exists()  # released at the end
     assert "no tracker; resuming from the newest complete one, iter_0000004" in r.stderr

@@ -192,6 +192,46 @@ def test_load_prompts_errors(tmp_path):
         load_prompts(str(csv))
 
 
+def test_prompt_files_that_cannot_be_read_name_the_file_and_line(tmp_path):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(PromptDataError, match=r"latin\.jsonl:2: not UTF-8 text"):
+        load_prompts(str(latin))
+    import datasets
+
+    pq = tmp_path / "p.parquet"
+    datasets.Dataset.from_list([{"prompt": f"{i}", "answer": "1"} for i in range(50)]).to_parquet(str(pq))
+    pq.write_bytes(pq.read_bytes()[:-40])  # truncated: the footer is gone
+    with pytest.raises(PromptDataError, match=r"p\.parquet: unreadable parquet file"):
+        load_prompts(str(pq))
+
+
+def test_long_prompts_are_skipped_or_truncated_and_counted(tmp_path):
+    """data.max_prompt_tokens: before, a prompt longer than the model's context trained with only a
+    transformers warning."""
+    import types
+
+    from gspo_megatron.rollout.tokenizer import build_tokenizer
+    from gspo_megatron.train.setup import PromptSource
+
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"prompt": "x" * n, "answer": "1"}) + "\n" for n in (3, 40, 4, 5)))
+    tok = build_tokenizer()
+    cfg = lambda policy: types.SimpleNamespace(source="file", path=str(p), prompt_key="prompt", answer_key="answer",  # noqa: E731
+                                               seed=0, task="sort", long_prompts=policy)
+    from gspo_megatron.rollout.data import render_prompt
+
+    limit = len(render_prompt(tok, "x" * 5))  # the chat template's tokens count too
+    src = PromptSource(cfg("skip"), tok, 0, max_prompt_tokens=limit)
+    got = src.batch(0, 0, 6)
+    assert all(len(ex["prompt"]) <= 5 for ex in got) and src.take_skipped() >= 1
+    check = src.check_all()
+    assert check["skipped"] == 1 and f"over data.max_prompt_tokens={limit}" in check["first_problems"][0]
+    src = PromptSource(cfg("truncate"), tok, 0, max_prompt_tokens=limit)
+    long = next(ex for ex in src.stream.examples if len(ex["prompt"]) == 40)
+    assert src.encode(long) == render_prompt(tok, "x" * 40)[-limit:] and src.check_all()["skipped"] == 0
+
+
 def test_prompt_stream_order_and_resume():
     data = list(range(10))
     s = PromptStream(data, 4, seed=3)

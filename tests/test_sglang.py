@@ -321,14 +321,17 @@ def test_never_ready_server_reports_its_status(model_dir):
             SGLangEngine({"urls": [d.url]}, **dict(FAST, ready_timeout_s=1.0))
 
 
-def test_5xx_and_dropped_connections_are_retried_then_fail_naming_the_server(model_dir, prompts, monkeypatch):
+def test_5xx_and_dropped_connections_are_retried_then_fail_naming_the_server(model_dir, prompts, monkeypatch, caplog):
     sp = SamplingParams(temperature=1.0, max_new_tokens=4)
     with start_double_and_engine(model_dir, **FAST) as (dbl, eng):
         eng._warned_unsynced = True  # no weight push in this test
         dbl.faults.fail_5xx = 1
         dbl.faults.drop = 1
-        out = eng.generate(prompts, 2, sp)  # 3 groups; two failures retried
-        assert len(out) == 6 and eng.metrics["retries"] == 2
+        with caplog.at_level("WARNING", logger="gspo_megatron.rollout"):
+            out = eng.generate(prompts, 2, sp)  # 3 groups; two failures retried
+        assert len(out) == 6 and eng.metrics["retries"] == 2  # the loop's rollout_retries per step
+        retried = [r.getMessage() for r in caplog.records if "retry 1 of 2 after" in r.getMessage()]
+        assert len(retried) == 2 and any("HTTP 500" in m for m in retried), retried  # every retry is logged
         dbl.faults.server_abort = 1  # an abort nobody asked for is retried too
         assert len(eng.generate(prompts[:1], 2, sp)) == 2
         assert eng.metrics["retries"] == 3
