@@ -148,6 +148,11 @@ def test_train_sbatch_env_knobs(tmp_path):
     assert opt(cmd, "--rdzv-endpoint") == "n1:23456" and opt(cmd, "--output") == str(tmp_path / "L" / "train-node%n.log")
     assert opt(cmd, "--container-image") == "nvcr.io#nvidia/pytorch:25.01-py3"
     assert cmd[cmd.index("-m") - 1] == "python3"  # no host venv inside a container
+    assert opt(cmd, "--container-mounts") == f"{ROOT}:{ROOT}"
+    # CONTAINER_MOUNTS adds mounts; the repo (the container's workdir) stays mounted (before: replaced)
+    (cmd,) = render(os.path.join(ROOT, "launch", "slurm", "train.sbatch"), [preset("tiny_cpu")], nodes=["n1"],
+                    tmp_path=tmp_path, env={"CONTAINER_IMAGE": "img", "CONTAINER_MOUNTS": "/ckpt:/ckpt"})
+    assert opt(cmd, "--container-mounts") == f"{ROOT}:{ROOT},/ckpt:/ckpt"
     render(os.path.join(ROOT, "launch", "slurm", "train.sbatch"), ["missing.yaml"], nodes=["n1"],
            tmp_path=tmp_path, expect_rc=2)
 

@@ -104,7 +104,9 @@ container_args() {
     CONTAINER_ARGS=()
     if [[ -n ${CONTAINER_IMAGE:-} ]]; then
         CONTAINER_ARGS+=("--container-image=$CONTAINER_IMAGE" "--container-workdir=$PWD")
-        local mounts=${CONTAINER_MOUNTS:-$REPO_DIR:$REPO_DIR}
+        # the repo is the container's workdir: always mounted; CONTAINER_MOUNTS adds to it
+        local mounts=$REPO_DIR:$REPO_DIR
+        if [[ -n ${CONTAINER_MOUNTS:-} ]]; then mounts+=",$CONTAINER_MOUNTS"; fi
         CONTAINER_ARGS+=("--container-mounts=$mounts")
     fi
 }
