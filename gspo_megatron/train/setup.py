@@ -383,6 +383,12 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
         raise InputError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} needs demonstrations, which only "
                          "data.source=synthetic has: set train.sft_warmup_steps=0 (start from an SFT model)")
     prompts.check_render()
+    if cfg.logging.tensorboard:  # asked for: never a run that silently writes no event files
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise InputError("logging.tensorboard=true but the tensorboard package is not installed: "
+                             "pip install 'gspo-megatron[tensorboard]' (or tensorboard), or set logging.tensorboard=false")
     score = resolve_reward(cfg, prompts.task)
     if cfg.checkpoint.resume not in ("auto", "never"):  # an explicit path: a trainer checkpoint
         from gspo_megatron.train.checkpoint import read_trainer_state, resolve_resume
