@@ -382,8 +382,12 @@ class SGLangConfig:
     # First port of launched servers (server i listens on port + i) and the address they bind.
     port: int = 30000
     host: str = "127.0.0.1"
-    # Bearer token sent to the servers (and passed to launched ones); null = none.
+    # Bearer token sent to the servers (and passed to launched ones); null = none (launched
+    # servers bound beyond loopback then get a generated one).
     api_key: Optional[str] = None
+    # Refuse servers whose /server_info "version" is not the SGLang version this project speaks
+    # (rollout/sglang_api.py SGLANG_VERSION); false = warn and go on.
+    check_version: bool = True
     # How new policy weights reach the servers: "disk" (HF safetensors in shared_dir +
     # update_weights_from_disk), "distributed" (NCCL broadcast group), "tensor" (CUDA IPC
     # handles; servers on the trainer's node).

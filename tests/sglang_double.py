@@ -124,7 +124,12 @@ class SGLangDouble:
         weight_version: str = "default",
         memory_saver: bool = False,
         enable_return_routed_experts: bool = False,
+        version: str | None = None,
     ):
+        from gspo_megatron.rollout.sglang_api import SGLANG_VERSION
+
+        # what /server_info reports as "version" (SGLang 0.5.23 http_server.py server_info: __version__)
+        self.version = SGLANG_VERSION if version is None else version
         self.model_path = model_path
         self.host, self.port = host, port
         self.tp_size, self.dp_size = tp_size, dp_size
@@ -533,7 +538,7 @@ class SGLangDouble:
     def server_info(self) -> dict:
         return {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
                 "pp_size": 1, "enable_dp_attention": False, "weight_version": self.weight_version,
-                "enable_return_routed_experts": self.enable_return_routed_experts, "version": "test-double"}
+                "enable_return_routed_experts": self.enable_return_routed_experts, "version": self.version}
 
     def route(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         """(status, payload); payload None -> empty body, str -> text, else JSON."""

@@ -870,6 +870,28 @@ def test_double_routed_experts_start_len_follows_sglang(model_dir, prompts, mode
         assert c.get("/server_info")["enable_return_routed_experts"] is False
 
 
+def test_a_server_of_another_sglang_version_is_one_line(model_dir):
+    """SGLang 0.5.23 reports its version in /server_info (http_server.py server_info: __version__);
+    the engine speaks exactly that one (before: nothing checked it)."""
+    import warnings as _warnings
+
+    from gspo_megatron.rollout.sglang_api import SGLANG_VERSION
+    from gspo_megatron.rollout.sglang_engine import SGLangVersionError
+
+    with SGLangDouble(model_dir, version="0.5.9") as dbl:
+        with pytest.raises(SGLangVersionError) as err:
+            SGLangEngine({"urls": [dbl.url]}, model_path=model_dir)
+        msg = str(err.value)
+        assert "\n" not in msg and dbl.url in msg and "0.5.9" in msg and SGLANG_VERSION in msg, msg
+        with _warnings.catch_warnings(record=True) as caught:
+            _warnings.simplefilter("always")
+            SGLangEngine({"urls": [dbl.url], "check_version": False}, model_path=model_dir).close()
+        assert any("0.5.9" in str(w.message) for w in caught)
+    with SGLangDouble(model_dir) as dbl:  # the version it speaks: accepted
+        assert dbl.server_info()["version"] == SGLANG_VERSION
+        SGLangEngine({"urls": [dbl.url]}, model_path=model_dir).close()
+
+
 def test_routing_from_a_server_without_the_flag_is_one_clear_line(model_dir, prompts, monkeypatch):
     """Caught at construction from /server_info; a server that does not report the argument is
     caught on the first response (SGLang then silently omits the field)."""

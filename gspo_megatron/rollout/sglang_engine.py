@@ -119,7 +119,7 @@ import torch
 from gspo_megatron.cli_util import InputError
 
 from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
-from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG
+from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG, SGLANG_VERSION
 from .sglang_api import payload as api_payload
 from .sglang_server import (
     LaunchSpec,
@@ -154,6 +154,10 @@ log = logging.getLogger("gspo_megatron.rollout")
 
 class SGLangStaleWeightsError(SGLangError):
     pass
+
+
+class SGLangVersionError(SGLangProtocolError, InputError):
+    """The server reports another SGLang version than the one the engine speaks (one line)."""
 
 
 class SGLangRoutingNotEnabledError(SGLangProtocolError, InputError):
@@ -356,6 +360,8 @@ class SGLangEngine(RolloutEngine):
                     self.workers = [mk(u) for u in workers]
                     if wait_ready:
                         wait_until_ready(self.workers, self.ready_timeout_s)
+            if wait_ready:
+                self.check_version(strict=bool(c.get("check_version", True)))
             if self.return_routing and wait_ready:
                 self.check_routing_enabled()
         except BaseException:
@@ -401,6 +407,27 @@ class SGLangEngine(RolloutEngine):
         if self.procs is not None:
             return self.procs.wait_ready(self.servers, t)
         return wait_until_ready(self.servers, t)
+
+    def check_version(self, strict: bool = True) -> None:
+        """Every worker's /server_info "version" (SGLang 0.5.23 http_server.py server_info) is the
+        SGLang version rollout/sglang_api.py is written against: request fields and weight-update
+        sessions changed between releases, and a mismatch otherwise shows up as odd 4xx errors in
+        the middle of a run. One line (strict) or a warning; a worker that does not report it is
+        left alone (a router, an older server)."""
+        for s in self.workers:
+            try:
+                info = s.get("/server_info", timeout_s=30, retries=1)
+            except SGLangError:
+                continue
+            got = info.get("version") if isinstance(info, dict) else None
+            if got is None or str(got) == SGLANG_VERSION:
+                continue
+            msg = (f"SGLang server {s.url} runs version {got}; this project speaks {SGLANG_VERSION} "
+                   "(rollout/sglang_api.py): use that server version, or set rollout.sglang.check_version=false "
+                   "to try anyway")
+            if strict:
+                raise SGLangVersionError(msg)
+            warnings.warn(msg, stacklevel=2)
 
     def check_routing_enabled(self) -> None:
         """Fail with one line if a worker's GET /server_info reports enable_return_routed_experts
