@@ -365,7 +365,7 @@ def plan(config: Config, world_size: int) -> dict:
 
 def _collective_timeout(config) -> dict:
     seconds, waits = config.collective_timeout_s()
-    return {"seconds": seconds, "waits_s": waits}
+    return {"timeout_s": seconds, "waits_s": waits}
 
 
 def training_setup(config) -> dict:
@@ -466,7 +466,7 @@ def format_plan(pl: dict) -> str:
     lines.append(f"peak {_mem(pl['peak_memory_gib'])} per GPU on stage {pl['peak_memory_stage']}")
     ct = pl["collective_timeout"]
     waits = "; ".join(f"{k} {v / 60:.0f} min" for k, v in ct["waits_s"].items()) or "none bounded by the config"
-    lines.append(f"collective timeout {ct['seconds'] / 60:.0f} min (rank 0's longest engine waits: {waits})")
+    lines.append(f"collective timeout {ct['timeout_s'] / 60:.0f} min (rank 0's longest engine waits: {waits})")
     lines.append("assumptions: " + "; ".join(pl["memory_assumptions"]))
     return "\n".join(lines)
 

@@ -496,7 +496,6 @@ class SGLangDouble:
         return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def update_weights_from_tensor(self, body: dict) -> tuple[int, Any]:
-        from gspo_megatron.rollout.weight_sync import deserialize_named_tensors
 
         sers = body.get("serialized_named_tensors")
         if not isinstance(sers, list) or len(sers) != self.tp_size:
@@ -718,6 +717,19 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 # ------------------------------------------------------------------------------ helpers for tests
+def deserialize_named_tensors(data: str | bytes) -> list:
+    """What an SGLang server does with an update_weights_from_tensor payload (the trainer only
+    serializes, rollout/weight_sync.py): unpickle with torch's rebuild functions. Server side
+    only: it trusts the trainer that sent it, as SGLang does."""
+    import base64
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401  (rebuild functions)
+
+    raw = base64.b64decode(data) if isinstance(data, str) else data
+    return pickle.loads(raw)
+
+
 @contextlib.contextmanager
 def start_double_and_engine(model_dir: str, *, faults: Faults | None = None, double_kw: dict | None = None,
                             **engine_kw):

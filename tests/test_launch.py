@@ -269,8 +269,8 @@ def test_dry_run_param_counts_match_published(name, args, total, active):
     assert abs(pl["active_params"] / active - 1) < 0.03, pl["active_params"]
     # the process groups' timeout the run will use, from the config's own waits (SGLang presets)
     ct = pl["collective_timeout"]
-    assert ct["seconds"] == load_config(preset(name), []).collective_timeout_s()[0]
-    assert ct["seconds"] > max(ct["waits_s"].values()) > 3600
+    assert ct["timeout_s"] == load_config(preset(name), []).collective_timeout_s()[0]
+    assert ct["timeout_s"] > max(ct["waits_s"].values()) > 3600
 
 
 # An H100 "80 GB" has ~79.6 GiB; the planner leaves out the CUDA context, NCCL buffers and

@@ -546,15 +546,6 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
-    import pickle
-
-    import torch.multiprocessing  # noqa: F401  (rebuild functions)
-
-    raw = base64.b64decode(data) if isinstance(data, str) else data
-    return pickle.loads(raw)
-
-
 class TensorSync:
     mode = "tensor"
 
