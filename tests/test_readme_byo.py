@@ -50,7 +50,7 @@ def test_readme_own_model_and_data_commands(tmp_path):
                        cwd=REPO, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-4000:]
     out = tmp_path / "out"
-    assert "records, the first render" in r.stdout  # the dry run read the data
+    assert "24 records checked in" in r.stdout and "24 usable, 0 skipped" in r.stdout  # the dry run read every record
     rows = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines() if '"gspo"' in x]
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert "resumed from" in r.stderr

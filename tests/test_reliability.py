@@ -153,7 +153,13 @@ def test_a_second_job_on_the_same_out_dir_stops_in_one_line(tmp_path):
                 break
             time.sleep(0.1)
         assert lock.exists(), "the first run never took the lock"
-        second = train(out, "train.max_steps=2", "train.seed=99", ok=False)
+        # hold the first run still while the second starts (a loaded machine could otherwise let it
+        # finish first); its lock stays fresh (heartbeat < 5 min old) and its process alive
+        first.send_signal(signal.SIGSTOP)
+        try:
+            second = train(out, "train.max_steps=2", "train.seed=99", ok=False)
+        finally:
+            first.send_signal(signal.SIGCONT)
         line = one_line_error(second)
         assert "is in use by another run" in line and f"pid {first.pid}," in line
         _, err = first.communicate(timeout=500)

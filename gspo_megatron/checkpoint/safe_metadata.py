@@ -41,7 +41,9 @@ StorageMeta, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, 
 MetadataIndex, _MEM_FORMAT_ENCODING}, torch.distributed.checkpoint.filesystem._StorageInfo,
 torch.Size, torch.float32 / torch.bfloat16 (dtypes), torch.serialization._get_layout (how
 torch.layout pickles, torch/serialization.py:1641-1653) and pathlib.PosixPath
-(StorageMeta.checkpoint_id: the writer's directory). Admitted beyond that, as data only: every
+(StorageMeta.checkpoint_id: the writer's directory). A Megatron-Bridge 0.3.1 save (Megatron's save
+planner) also names torch.distributed.checkpoint.planner.{SavePlan, WriteItem, TensorWriteData,
+WriteItemType}: admitted as data too (tests/test_megatron_bridge.py reads one). Admitted beyond that, as data only: every
 torch dtype / layout / memory_format singleton, collections.OrderedDict, and pathlib path classes
 under their Python 3.13 module name (pathlib._local), all rebuilt as *pure* paths (no I/O).
 Not admitted: builtins (protocol >= 2 builds dicts, lists, tuples and sets with opcodes, no
@@ -65,6 +67,10 @@ _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 _DATACLASSES = [(_DCP_METADATA, n) for n in ("Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
                                             "ChunkStorageMetadata", "TensorProperties", "MetadataIndex")]
 _DATACLASSES.append((_DCP_FILESYSTEM, "_StorageInfo"))
+# Megatron's save planner (used by Megatron-LM and Megatron-Bridge saves) keeps the global save
+# plan in Metadata.planner_data: torch's planner dataclasses (data only) and the WriteItemType enum
+_DCP_PLANNER = "torch.distributed.checkpoint.planner"
+_DATACLASSES += [(_DCP_PLANNER, n) for n in ("SavePlan", "WriteItem", "TensorWriteData")]
 _PATH_CLASSES = {"PosixPath": "PurePosixPath", "PurePosixPath": "PurePosixPath",
                  "WindowsPath": "PureWindowsPath", "PureWindowsPath": "PureWindowsPath"}
 
@@ -81,13 +87,16 @@ class _Tables:
         import torch.serialization
         from torch.distributed.checkpoint import filesystem as dcp_fs
         from torch.distributed.checkpoint import metadata as dcp_md
+        from torch.distributed.checkpoint import planner as dcp_planner
 
-        mods = {_DCP_METADATA: dcp_md, _DCP_FILESYSTEM: dcp_fs}
+        mods = {_DCP_METADATA: dcp_md, _DCP_FILESYSTEM: dcp_fs, _DCP_PLANNER: dcp_planner}
         self.dataclasses = {key: getattr(mods[key[0]], key[1]) for key in _DATACLASSES}
         calls = {("torch", "Size"): torch.Size,
                  ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
                  (_DCP_METADATA, "_MEM_FORMAT_ENCODING"): dcp_md._MEM_FORMAT_ENCODING,
-                 ("collections", "OrderedDict"): collections.OrderedDict}
+                 ("collections", "OrderedDict"): collections.OrderedDict,
+                 # an Enum pickles as a call of its class with the member's value
+                 (_DCP_PLANNER, "WriteItemType"): dcp_planner.WriteItemType}
         for mod in ("pathlib", "pathlib._local"):
             for name, pure in _PATH_CLASSES.items():
                 calls[(mod, name)] = getattr(pathlib, pure)
