@@ -176,7 +176,7 @@ def test_loop_with_partial_rollouts_carries_samples_over_pushes(tmp_path):
     hf_dir = _tiny_hf_dir(tmp_path / "hf0")
     steps = 4
     with SGLangDouble(hf_dir) as server:
-        server.faults.per_token_s = 0.08  # a rollout (8 tokens, 0.64 s) outlasts a training step (~0.3 s): pushes land mid-generation
+        server.faults.per_token_s = 0.2  # a rollout (8 tokens, 1.6 s) outlasts a training step (~0.3 s quiet, ~1 s loaded): pushes land mid-generation
         out = tmp_path / "run"
         args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
                 f"train.max_steps={steps}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
