@@ -4,6 +4,7 @@
     python bench/bench_checkpoint.py --size-gb 0.1        # quick
     python bench/bench_checkpoint.py --layouts dp2 --keep --json out.json
     python bench/bench_checkpoint.py --size-gb 0.3 --profile 40   # where rank 0's save / load time goes
+    python bench/bench_checkpoint.py --smoke                      # smallest model, dp2: does it run (~1 min)
 
 The model is the synthetic Qwen3-MoE of bench/bench_load.py (`choose_config`: hidden 1024, 16/4
 heads, 32 experts, vocab 32000; layers and moe_intermediate_size chosen so that the fp32
@@ -52,7 +53,8 @@ For each layout, in order:
               off: then the in-run copy measured 0.40 GB/s against 1.65-2.03 GB/s after exit, and
               after Megatron's save (whose gather buffers, ~6 GB per rank, were freed just
               before) 1.5-1.8 GB/s — the reference moves with whatever ran before it.
-  RESUME run  a second spawn, so that the save's high-water mark is not in it: per rank
+  RESUME run  a second spawn (new processes: tests/dist_utils.py run_distributed(fresh=True)), so
+              that the save's high-water mark is not in it: per rank
                 baseline    VmRSS after the imports (torch, megatron, the project's modules) and
                             init_parallel;
                 build       the same model + DDP + optimizer, no step ("after build": VmRSS);
@@ -76,6 +78,32 @@ For each layout, in order:
               verified: after the load, each rank's parameter and Adam-moment checksums equal the
               ones the same rank sent from the save run (same layout, so the same shards); the bench
               fails otherwise.
+
+CHECKSUMS   save and load with and without the per-file SHA-256 checksums (checkpoint/integrity.py;
+            train/checkpoint.py save() hashes the published directory in `_write_checksums`, every rank
+            its share of the files, rank 0 writes checksums.json; load() runs `verify_checksums` before
+            anything is read). In the same two runs, after the measured save (and copy) and after the
+            measured load and its memory readings, --ck-reps N (default 2) pairs of arms, the order
+            alternating (off, on), (on, off), ... so that neither arm is always the earlier one:
+              save  the same model and optimizer saved again into a new directory (deleted right after
+                    the arm), warmed as above; "off": `_write_checksums` replaced by a no-op
+                    (bench's ChecksumMeter), "on": the trainer's save as is
+              load  the checkpoint just loaded loaded again into the same trainer; "off":
+                    `verify_checksums` replaced by a no-op; the parameters and Adam moments after the
+                    last arm must equal the ones after the measured load
+            "s without" / "s with": rank 0's wall seconds between barriers (median over the arms),
+            "with/without" their ratio. Because one repetition of each is noisy on a shared machine,
+            the checksum call is also timed inside the "on" arms: "checksum s" (rank 0, wall, all
+            ranks hashing their files in parallel then an all_gather), "with/(with-checksum)" = the
+            ratio that call alone makes (median over the "on" arms of s / (s - call s): no
+            between-arm noise), "checksum share" = checksum s / s with; "checksum MB/s" = all the
+            checkpoint's bytes (each file hashed once, by one rank) / checksum s; "SHA-256 MB/s per
+            rank" = the bytes a rank hashed / its seconds in `integrity.digest`. The files are read
+            from the page cache (just written); a load after a restart reads them from disk for the
+            checksums, and the state then from the page cache where memory allows, so there the
+            checksums cost about one read of the files. "first (cold)": the main table's save /
+            load (checksums on) and the seconds of the checksum call inside them. Peak RSS per arm:
+            VmHWM after a reset right before it, max over ranks.
 
 Memory is VmHWM / VmRSS of each rank (bench/common.py explains them; ru_maxrss is printed as a
 cross-check). "after save" / "after load" is VmRSS once the phase is over and gc.collect() ran;
@@ -299,8 +327,75 @@ def warm_free_memory(nbytes: int) -> None:
         del t
 
 
+class ChecksumMeter:
+    """The arms of the checksum comparison (CHECKSUMS in the module docstring).
+
+    `with meter.arm(True):` times each call of train/checkpoint.py `_write_checksums` (save) and
+    `verify_checksums` (load) on this rank, wall seconds including their all_gather (so rank 0's
+    value is the phase's wall time), and the SHA-256 work inside them: seconds and bytes of every
+    `integrity.digest` this rank ran. `with meter.arm(False):` replaces both calls with no-ops: a
+    save that writes no checksums.json, a load that verifies nothing; everything else is the
+    trainer's code path. The module attributes are patched (save() and load() look them up at call
+    time) and restored on exit."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.call_s, self.calls, self.hash_s, self.hash_bytes = 0.0, 0, 0.0, 0
+
+    def result(self) -> dict:
+        return dict(call_s=self.call_s, calls=self.calls, hash_s=self.hash_s, hash_bytes=self.hash_bytes)
+
+    def arm(self, enabled: bool):
+        from contextlib import contextmanager
+
+        from gspo_megatron.checkpoint import integrity
+        from gspo_megatron.train import checkpoint
+
+        @contextmanager
+        def patched():
+            orig = (checkpoint._write_checksums, checkpoint.verify_checksums, integrity.digest)
+            self.reset()
+
+            def timed(fn):
+                def wrapper(*a, **k):
+                    t0 = time.perf_counter()
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        self.call_s += time.perf_counter() - t0
+                        self.calls += 1
+                return wrapper
+
+            def digest(path):
+                t0 = time.perf_counter()
+                out = orig[2](path)
+                self.hash_s += time.perf_counter() - t0
+                self.hash_bytes += os.path.getsize(path)
+                return out
+
+            if enabled:
+                checkpoint._write_checksums, checkpoint.verify_checksums = timed(orig[0]), timed(orig[1])
+                integrity.digest = digest
+            else:
+                checkpoint._write_checksums = lambda directory, ctx: None
+                checkpoint.verify_checksums = lambda directory, ctx: False
+            try:
+                yield self
+            finally:
+                checkpoint._write_checksums, checkpoint.verify_checksums, integrity.digest = orig
+
+        return patched()
+
+
+def _arm_order(rep: int) -> tuple[str, str]:
+    """off/on alternating over repetitions, so neither arm is always the first."""
+    return ("off", "on") if rep % 2 == 0 else ("on", "off")
+
+
 def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str, profile: int = 0,
-               writer: str = "auto", warm_bytes: int = 0) -> dict:
+               writer: str = "auto", warm_bytes: int = 0, ck_reps: int = 1) -> dict:
     import gc
 
     import torch.distributed as dist
@@ -320,12 +415,14 @@ def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str, pro
         out["reset_ok"] = reset_peak()
         io0 = proc_io()
         dist.barrier()
+        meter = ChecksumMeter()
         t0 = time.perf_counter()
-        with _Profile(profile, rank) as prof:
+        with _Profile(profile, rank) as prof, meter.arm(True):
             path = checkpoint.save(out_dir, STEP, model, opt, sched, {"step": STEP, "bench": True}, ctx,
                                    hf_config=cfg, writer=writer)
         dist.barrier()
         out["save_s"] = time.perf_counter() - t0
+        out["save_ck"] = meter.result()
         out["peak"] = peak_rss()
         out["ru_maxrss"] = ru_maxrss()
         io1 = proc_io()
@@ -343,12 +440,35 @@ def _save_rank(rank: int, world: int, layout: dict, cfg: dict, out_dir: str, pro
         out["after_trim"] = proc_status()
         out["path"] = path
         out["profile"] = prof.text
+        # CHECKSUMS: the same save again, without and with checksums, each into its own directory
+        # (deleted right after: the page cache and the disk hold one extra checkpoint at a time)
+        out["ck_arms"] = []
+        for rep in range(ck_reps):
+            for arm in _arm_order(rep):
+                arm_dir = f"{out_dir}.ck-{arm}{rep}"
+                gc.collect()
+                warm_free_memory(warm_bytes // world)
+                dist.barrier()
+                before = proc_status()["VmRSS"]
+                reset_peak()
+                dist.barrier()
+                t0 = time.perf_counter()
+                with meter.arm(arm == "on"):
+                    checkpoint.save(arm_dir, STEP, model, opt, sched, {"step": STEP, "bench": True}, ctx,
+                                    hf_config=cfg, writer=writer)
+                dist.barrier()
+                out["ck_arms"].append(dict(arm=arm, rep=rep, s=time.perf_counter() - t0, peak=peak_rss(),
+                                           before=before, **meter.result()))
+                if rank == 0:
+                    shutil.rmtree(arm_dir)
+                dist.barrier()
         return out
     finally:
         destroy_parallel()
 
 
-def _load_rank(rank: int, world: int, layout: dict, cfg: dict, path: str, profile: int = 0) -> dict:
+def _load_rank(rank: int, world: int, layout: dict, cfg: dict, path: str, profile: int = 0,
+               ck_reps: int = 1) -> dict:
     import gc
 
     import torch.distributed as dist
@@ -367,11 +487,13 @@ def _load_rank(rank: int, world: int, layout: dict, cfg: dict, path: str, profil
         out["reset_ok"] = reset_peak()
         io0 = proc_io()
         dist.barrier()
+        meter = ChecksumMeter()
         t0 = time.perf_counter()
-        with _Profile(profile, rank) as prof:
+        with _Profile(profile, rank) as prof, meter.arm(True):
             loop = checkpoint.load(path, model, opt, sched, ctx)
         dist.barrier()
         out["load_s"] = time.perf_counter() - t0
+        out["load_ck"] = meter.result()
         out["peak"] = peak_rss()
         out["ru_maxrss"] = ru_maxrss()
         io1 = proc_io()
@@ -384,6 +506,24 @@ def _load_rank(rank: int, world: int, layout: dict, cfg: dict, path: str, profil
         out["loop"] = loop
         out["shares"] = _shares(model, opt)
         out["sums"] = _checksums(model, opt)
+        # CHECKSUMS: the same load again into the same trainer, without and with verification
+        out["ck_arms"] = []
+        for rep in range(ck_reps):
+            for arm in _arm_order(rep):
+                gc.collect()
+                malloc_trim()
+                dist.barrier()
+                before = proc_status()["VmRSS"]
+                reset_peak()
+                dist.barrier()
+                t0 = time.perf_counter()
+                with meter.arm(arm == "on"):
+                    loop2 = checkpoint.load(path, model, opt, sched, ctx)
+                dist.barrier()
+                out["ck_arms"].append(dict(arm=arm, rep=rep, s=time.perf_counter() - t0, peak=peak_rss(),
+                                           before=before, loop_ok=loop2 == loop, **meter.result()))
+        if ck_reps:
+            out["ck_sums_ok"] = _checksums(model, opt) == out["sums"]
         return out
     finally:
         destroy_parallel()
@@ -430,7 +570,7 @@ def run_layout(name: str, cfg: dict, workdir: str, args) -> dict:
         t0 = time.perf_counter()
         saved = run_distributed(_save_rank, world, layout, cfg, os.path.join(base, "run"), args.profile,
                                 args.writer, 0 if args.no_warm else int(1.2 * checkpoint_bytes(cfg) * 4),
-                                timeout=args.timeout)
+                                args.ck_reps, timeout=args.timeout, fresh=True)
         path = saved[0]["path"]
         nbytes, nfiles = dir_bytes(path)
         print(f"  {name}: save run done in {time.perf_counter() - t0:.0f} s (spawn + build + step + save); "
@@ -445,7 +585,8 @@ def run_layout(name: str, cfg: dict, workdir: str, args) -> dict:
               "exited", flush=True)
 
         t0 = time.perf_counter()
-        loaded = run_distributed(_load_rank, world, layout, cfg, path, args.profile, timeout=args.timeout)
+        loaded = run_distributed(_load_rank, world, layout, cfg, path, args.profile, args.ck_reps,
+                                 timeout=args.timeout, fresh=True)
         print(f"  {name}: resume run done in {time.perf_counter() - t0:.0f} s (spawn + build + load)", flush=True)
         for what, res in (("save", saved), ("load", loaded)):
             if res[0]["profile"]:
@@ -460,6 +601,8 @@ def run_layout(name: str, cfg: dict, workdir: str, args) -> dict:
             bad.append(f"rank {s['rank']}: saved {s['sums']} loaded {l['sums']}")
         if l["loop"] != {"step": STEP, "bench": True}:
             bad.append(f"rank {s['rank']}: loop state {l['loop']}")
+        if not l.get("ck_sums_ok", True) or not all(a["loop_ok"] for a in l["ck_arms"]):
+            bad.append(f"rank {s['rank']}: the state after the checksum comparison's loads differs")
     if bad:
         raise AssertionError(f"{name}: the resumed state differs from the saved one:\n" + "\n".join(bad))
     return dict(layout=name, world=world, bytes=nbytes, files=nfiles, copy_s=saved[0]["copy_s"],
@@ -493,6 +636,66 @@ def summarize(r: dict) -> dict:
                 resume_max=worst["resume"], share_of_worst=worst["share"], resume_ratio=worst["resume_ratio"],
                 save_ok=save_bw / copy_bw >= SAVE_TARGET, resume_ok=worst["resume_ratio"] <= RESUME_TARGET,
                 per_rank=per_rank)
+
+
+def summarize_checksums(r: dict) -> list[dict]:
+    """Per phase (save, load): the arms without / with checksums (medians over --ck-reps), rank 0's
+    wall seconds; SHA-256 bytes and seconds per rank."""
+    import statistics
+
+    out = []
+    for phase, res, first_key in (("save", r["save"], "save_ck"), ("load", r["load"], "load_ck")):
+        arms = [{a: [x for x in rk["ck_arms"] if x["arm"] == a] for a in ("off", "on")} for rk in res]
+        if not arms[0]["off"] or not arms[0]["on"]:
+            continue
+        off_s = statistics.median(x["s"] for x in arms[0]["off"])
+        on_s = statistics.median(x["s"] for x in arms[0]["on"])
+        ck_s = statistics.median(x["call_s"] for x in arms[0]["on"])
+        hashed = sum(a["on"][0]["hash_bytes"] for a in arms)  # every file once, over the ranks
+        per_rank = [sum(x["hash_bytes"] for x in a["on"]) / max(1e-9, sum(x["hash_s"] for x in a["on"])) / 1e6
+                    for a in arms]
+        out.append(dict(layout=r["layout"], phase=phase, bytes=r["bytes"], off_s=off_s, on_s=on_s,
+                        off_runs=[x["s"] for x in arms[0]["off"]], on_runs=[x["s"] for x in arms[0]["on"]],
+                        ratio=on_s / off_s, ck_s=ck_s, ck_share=ck_s / on_s, hashed=hashed,
+                        ratio_call=statistics.median(x["s"] / (x["s"] - x["call_s"]) for x in arms[0]["on"]),
+                        ck_mbps=hashed / ck_s / 1e6, hash_mbps_min=min(per_rank), hash_mbps_max=max(per_rank),
+                        hash_bytes_max=max(a["on"][0]["hash_bytes"] for a in arms),
+                        peak_off=max(x["peak"] for a in arms for x in a["off"]),
+                        peak_on=max(x["peak"] for a in arms for x in a["on"]),
+                        ovh_off=max(x["peak"] - x["before"] for a in arms for x in a["off"]),
+                        ovh_on=max(x["peak"] - x["before"] for a in arms for x in a["on"]),
+                        first_ck_s=res[0][first_key]["call_s"], first_s=res[0][f"{phase}_s"]))
+    return out
+
+
+def report_checksums(rows: list[dict], reps: int) -> str:
+    headers = ["layout", "phase", "s without", "s with", "with/without", "checksum s", "with/(with-checksum)",
+               "checksum share",
+               "hashed MiB", "checksum MB/s", "SHA-256 MB/s per rank", "peak RSS without", "peak RSS with",
+               "first (cold) s", "of which checksum s"]
+    trows = [[r["layout"], r["phase"], f"{r['off_s']:.2f}", f"{r['on_s']:.2f}", f"{r['ratio']:.2f}",
+              f"{r['ck_s']:.2f}", f"{r['ratio_call']:.2f}", f"{100 * r['ck_share']:.0f}%", mib(r["hashed"]),
+              f"{r['ck_mbps']:,.0f}",
+              f"{r['hash_mbps_min']:,.0f}-{r['hash_mbps_max']:,.0f}", mib(r["peak_off"]), mib(r["peak_on"]),
+              f"{r['first_s']:.2f}", f"{r['first_ck_s']:.2f}"] for r in rows]
+    title = (f"Checksums (SHA-256 of every file; train/checkpoint.py _write_checksums on save, verify_checksums "
+             f"on load), {'median of ' + str(reps) + ' ' if reps > 1 else ''}off/on pair{'s' if reps > 1 else ''} "
+             "per phase after the measured save / load; seconds on rank 0, memory in MiB (max rank)")
+    out = ["", format_table(headers, trows, title), "",
+           "s without / s with = the save (load) with the checksum call replaced by a no-op / the trainer's own;",
+           "  with/without = their ratio (two arms: includes their run-to-run noise); checksum s = wall seconds of the",
+           "  checksum call in the 'with' arm (all ranks hash their share of the files in parallel, then all_gather);",
+           "  with/(with-checksum) = the ratio from the timed call alone (per 'with' arm, median): the cost without",
+           "  the between-arm noise; checksum share = checksum s / s with;",
+           "  checksum MB/s = hashed bytes (every file of the checkpoint once) / checksum s; SHA-256 MB/s per rank =",
+           "  the rank's hashed bytes / its seconds in integrity.digest (min-max over ranks); files are read from",
+           "  the page cache (just written). first (cold): the main table's save / load (checksums on) and the",
+           "  checksum call's seconds inside it. Details: CHECKSUMS in the module docstring."]
+    for r in rows:
+        if len(r["off_runs"]) > 1:
+            out.append(f"{r['layout']} {r['phase']}: without {', '.join(f'{x:.2f}' for x in r['off_runs'])} s; "
+                       f"with {', '.join(f'{x:.2f}' for x in r['on_runs'])} s")
+    return "\n".join(out)
 
 
 def report(summ: list[dict], cfg: dict, param_total: int) -> str:
@@ -554,7 +757,16 @@ def main(argv=None) -> int:
                     "in-run copy (see WARM in the docstring)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile rank 0's save and load, print the top N entries (slows them down)")
+    ap.add_argument("--ck-reps", type=int, default=2, metavar="N",
+                    help="off/on pairs of the checksum comparison per phase (0: none; see CHECKSUMS)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smallest model (~53 MiB), layout dp2, one pair: a check that the bench runs (seconds)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.size_gb, args.layouts, args.ck_reps = 0.05, "dp2", 1
+        args.timeout = min(args.timeout, 300)
+    if args.ck_reps < 0:
+        ap.error("--ck-reps must be >= 0")
     layouts = [x for x in args.layouts.split(",") if x]
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad or not layouts:
@@ -587,13 +799,17 @@ def main(argv=None) -> int:
 
     summ = [summarize(r) for r in results]
     print(report(summ, cfg, param_total))
+    ck = [row for r in results for row in summarize_checksums(r)]
+    if ck:
+        print(report_checksums(ck, args.ck_reps))
     if any(not r["reset_ok"] for res in results for r in res["save"] + res["load"]):
         print("WARNING: /proc/self/clear_refs not writable: peaks include everything before the measured phase")
     if args.keep:
         print("kept: " + ", ".join(r["path"] for r in results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(config=cfg, param_bytes=param_total, layouts=summ, raw=results), f, indent=1, default=str)
+            json.dump(dict(config=cfg, param_bytes=param_total, layouts=summ, checksums=ck, raw=results), f,
+                      indent=1, default=str)
     return 0
 
 
