@@ -96,6 +96,9 @@ class Faults:
     # /generate answers after this many seconds per token of its longest response (a GPU server's
     # decode time; concurrent requests overlap, as a batching server's do; bench/bench_async.py)
     per_token_s: float = 0.0
+    # weight updates are checked and answered (and set the weight version) as usual, but the served
+    # weights stay the old ones: a server that silently keeps stale weights (train/smoke.py must fail)
+    stale_weights: bool = False
 
 
 @dataclass
@@ -416,7 +419,8 @@ class SGLangDouble:
                     raise ValueError(f"unknown parameter {name}")
                 if tuple(t.shape) != tgt.shape:
                     raise ValueError(f"{name}: shape {tuple(t.shape)} != {tgt.shape}")
-                tgt.get().copy_(t)
+                if not self.faults.stale_weights:
+                    tgt.get().copy_(t)
                 seen.add(tgt.key)
         missing = {t.key for t in targets.values()} - seen
         if complete and missing:
@@ -789,6 +793,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--double-never-ready", action="store_true")
     ap.add_argument("--double-per-token-s", type=float, default=0.0, help="seconds per generated token")
     ap.add_argument("--double-exit-code", type=int, default=None, help="exit at once with this code")
+    ap.add_argument("--double-stale-weights", action="store_true", help="accept weight updates, keep the old weights")
     args, unknown = ap.parse_known_args(argv)
     print(f"[sglang test double] args={vars(args)} ignored={unknown}", flush=True)
     print(f"[sglang test double] SGLANG_RETURN_ORIGINAL_LOGPROB={os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB')}",
@@ -809,7 +814,8 @@ def main(argv: list[str] | None = None) -> int:
                      tp_size=args.tp_size, dp_size=args.dp_size, api_key=args.api_key, dtype=args.dtype,
                      memory_saver=args.enable_memory_saver,
                      enable_return_routed_experts=args.enable_return_routed_experts,
-                     faults=Faults(never_ready=args.double_never_ready, per_token_s=args.double_per_token_s))
+                     faults=Faults(never_ready=args.double_never_ready, per_token_s=args.double_per_token_s,
+                                   stale_weights=args.double_stale_weights))
     d.print_requests = True
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())

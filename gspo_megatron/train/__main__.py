@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N -m gspo_megatron.train --config FILE.yaml [dotted.key=value ...]
     python -m gspo_megatron.train --config FILE.yaml --dry-run [--json] [--world-size N]
+    torchrun ... -m gspo_megatron.train --config FILE.yaml --smoke [--smoke-tol X] [overrides]
 
 Without torchrun it runs as one process. Bad configuration, data or reward modules fail with one
 line on stderr and exit status 2 before any heavy work.
@@ -29,6 +30,11 @@ def main(argv=None) -> int:
                                        + render_help())
     p.add_argument("--config", required=True, help="YAML config (see launch/configs/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=5 out_dir=runs/x")
+    p.add_argument("--smoke", action="store_true",
+                   help="pre-flight check instead of training: contact the engine, push weights once, generate "
+                        "once, compare engine and trainer log-probs; PASS/FAIL table, exit 0/1 (train/smoke.py)")
+    p.add_argument("--smoke-tol", type=float, default=None,
+                   help="--smoke: largest mean |engine - trainer| token log-prob difference that passes (0.05)")
     args = p.parse_intermixed_args(argv)
 
     from gspo_megatron.cli_util import quiet_known_warnings, user_errors
@@ -45,6 +51,12 @@ def main(argv=None) -> int:
 
         cfg = load_config(args.config, args.overrides)
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.smoke:  # writes nothing to out_dir: no run lock, no config.yaml
+            from gspo_megatron.train.smoke import DEFAULT_TOL, run_smoke
+
+            return run_smoke(cfg, world_size=world, tol=DEFAULT_TOL if args.smoke_tol is None else args.smoke_tol)
+        if args.smoke_tol is not None:
+            p.error("--smoke-tol needs --smoke")
         lock = None
         if rank == 0:  # one run per out_dir, taken before anything is written there
             from gspo_megatron.train.runlock import RunLock

@@ -266,22 +266,8 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
     temperature = cfg.rollout.temperature
     mismatch = {}
     replay = cfg.train.routing_replay
-    engine_routing = any(x.has_routing for x in samples)  # the same on every rank (RemoteSamples say it too)
     if cfg.loss.old_logprobs == "recompute":
-        # one forward-only pass before the first update: π_old is the policy that generated; it
-        # also measures how far the engine's log-probs of the same tokens are (mismatch_*), and
-        # records (R2) or replays (R3) the routing
-        mode = {"none": "record" if engine_routing else "off", "old": "record", "rollout": "rollout"}[replay]
-        routing = _routing_pass(parts, mode)
-        reports = _run_schedule(parts, fill_logprobs_step(ctx, parts.arch.vocab_size, temperature, "old_logprobs",
-                                                          compare_engine=True, routing=routing), flat,
-                                forward_only=True)
-        mismatch = mismatch_metrics(reduce_report(reports, _reporter(parts), MISMATCH_SUMS, ctx.device),
-                                    reduce_max(reports, _reporter(parts), MISMATCH_MAXES, ctx.device))
-        if routing is not None:
-            routing.close(parts.model)
-            if engine_routing:
-                mismatch["routing_agreement"] = _agreement(parts, routing)
+        mismatch = old_logprobs_pass(parts, samples, flat)
     else:
         for mb in flat:  # paper §5.4: the engine's likelihoods serve as π_old directly
             mb.old_logprobs = mb.engine_logprobs
@@ -327,6 +313,28 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
     out["t_train"] = t_train
     out["train_tokens"] = sum(x.length for x in samples)
     return out
+
+
+def old_logprobs_pass(parts: RunParts, samples: list[TrainSample | RemoteSample], flat: list) -> dict:
+    """Collective. One forward-only pass over the step's microbatches `flat` before the first
+    update: fills their old_logprobs (π_old is the policy that generated), measures how far the
+    engine's log-probs of the same tokens are (mismatch_* metrics, returned) and records (R2) or
+    replays (R3) the routing (routing_agreement when the engine reported its experts)."""
+    ctx = parts.ctx
+    engine_routing = any(x.has_routing for x in samples)  # the same on every rank (RemoteSamples say it too)
+    mode = {"none": "record" if engine_routing else "off", "old": "record",
+            "rollout": "rollout"}[parts.cfg.train.routing_replay]
+    routing = _routing_pass(parts, mode)
+    step_fn = fill_logprobs_step(ctx, parts.arch.vocab_size, parts.cfg.rollout.temperature, "old_logprobs",
+                                 compare_engine=True, routing=routing)
+    reports = _run_schedule(parts, step_fn, flat, forward_only=True)
+    mismatch = mismatch_metrics(reduce_report(reports, _reporter(parts), MISMATCH_SUMS, ctx.device),
+                                reduce_max(reports, _reporter(parts), MISMATCH_MAXES, ctx.device))
+    if routing is not None:
+        routing.close(parts.model)
+        if engine_routing:
+            mismatch["routing_agreement"] = _agreement(parts, routing)
+    return mismatch
 
 
 def _routing_pass(parts: RunParts, mode: str):
