@@ -404,6 +404,11 @@ class SGLangConfig:
     concurrency: int = 64
     # Directory visible to trainer and servers for disk sync; null = <out_dir>/weight_sync.
     shared_dir: Optional[str] = None
+    # weight_sync=distributed: the TCP store of the weight-update group, hosted by trainer rank 0,
+    # which every server rank connects to. null address = the trainer's address on the route to
+    # the first server; port 0 = a free port picked at run time (open a fixed one in a firewall).
+    sync_address: Optional[str] = None
+    sync_port: int = 0
     # Extra command-line arguments for `python -m sglang.launch_server` (launch only).
     extra_args: list[str] = field(default_factory=list)
     # Command that starts one server instead of [this python, -m, sglang.launch_server] (launch
@@ -494,6 +499,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.sglang.mem_fraction must be in (0, 1), got {s.mem_fraction!r}")
         if not 1 <= s.port <= 65535:
             raise ConfigError(f"rollout.sglang.port must be in [1, 65535], got {s.port!r}")
+        if not 0 <= s.sync_port <= 65535:
+            raise ConfigError(f"rollout.sglang.sync_port must be 0 (a free port) or in [1, 65535], got {s.sync_port!r}")
         _positive("rollout.sglang.request_timeout_s", s.request_timeout_s)
         _positive("rollout.sglang.ready_timeout_s", s.ready_timeout_s)
         _positive("rollout.sglang.max_retries", s.max_retries, allow_zero=True)
@@ -573,15 +580,19 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    # Adam learning rate after warmup, and the floor of the decay schedule.
+    # Adam learning rate after warmup.
     lr: float = 1e-6
+    # Floor of the decay schedule (linear / cosine decay to it at train.max_steps).
     min_lr: float = 0.0
     # LR schedule after warmup: constant | linear | cosine (decays to min_lr at train.max_steps).
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     # Decoupled weight decay (AdamW).
     weight_decay: float = 0.01
+    # Adam's first-moment decay.
     adam_beta1: float = 0.9
+    # Adam's second-moment decay.
     adam_beta2: float = 0.98
+    # Adam's denominator epsilon.
     adam_eps: float = 1e-8
     # Global gradient-norm clip; 0 = off.
     clip_grad: float = 1.0

@@ -307,6 +307,29 @@ def test_launch_and_distributed_sync_over_gloo(model_dir, prompts, model_a, mode
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
+def test_weight_update_store_address_and_port_come_from_the_config(monkeypatch):
+    """rollout.sglang.sync_address / sync_port (a port an operator can open in a firewall) reach the
+    distributed weight-update group; unset, the address is the route towards the first server and
+    the port 0 (rank 0's store binds a free one)."""
+    import gspo_megatron.rollout.sglang_engine as se
+    from gspo_megatron.config import load_config
+
+    seen = []
+    monkeypatch.setattr(se, "DistributedSync", lambda *a, **kw: seen.append(kw) or object())
+    monkeypatch.setattr(se.SGLangEngine, "_ranks_per_server", lambda self: [1])
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs", "tiny_cpu.yaml")
+    base = ["rollout.backend=sglang", "rollout.sglang.urls=[http://127.0.0.1:9]", "rollout.sglang.weight_sync=distributed"]
+    for extra, addr, port in ((["rollout.sglang.sync_address=10.1.2.3", "rollout.sglang.sync_port=29555"], "10.1.2.3", 29555),
+                              ([], "127.0.0.1", 0)):
+        eng = se.SGLangEngine.from_config(load_config(tiny, base + extra), wait_ready=False)
+        eng._make_syncer()
+        assert (seen[-1]["master_address"], seen[-1]["master_port"]) == (addr, port)
+    from gspo_megatron.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.sglang.sync_port must be 0"):
+        load_config(tiny, base + ["rollout.sglang.sync_port=70000"])
+
+
 # ------------------------------------------------------------------------------ faults
 def test_server_down_at_start_times_out_clearly():
     url = f"http://127.0.0.1:{_free_port()}"  # nobody listens

@@ -238,8 +238,9 @@ class SGLangEngine(RolloutEngine):
     sync_dtype: cast floating weights to this dtype before sending (e.g. torch.bfloat16).
     sync_device: where tensors go for distributed/tensor sync (default cuda if available, else cpu).
     sync_master_address / sync_master_port / sync_backend / sync_group_name: the distributed
-        weight-update group (defaults: the local address routing to the first server, a free
-        port, nccl with CUDA else gloo, "gspo_weight_sync").
+        weight-update group (defaults: the config's sync_address / sync_port, else the local
+        address routing to the first server and a free port; nccl with CUDA else gloo,
+        "gspo_weight_sync").
     on_stale: "error" | "count" (see the module docstring).
     weight_version: the version the servers hold at start, when known (0 = unknown).
     retry_backoff_s: first retry delay (doubles per retry, capped at 8 s).
@@ -318,8 +319,9 @@ class SGLangEngine(RolloutEngine):
         )
         self.sync_backend = sync_backend or ("nccl" if self.sync_device.type == "cuda" else "gloo")
         self.sync_group_name = sync_group_name
-        self._sync_master_address = sync_master_address
-        self._sync_master_port = sync_master_port
+        # keywords first, then rollout.sglang.sync_address / sync_port (null / 0: picked at run time)
+        self._sync_master_address = sync_master_address or c.get("sync_address") or None
+        self._sync_master_port = sync_master_port or int(c.get("sync_port") or 0) or None
         if return_routing is None:
             return_routing = bool(c.get("return_routing", False))
         self.return_routing = bool(return_routing)
