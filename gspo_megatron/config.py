@@ -49,12 +49,19 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # "auto": cuda when available, else cpu. Backend follows: nccl on cuda, gloo on cpu.
     device: str = "auto"
+    # The number of GPUs (processes) the config is written for; null = any. `--dry-run` and the
+    # planner plan for it when no size is given; a run launched on another number says so at
+    # start and goes on (checkpoints reshard; only the memory plan was made for this size).
+    world_size: Optional[int] = None
 
     def __post_init__(self):
         for k in ("tp", "pp", "ep", "etp", "cp"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"parallel.{k} must be a positive integer, got {v!r}")
+        w = self.world_size
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ConfigError(f"parallel.world_size must be a positive integer or null, got {w!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"parallel.device must be auto|cpu|cuda, got {self.device!r}")
         if self.sequence_parallel and self.tp == 1:

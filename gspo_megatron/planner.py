@@ -516,6 +516,8 @@ def _main(args, prog: str) -> int:
             why = f"--nnodes {args.nnodes or 1} x --nproc-per-node {args.nproc_per_node or 1}"
         elif os.environ.get("WORLD_SIZE", "").isdigit():
             world, why = int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
+        elif cfg.parallel.world_size is not None:
+            world, why = cfg.parallel.world_size, "parallel.world_size: the size the config is written for"
         else:
             world = default_world_size(cfg)
             why = "assumed: the smallest world the layout allows; pass --world-size or --nnodes/--nproc-per-node"

@@ -424,6 +424,10 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     # ---- heavy work ------------------------------------------------------------------------
     timeout_s, _ = cfg.collective_timeout_s()  # outlasts rank 0's engine waits (config.py)
     ctx = init_parallel(cfg.parallel, seed=cfg.model.init_seed, model_dims=None, timeout_s=timeout_s)
+    if ctx.rank == 0 and cfg.parallel.world_size not in (None, world_size):
+        log.warning("running on %d processes; the config is written for parallel.world_size=%d (its memory plan: "
+                    "python -m gspo_megatron.train --config ... --dry-run --world-size %d)",
+                    world_size, cfg.parallel.world_size, world_size)
     colocated, node_servers, engine = cfg.rollout.backend == "sglang" and cfg.rollout.sglang.launch, None, None
     if colocated:  # the servers start (and release their memory) before the model takes the GPUs
         from gspo_megatron.rollout.colocate import start_colocated
