@@ -346,6 +346,11 @@ def plan(config: Config, world_size: int) -> dict:
         "max_params_per_rank": max(st["params"] for st in stages),
         "peak_memory_gib": peak["memory_gib"]["total"],
         "peak_memory_stage": peak["pp_rank"],
+        # colocated SGLang (rollout/colocate.py): while the engines hold the GPUs every rank parks
+        # its gradient buffers and, with 16-bit parameters, its optimizer state in host memory
+        "colocated_host_gib_per_gpu": max(
+            st["memory_gib"]["gradients"] + (st["memory_gib"]["optimizer"] if config.model.dtype != "float32" else 0)
+            for st in stages),
         "micro_batch_tokens": config.train.micro_batch_tokens,
         "training": training_setup(config),
         "collective_timeout": _collective_timeout(config),
@@ -464,6 +469,8 @@ def format_plan(pl: dict) -> str:
             f"expert {_b(st['expert_params'])}): {parts}"
         )
     lines.append(f"peak {_mem(pl['peak_memory_gib'])} per GPU on stage {pl['peak_memory_stage']}")
+    lines.append(f"colocated SGLang (rollout.sglang.launch=true) parks {_mem(pl['colocated_host_gib_per_gpu'])} per GPU "
+                 "in host memory while the engines run (gradients + 16-bit runs' optimizer state); add SGLang's own")
     ct = pl["collective_timeout"]
     waits = "; ".join(f"{k} {v / 60:.0f} min" for k, v in ct["waits_s"].items()) or "none bounded by the config"
     lines.append(f"collective timeout {ct['timeout_s'] / 60:.0f} min (rank 0's longest engine waits: {waits})")

@@ -510,3 +510,19 @@ def test_collective_timeout_outlasts_rank0_engine_waits(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         state.init_parallel(cfg.parallel, timeout_s=cfg.collective_timeout_s()[0])
     assert seen["timeout"].total_seconds() == 7200 + COLLECTIVE_TIMEOUT_MARGIN_S
+
+
+def test_planner_reports_the_host_memory_colocated_engines_need():
+    """Colocated SGLang parks every rank's gradient buffers and, with 16-bit parameters, its
+    optimizer state (fp32 masters + Adam moments) in host memory (rollout/colocate.py): the plan
+    says how much per GPU, from its own per-stage terms, and the dry run prints it."""
+    from gspo_megatron import planner
+
+    path = os.path.join(ROOT, "launch", "configs", "qwen3_30b_a3b.yaml")
+    for dtype, with_opt in (("bfloat16", True), ("float32", False)):
+        pl = planner.plan(load_config(path, [f"model.dtype={dtype}"]), 16)
+        want = max(st["memory_gib"]["gradients"] + (st["memory_gib"]["optimizer"] if with_opt else 0)
+                   for st in pl["stages"])
+        assert pl["colocated_host_gib_per_gpu"] == pytest.approx(want) and want > 1
+    # 16 GPUs, bf16: 16.4 GiB of fp32 gradients + 21.3 GiB of sharded optimizer state
+    assert planner.plan(load_config(path, []), 16)["colocated_host_gib_per_gpu"] == pytest.approx(37.7, abs=0.1)
