@@ -107,7 +107,8 @@ def run_smoke(cfg, *, world_size: int, tol: float = DEFAULT_TOL) -> int:
                                 f"{'/' + cfg.rollout.sglang.weight_sync if cfg.rollout.backend == 'sglang' else ''}"
                                 f" push in {t:.1f} s; "
                                 + (f"servers report {bad} instead of {version}" if bad
-                                   else f"{len(served)} server(s) report version {version}")))
+                                   else f"{len(served)} server(s) report version {version}"
+                                   if hasattr(parts.engine, "workers") else f"the engine reports version {version}")))
 
         samples = None
         if ctx.rank == 0 and all(c.ok is not False for c in checks):
