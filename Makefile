@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 # Where a CPU torch wheel may already lie (CI and dev machines keep one there).
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo test install clean gpu-check gpu-wheels
+.PHONY: demo test install clean gpu-check gpu-wheels image
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -43,6 +43,12 @@ gpu-check:
 
 gpu-wheels:
 	$(PY) bench/gpu_check.py --fetch-wheels $(or $(WHEELS),wheels) --python-versions "$(or $(PYVERS),3.10 3.11 3.12 3.13)"
+
+# The trainer's container image (docker/Dockerfile, docker/README.md): needs Docker and access to
+# nvcr.io and the package index. BASE_IMAGE=nvcr.io/nvidia/pytorch:<yy.mm>-py3 for another base.
+IMAGE ?= gspo-megatron:0.1.0
+image:
+	docker build -f docker/Dockerfile -t $(IMAGE) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) .
 
 clean:
 	rm -rf $(VENV)

@@ -10,7 +10,10 @@
 #
 # Environment:
 #   NPROC         processes (default: the visible GPUs, else 1)
-#   PYTHON        interpreter (default: <repo>/.venv/bin/python if present, else python3)
+#   PYTHON        interpreter (default: <repo>/.venv/bin/python if present, else python3). The
+#                 .venv `make` builds has a CPU-only torch: when GPUs are visible and that torch has
+#                 no CUDA, the script stops with one line (set PYTHON, e.g. PYTHON=python3 in an
+#                 NGC container)
 #   MASTER_PORT   fixed rendezvous port on localhost (default: torchrun --standalone picks a free one)
 #   OMP_NUM_THREADS  CPU threads per process (default: cores / NPROC, at least 1)
 #   DRY_RUN=1     print the command instead of running it
@@ -33,12 +36,13 @@ if [[ ! -f $config ]]; then
     exit 2
 fi
 
+# Visible GPUs (nvidia-smi -L lists them); 0 without nvidia-smi, as on CPU machines.
+ngpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+    ngpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || ngpus=0
+fi
 if [[ -z ${NPROC:-} ]]; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        NPROC=$(nvidia-smi -L | grep -c '^GPU')
-    else
-        NPROC=1
-    fi
+    NPROC=$((ngpus > 0 ? ngpus : 1))
 fi
 if ! [[ $NPROC =~ ^[1-9][0-9]*$ ]]; then
     echo "torchrun.sh: NPROC must be a positive integer, got '$NPROC'" >&2
@@ -48,6 +52,12 @@ fi
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -x $REPO_DIR/.venv/bin/python ]]; then
         PYTHON=$REPO_DIR/.venv/bin/python
+        # The repo's .venv on a GPU machine: `make` installed a CPU-only torch there, which would
+        # train on the CPU. Asked only when GPUs are visible (importing torch takes seconds).
+        if ((ngpus > 0)) && [[ -z $("$PYTHON" -c 'import torch; print(torch.version.cuda or torch.version.hip or "")' 2>/dev/null) ]]; then
+            echo "torchrun.sh: $ngpus GPU(s) visible but $PYTHON has no CUDA torch (make installs the CPU build); set PYTHON to an interpreter with CUDA torch, e.g. PYTHON=python3 in an NGC container" >&2
+            exit 2
+        fi
     else
         PYTHON=python3
     fi
@@ -69,7 +79,7 @@ fi
 # Preemption: forward SIGUSR1 too, and give the workers SHUTDOWN_TIMEOUT s to save (checkpoint.save_on_signals)
 sig=()
 if [[ ${DRY_RUN:-0} != 1 ]] && "$PYTHON" -m torch.distributed.run --help 2>/dev/null | grep -q -- --signals-to-handle; then
-    sig=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "--shutdown-timeout=${SHUTDOWN_TIMEOUT:-600}")
+    sig=("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" "--shutdown-timeout=${SHUTDOWN_TIMEOUT:-600}")
 fi
 cmd=("$PYTHON" -m torch.distributed.run --nnodes=1 "--nproc-per-node=$NPROC" "${rdzv[@]}" "${sig[@]}"
     -m gspo_megatron.train --config "$config" "$@")

@@ -61,13 +61,18 @@ def test_torchrun_sh_is_executable():
 # ---- rendering -----------------------------------------------------------------------------
 
 
-def render(script: str, args: list[str], env: dict | None = None, nodes: list[str] | None = None,
-           tmp_path=None, expect_rc: int = 0) -> list[list[str]]:
-    """Run a launch script with DRY_RUN=1; return the printed commands as argv lists."""
+def render_run(script: str, args: list[str], env: dict | None = None, nodes: list[str] | None = None,
+               tmp_path=None, expect_rc: int = 0) -> subprocess.CompletedProcess:
+    """Run a launch script with DRY_RUN=1 (and a fake Slurm when `nodes` is given). The test's
+    interpreter directory comes first on PATH, so `python3` there is this environment's (the
+    Slurm scripts' default interpreter; train_with_sglang.sbatch runs it to ask for the servers'
+    flags)."""
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SGLANG_"))}
-    for k in ("NPROC", "MASTER_PORT", "PYTHON", "CONTAINER_IMAGE", "LOG_DIR", "GPUS_PER_NODE"):
+    for k in ("NPROC", "MASTER_PORT", "PYTHON", "CONTAINER_IMAGE", "CONTAINER_MOUNTS", "LOG_DIR",
+              "GPUS_PER_NODE", "SMOKE", "REPO_DIR"):
         e.pop(k, None)
     e["DRY_RUN"] = "1"
+    e["PATH"] = f"{os.path.dirname(sys.executable)}:{e['PATH']}"
     if nodes is not None:
         fake = tmp_path / "bin"
         fake.mkdir(exist_ok=True)
@@ -79,11 +84,30 @@ def render(script: str, args: list[str], env: dict | None = None, nodes: list[st
                  SLURM_JOB_NODELIST=f"{nodes[0]}-list", SLURM_NNODES=str(len(nodes)),
                  SLURM_JOB_ID="4242", SLURM_JOB_NAME="gspo", SLURM_SUBMIT_DIR=ROOT,
                  SLURM_GPUS_ON_NODE="8")
-    e.update(env or {})
+    env = dict(env or {})
+    if "PATH" in env:  # a test's fake commands go first; the fake Slurm and python3 stay reachable
+        e["PATH"] = f"{env.pop('PATH')}:{e['PATH']}"
+    e.update(env)
     r = subprocess.run(["bash", script, *args], cwd=ROOT, env=e, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == expect_rc, r.stdout + r.stderr
+    return r
+
+
+def render(script: str, args: list[str], env: dict | None = None, nodes: list[str] | None = None,
+           tmp_path=None, expect_rc: int = 0) -> list[list[str]]:
+    """Run a launch script with DRY_RUN=1; return the printed commands as argv lists."""
+    r = render_run(script, args, env, nodes, tmp_path, expect_rc)
     return [shlex.split(line) for line in r.stdout.splitlines() if line.strip()]
+
+
+def hf_dir(tmp_path, name: str) -> str:
+    """A model directory holding the preset's architecture as config.json: what model.hf_dir
+    points at (the config is loaded, and checked, before the servers start)."""
+    d = tmp_path / f"hf-{name}"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(dict(load_config(preset(name), []).model.hf_config)))
+    return str(d)
 
 
 def train_args(argv: list[str]) -> list[str]:
@@ -160,8 +184,9 @@ def test_train_sbatch_env_knobs(tmp_path):
 @pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_235b_a22b"])
 def test_sglang_sbatch_disaggregated(name, tmp_path):
     nodes = [f"n{i}" for i in range(1, 6)]
+    model = hf_dir(tmp_path, name)
     cmds = render(os.path.join(ROOT, "launch", "slurm", "train_with_sglang.sbatch"),
-                  [preset(name), "model.hf_dir=/ckpt/m", "train.max_steps=2"],
+                  [preset(name), f"model.hf_dir={model}", "train.max_steps=2"],
                   env={"SGLANG_NODES": "2", "SGLANG_API_KEY": "sekret"}, nodes=nodes,
                   tmp_path=tmp_path)
     servers = [c for c in cmds if "sglang.launch_server" in c]
@@ -172,7 +197,7 @@ def test_sglang_sbatch_disaggregated(name, tmp_path):
         launch = c[c.index("sglang.launch_server") + 1:]
         assert launch[launch.index("--host") + 1] == node  # bound to the node's address
         assert launch[launch.index("--port") + 1] == "30000"
-        assert launch[launch.index("--model-path") + 1] == "/ckpt/m"
+        assert launch[launch.index("--model-path") + 1] == model
         assert launch[launch.index("--tp-size") + 1] == "8"
         assert launch[launch.index("--api-key") + 1] == "sekret"
         assert "--nnodes" not in launch
@@ -181,7 +206,7 @@ def test_sglang_sbatch_disaggregated(name, tmp_path):
     assert train_args(trainer) == [
         "--config", preset(name), "checkpoint.resume=auto", "rollout.backend=sglang",
         "rollout.sglang.launch=false", "rollout.sglang.urls=[http://n4:30000,http://n5:30000]",
-        "rollout.sglang.api_key=sekret", "model.hf_dir=/ckpt/m", "train.max_steps=2",
+        "rollout.sglang.api_key=sekret", f"model.hf_dir={model}", "train.max_steps=2",
     ]
     # The url override the trainer receives parses back to the list of servers.
     cfg = load_config(preset(name), train_args(trainer)[2:6])
@@ -209,7 +234,7 @@ def test_sglang_sbatch_multinode_servers_and_colocated(tmp_path):
     assert f"rollout.sglang.api_key={servers[0][servers[0].index('--api-key') + 1]}" in train_args(trainer)
 
     # Servers in their own image; the trainer keeps the host interpreter.
-    cmds = render(script, [preset("qwen3_30b_a3b"), "model.hf_dir=/m"],
+    cmds = render(script, [preset("qwen3_30b_a3b"), f"model.hf_dir={hf_dir(tmp_path, 'qwen3_30b_a3b')}"],
                   env={"SGLANG_CONTAINER_IMAGE": "lmsysorg/sglang:latest",
                        "SGLANG_EXTRA_ARGS": "--enable-memory-saver --log-level warning"},
                   nodes=["a", "b"], tmp_path=tmp_path)
@@ -241,6 +266,222 @@ def test_sglang_sbatch_multinode_servers_and_colocated(tmp_path):
     render(script, [preset("qwen3_30b_a3b"), "model.hf_dir=/m"],
            env={"SGLANG_NODES": "3", "SGLANG_NODES_PER_SERVER": "2"}, nodes=list("abcde"),
            tmp_path=tmp_path, expect_rc=2)
+
+
+# ---- interpreter choice, server flags and environment, SMOKE (issue 31) -----------------------
+
+
+def fake_repo(tmp_path) -> str:
+    """A checkout whose .venv holds a (fake) interpreter, as `make` leaves on a shared filesystem,
+    with this repo's launch scripts."""
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(ROOT, "launch"), repo / "launch")
+    py = repo / ".venv" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("#!/bin/sh\necho fake-venv-python \"$@\" >> \"$(dirname \"$0\")/calls\"\necho \"$FAKE_CUDA\"\n")
+    py.chmod(0o755)
+    return str(repo)
+
+
+def test_slurm_scripts_never_pick_the_repo_venv(tmp_path):
+    """Before: with a .venv in the submit dir and no CONTAINER_IMAGE, the Slurm scripts ran the
+    trainer (and servers) with <repo>/.venv/bin/python, the CPU torch of `make`, on GPU nodes."""
+    repo = fake_repo(tmp_path)
+    venv_py = os.path.join(repo, ".venv", "bin", "python")
+    env = {"SLURM_SUBMIT_DIR": repo}
+    r = render_run(os.path.join(repo, "launch", "slurm", "train.sbatch"), [preset("tiny_cpu")], env=env,
+                   nodes=["n1", "n2"], tmp_path=tmp_path)
+    (cmd,) = [shlex.split(ln) for ln in r.stdout.splitlines()]
+    assert cmd[cmd.index("torch.distributed.run") - 2] == "python3" and venv_py not in cmd
+    (line,) = [ln for ln in r.stderr.splitlines() if "trainer python:" in ln]
+    assert "python3 (" + shutil.which("python3", path=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}") in line
+    assert "never the repo's .venv" in line
+    # PYTHON still chooses (the .venv too, deliberately), and the log says it came from PYTHON
+    r = render_run(os.path.join(repo, "launch", "slurm", "train.sbatch"), [preset("tiny_cpu")],
+                   env={**env, "PYTHON": venv_py}, nodes=["n1"], tmp_path=tmp_path)
+    assert shlex.split(r.stdout)[shlex.split(r.stdout).index("torch.distributed.run") - 2] == venv_py
+    assert f"trainer python: {venv_py} ({venv_py}; from PYTHON)" in r.stderr
+    # the SGLang job: trainer and servers alike
+    cmds = render(os.path.join(repo, "launch", "slurm", "train_with_sglang.sbatch"),
+                  [preset("qwen3_30b_a3b")], env={**env, "SGLANG_MODEL_PATH": "/m"}, nodes=["a", "b"],
+                  tmp_path=tmp_path)
+    assert len(cmds) == 2 and all(c[c.index("-m") - 1] == "python3" for c in cmds)
+    assert not any(venv_py in c for c in cmds)
+    assert not os.path.exists(os.path.join(repo, ".venv", "bin", "calls"))  # never even asked
+    (trainer,) = render(os.path.join(repo, "launch", "slurm", "train_with_sglang.sbatch"),
+                        [preset("qwen3_30b_a3b")], env={**env, "SGLANG_MODE": "colocated"}, nodes=["a"],
+                        tmp_path=tmp_path)
+    assert trainer[trainer.index("-m") - 1] == "python3"
+
+
+def test_train_sbatch_forwards_signals_when_torch_is_not_on_the_batch_node(tmp_path):
+    """Run for real (not DRY_RUN) with a fake srun: torchrun gets --signals-to-handle (SIGUSR1 before
+    the time limit -> checkpoint) when the batch node's python3 cannot run torchrun (no torch
+    outside the job's container: the project's torch is assumed) and when it has the flag; not
+    when its torchrun lacks it."""
+    b = tmp_path / "fakes"
+    b.mkdir()
+    (b / "srun").write_text('#!/usr/bin/env bash\nprintf "%q " srun "$@"; printf "\\n"\n')
+    no_torch = b / "py-no-torch"
+    no_torch.write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
+    old = b / "py-old-torchrun"
+    old.write_text("#!/bin/sh\necho 'usage: torchrun [--nnodes NNODES] [--max-restarts MAX_RESTARTS]'\n")
+    for f in ("srun", "py-no-torch", "py-old-torchrun"):
+        (b / f).chmod(0o755)
+    env = {"DRY_RUN": "0", "LOG_DIR": str(tmp_path / "logs"), "PATH": str(b)}
+    for python, forwarded in ((str(no_torch), True), (sys.executable, True), (str(old), False)):
+        (cmd,) = render(os.path.join(ROOT, "launch", "slurm", "train.sbatch"), [preset("tiny_cpu")],
+                        env={**env, "PYTHON": python}, nodes=["n1"], tmp_path=tmp_path)
+        assert cmd[0] == "srun" and cmd[cmd.index("torch.distributed.run") - 2] == python
+        sig = [a for a in cmd if a.startswith("--signals-to-handle=")]
+        assert sig == (["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"] if forwarded else []), python
+        assert ("--shutdown-timeout=600" in cmd) is forwarded
+
+
+def fake_gpu_machine(tmp_path, listing: str, rc: int = 0) -> dict:
+    """PATH with an nvidia-smi whose `-L` prints `listing` and exits `rc`."""
+    b = tmp_path / "gpubin"
+    b.mkdir(exist_ok=True)
+    smi = b / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\n[ \"$1\" = -L ] || exit 9\nprintf '%s' '{listing}'\nexit {rc}\n")
+    smi.chmod(0o755)
+    return {"PATH": str(b)}
+
+
+def test_torchrun_sh_refuses_the_cpu_venv_on_a_gpu_machine(tmp_path):
+    """launch/torchrun.sh keeps the repo's .venv as the default (the CPU demo), but not where GPUs
+    are visible and that torch has no CUDA: one line telling to set PYTHON, exit 2 (before: it
+    trained on the CPU, or failed later). The CPU path never starts the interpreter to ask."""
+    repo = fake_repo(tmp_path)
+    script = os.path.join(repo, "launch", "torchrun.sh")
+    venv_py = os.path.join(repo, ".venv", "bin", "python")
+    calls = os.path.join(repo, ".venv", "bin", "calls")
+    gpus = fake_gpu_machine(tmp_path, "GPU 0: NVIDIA H200 (UUID: GPU-0)\nGPU 1: NVIDIA H200 (UUID: GPU-1)\n")
+    r = render_run(script, [preset("tiny_cpu")], env={**gpus, "FAKE_CUDA": ""}, expect_rc=2)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and r.stdout == "", r.stderr
+    assert lines[0].startswith("torchrun.sh: 2 GPU(s) visible but " + venv_py) and "set PYTHON" in lines[0]
+    # a CUDA torch in the .venv is fine; NPROC defaults to the GPUs
+    (cmd,) = render(script, [preset("tiny_cpu")], env={**gpus, "FAKE_CUDA": "12.8"})
+    assert cmd[0] == venv_py and opt(cmd, "--nproc-per-node") == "2"
+    # PYTHON set: no question asked
+    os.remove(calls)
+    (cmd,) = render(script, [preset("tiny_cpu")], env={**gpus, "PYTHON": "/opt/py/bin/python3", "FAKE_CUDA": ""})
+    assert cmd[0] == "/opt/py/bin/python3" and not os.path.exists(calls)
+    # CPU machines: no nvidia-smi, or one that lists no GPU -> the .venv, never started to ask
+    cpu = [{**fake_gpu_machine(tmp_path, "No devices were found\n", 6), "FAKE_CUDA": ""}]
+    if shutil.which("nvidia-smi") is None:  # (a real one cannot be hidden from PATH)
+        cpu.append({"FAKE_CUDA": ""})
+    for env in cpu:
+        (cmd,) = render(script, [preset("tiny_cpu")], env=env)
+        assert cmd[0] == venv_py and opt(cmd, "--nproc-per-node") == "1"
+        assert not os.path.exists(calls)
+
+
+def server_cmds(cmds):
+    return [c for c in cmds if "sglang.launch_server" in c]
+
+
+@pytest.mark.parametrize("overrides,flag", [
+    ([], False),
+    (["train.routing_replay=rollout"], True),
+    (["rollout.return_routing=true"], True),
+    (["train.routing_replay=old", "loss.old_logprobs=recompute"], False),
+])
+def test_sglang_sbatch_server_flags_from_the_config(overrides, flag, tmp_path):
+    """The servers get --enable-return-routed-experts exactly when the run uses the engine's
+    routing (Config.engine_routing), as the project answers for the config and overrides the
+    trainer gets; every server starts without SGLANG_RETURN_ORIGINAL_LOGPROB (before: neither)."""
+    from gspo_megatron.rollout.sglang_api import ROUTED_EXPERTS_FLAG
+
+    model = hf_dir(tmp_path, "qwen3_30b_a3b")
+    cmds = render(os.path.join(ROOT, "launch", "slurm", "train_with_sglang.sbatch"),
+                  [preset("qwen3_30b_a3b"), f"model.hf_dir={model}", *overrides],
+                  env={"SGLANG_NODES": "2", "SGLANG_NODES_PER_SERVER": "2", "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"},
+                  nodes=["a", "b", "c"], tmp_path=tmp_path)
+    servers = server_cmds(cmds)
+    (trainer,) = [c for c in cmds if "gspo_megatron.train" in c]
+    assert len(servers) == 2
+    for c in servers:
+        i = c.index("env")
+        assert c[i:i + 3] == ["env", "-u", "SGLANG_RETURN_ORIGINAL_LOGPROB"] and c[i + 4:i + 6] == ["-m", "sglang.launch_server"]
+        assert c.count(ROUTED_EXPERTS_FLAG) == (1 if flag else 0)
+    assert load_config(preset("qwen3_30b_a3b"), train_args(trainer)[2:]).engine_routing is flag
+    # the prefix does what it says: the variable is gone for the command it starts
+    i = servers[0].index("env")
+    probe = subprocess.run([*servers[0][i:i + 3], sys.executable, "-c",
+                            "import os; print(os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB'))"],
+                           env={**os.environ, "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}, capture_output=True,
+                           text=True, timeout=60)
+    assert probe.stdout.strip() == "None", probe.stderr
+
+
+def test_sglang_sbatch_server_flags_edge_cases(tmp_path):
+    from gspo_megatron.rollout.sglang_api import ROUTED_EXPERTS_FLAG
+
+    script = os.path.join(ROOT, "launch", "slurm", "train_with_sglang.sbatch")
+    model = hf_dir(tmp_path, "qwen3_30b_a3b")
+    # the flag already in SGLANG_EXTRA_ARGS: once; the trainer's image (DRY_RUN asks here, and says so)
+    r = render_run(script, [preset("qwen3_30b_a3b"), f"model.hf_dir={model}", "train.routing_replay=rollout"],
+                   env={"SGLANG_EXTRA_ARGS": f"{ROUTED_EXPERTS_FLAG} --log-level warning",
+                        "CONTAINER_IMAGE": "/img/gspo.sqsh", "SGLANG_CONTAINER_IMAGE": "lmsysorg/sglang:v0.5.23"},
+                   nodes=["a", "b"], tmp_path=tmp_path)
+    (server,) = server_cmds(shlex.split(ln) for ln in r.stdout.splitlines())
+    assert server.count(ROUTED_EXPERTS_FLAG) == 1 and server[-3:] == [ROUTED_EXPERTS_FLAG, "--log-level", "warning"]
+    assert "a job asks inside /img/gspo.sqsh on a" in r.stderr
+    assert "server python: python3 (inside lmsysorg/sglang:v0.5.23;" in r.stderr
+    # a config the trainer would refuse stops the job before any server starts: its one line, exit 2
+    r = render_run(script, [preset("qwen3_235b_a22b"), "train.routing_replay=rollout"],
+                   env={"SGLANG_MODEL_PATH": "/m"}, nodes=["a", "b"], tmp_path=tmp_path, expect_rc=2)
+    assert r.stdout == ""
+    assert "gspo_megatron.rollout.sglang_server: error: train.routing_replay with train.recompute=full" in r.stderr
+    # a missing model.hf_dir is found on the batch node, not after the servers loaded for 30 minutes
+    r = render_run(script, [preset("qwen3_30b_a3b"), f"model.hf_dir={tmp_path}/nope"], nodes=["a", "b"],
+                   tmp_path=tmp_path, expect_rc=2)
+    assert r.stdout == "" and "config.json does not exist" in r.stderr
+
+
+def test_server_flags_cli(capsys):
+    from gspo_megatron.rollout import sglang_server
+    from gspo_megatron.rollout.sglang_api import ROUTED_EXPERTS_FLAG
+
+    assert sglang_server.main(["--server-flags", "--config", preset("tiny_cpu"), "train.routing_replay=rollout"]) == 0
+    assert capsys.readouterr().out.splitlines() == [ROUTED_EXPERTS_FLAG]
+    assert sglang_server.main(["--server-flags", "--config", preset("tiny_cpu")]) == 0
+    assert capsys.readouterr().out == ""
+    with pytest.raises(SystemExit) as e:
+        sglang_server.main(["--server-flags", "--config", preset("tiny_cpu"), "trian.max_steps=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("gspo_megatron.rollout.sglang_server: error: ")
+    assert "trian" in err[0]
+    # as the sbatch runs it: a module with a __main__ guard, nothing but the flags on stdout
+    r = subprocess.run([sys.executable, "-m", "gspo_megatron.rollout.sglang_server", "--server-flags", "--config",
+                        preset("tiny_cpu"), "rollout.return_routing=true"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout == ROUTED_EXPERTS_FLAG + "\n", r.stderr
+
+
+def test_smoke_passes_smoke_to_the_trainer(tmp_path):
+    """SMOKE=1: the trainer gets --smoke after the config, with checkpoint.resume=auto and the
+    overrides it would train with (both scripts, both SGLang modes); anything but 0/1 is refused."""
+    train = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
+    (cmd,) = render(train, [preset("tiny_cpu"), URLS], env={"SMOKE": "1"}, nodes=["n1"], tmp_path=tmp_path)
+    assert train_args(cmd) == ["--config", preset("tiny_cpu"), "--smoke", "checkpoint.resume=auto", URLS]
+    (cmd,) = render(train, [preset("tiny_cpu")], env={"SMOKE": "0"}, nodes=["n1"], tmp_path=tmp_path)
+    assert "--smoke" not in cmd
+    r = render_run(train, [preset("tiny_cpu")], env={"SMOKE": "yes"}, nodes=["n1"], tmp_path=tmp_path, expect_rc=2)
+    assert "SMOKE must be 0 or 1" in r.stderr and r.stdout == ""
+    script = os.path.join(ROOT, "launch", "slurm", "train_with_sglang.sbatch")
+    model = hf_dir(tmp_path, "qwen3_30b_a3b")
+    cmds = render(script, [preset("qwen3_30b_a3b"), f"model.hf_dir={model}"], env={"SMOKE": "1"},
+                  nodes=["a", "b"], tmp_path=tmp_path)
+    (trainer,) = [c for c in cmds if "gspo_megatron.train" in c]
+    args = train_args(trainer)
+    assert args[:4] == ["--config", preset("qwen3_30b_a3b"), "--smoke", "checkpoint.resume=auto"]
+    assert len(server_cmds(cmds)) == 1 and not any("--smoke" in c for c in server_cmds(cmds))
+    (trainer,) = render(script, [preset("qwen3_30b_a3b")], env={"SMOKE": "1", "SGLANG_MODE": "colocated"},
+                        nodes=["a"], tmp_path=tmp_path)
+    assert train_args(trainer)[2:4] == ["--smoke", "checkpoint.resume=auto"]
 
 
 # ---- planner -------------------------------------------------------------------------------
@@ -286,6 +527,10 @@ GPU_BUDGET_GIB = 72.0
 def test_gpu_presets_fit_80gb_gpus_at_their_documented_world_size(name, world, overrides):
     """Before: the 30B preset, documented for 8 or 16 GPUs, planned 93.7 GiB at 8 and 72.3 at 16."""
     pl = dry_run_json(name, "--world-size", str(world), "--no-inputs", *overrides)
+    if not overrides:  # the preset names the size it is written for: a dry run without one plans for it
+        assert load_config(preset(name), []).parallel.world_size == world
+        pl0 = dry_run_json(name, "--no-inputs")
+        assert pl0["world_size"] == world and pl0["world_size_from"].startswith("parallel.world_size"), pl0["world_size_from"]
     assert pl["peak_memory_gib"] <= GPU_BUDGET_GIB, (name, world, overrides, pl["peak_memory_gib"])
     with open(os.path.join(ROOT, "docs", "cluster.md")) as f:
         doc = f.read()

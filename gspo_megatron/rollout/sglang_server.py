@@ -14,6 +14,9 @@
   per server, each in its own session; `stop()` terminates exactly the processes (and their
   process groups) it started, waits a grace period, then kills. An ``atexit`` hook stops them
   if the owner forgot to.
+* `server_flags(cfg)` / ``python -m gspo_megatron.rollout.sglang_server --server-flags --config C
+  [overrides...]``: the launch_server flags a run's config needs from servers started outside the
+  trainer (launch/slurm/train_with_sglang.sbatch asks before starting them), one per line.
 """
 from __future__ import annotations
 
@@ -502,3 +505,38 @@ def local_address_towards(url: str) -> str:
     except OSError:
         return socket.gethostbyname(socket.gethostname())
 
+
+# ---- servers started outside the trainer (Slurm) ------------------------------------------------
+
+
+def server_flags(cfg) -> list[str]:
+    """The `sglang.launch_server` flags a run with `cfg` needs from its servers, beyond model,
+    address and sizes: today --enable-return-routed-experts when the run uses the engine's routing
+    (Config.engine_routing: rollout.return_routing or train.routing_replay=rollout). Launched
+    servers get the same through LaunchSpec.return_routed_experts."""
+    return [ROUTED_EXPERTS_FLAG] if cfg.engine_routing else []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from gspo_megatron.cli_util import user_errors
+    from gspo_megatron.config import load_config
+
+    prog = "gspo_megatron.rollout.sglang_server"
+    ap = argparse.ArgumentParser(
+        prog=prog, description="Print the sglang.launch_server flags a run's config needs, one per line "
+        "(the config is loaded as the trainer loads it: YAML + dotted overrides, validated).")
+    ap.add_argument("--server-flags", action="store_true", required=True,
+                    help="print the flags (the only action)")
+    ap.add_argument("--config", required=True, help="the run's YAML config")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, as given to the trainer")
+    args = ap.parse_args(argv)
+    with user_errors(prog):
+        for flag in server_flags(load_config(args.config, args.overrides)):
+            print(flag)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -56,15 +56,36 @@ kill_bg() {
     done
 }
 
-# The interpreter: PYTHON, else the repo's venv (not inside a container), else python3.
+# The trainer's interpreter: PYTHON, else python3 from PATH (inside CONTAINER_IMAGE when set).
+# Never the repo's .venv: `make` puts a CPU-only torch there, which on GPU nodes would train on
+# the CPU (or fail late); set PYTHON=<repo>/.venv/bin/python to use it deliberately.
 pick_python() {
-    if [[ -n ${PYTHON:-} ]]; then
-        echo "$PYTHON"
-    elif [[ -z ${CONTAINER_IMAGE:-} && -x $REPO_DIR/.venv/bin/python ]]; then
-        echo "$REPO_DIR/.venv/bin/python"
+    echo "${PYTHON:-python3}"
+}
+
+# log_python WHAT PYTHON IMAGE: say which interpreter a command runs (once per job, on stderr).
+log_python() {
+    local what=$1 py=$2 image=${3:-} where
+    if [[ -n $image ]]; then
+        where="inside $image"
     else
-        echo python3
+        where=$(command -v "$py" 2>/dev/null || echo "not found on $(hostname 2>/dev/null || echo this node)")
     fi
+    if [[ -n ${PYTHON:-} && $py == "$PYTHON" ]]; then
+        log "$what python: $py ($where; from PYTHON)"
+    else
+        log "$what python: $py ($where; PYTHON unset: python3 from PATH, never the repo's .venv)"
+    fi
+}
+
+# SMOKE=1: the trainer runs its pre-flight check (--smoke) instead of training.
+smoke_args() {
+    SMOKE_ARGS=()
+    case ${SMOKE:-0} in
+        0 | "") ;;
+        1) SMOKE_ARGS=(--smoke) ;;
+        *) die "SMOKE must be 0 or 1, got '$SMOKE'" ;;
+    esac
 }
 
 # The allocation's hostnames, one per line.
@@ -139,8 +160,14 @@ torchrun_cmd() {
     # SIGTERM to the workers, which save a checkpoint at the end of the step (checkpoint.save_on_signals),
     # and waits SHUTDOWN_TIMEOUT seconds for them before SIGKILL (its default is 30 s). Older
     # torchruns lack the flags: then only SIGTERM reaches the workers, with torchrun's own grace.
-    if [[ ${DRY_RUN:-0} != 1 ]] && "$python" -m torch.distributed.run --help 2>/dev/null | grep -q -- --signals-to-handle; then
-        sig=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "--shutdown-timeout=${SHUTDOWN_TIMEOUT:-600}")
+    # Asked on the batch node; where its interpreter has no torch there (python3 outside the job's
+    # container) the project's torch (>= 2.13, which has them) is assumed.
+    local help
+    if [[ ${DRY_RUN:-0} != 1 ]]; then
+        help=$("$python" -m torch.distributed.run --help 2>/dev/null) || help=""
+        if [[ -z $help ]] || grep -q -- --signals-to-handle <<<"$help"; then
+            sig=("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" "--shutdown-timeout=${SHUTDOWN_TIMEOUT:-600}")
+        fi
     fi
     TORCHRUN_CMD=("$python" -m torch.distributed.run
         "--nnodes=$nnodes" "--nproc-per-node=$nproc"
