@@ -47,9 +47,8 @@ def main(argv=None) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-parameter INFO lists drown ours
     with user_errors("gspo_megatron.train"):
         from gspo_megatron.config import load_config
-        from gspo_megatron.train.loop import train
 
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)  # a bad key: one line before torch/Megatron are imported
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if args.smoke:  # writes nothing to out_dir: no run lock, no config.yaml
             from gspo_megatron.train.smoke import DEFAULT_TOL, run_smoke
@@ -65,6 +64,8 @@ def main(argv=None) -> int:
         try:
             if rank == 0:
                 cfg.dump_yaml(os.path.join(cfg.out_dir, "config.yaml"))
+            from gspo_megatron.train.loop import train
+
             train(cfg, world_size=world)
         finally:
             if lock is not None:
