@@ -1,0 +1,425 @@
+"""Inference servers over HTTP as the trainer sees them, whatever the engine (SGLang, vLLM).
+
+* `ServerClient`: JSON over HTTP to one server (stdlib `http.client`; no extra dependency). Every
+  request has a timeout; connection errors, timeouts and HTTP 5xx are retried with exponential
+  backoff, then reported as `EngineServerError` naming the server and the endpoint. A body that
+  is not the JSON the endpoint promises is an `EngineProtocolError` (not retried). An API key is
+  sent as ``Authorization: Bearer <key>`` (SGLang's and vLLM's ``--api-key``).
+* `wait_until_ready`: polls a health route on every server until all answer 200, or raises
+  `EngineNotReadyError` ("server X not ready after N s") at the deadline; a launched process that
+  dies while we wait is reported at once with the tail of its log.
+* `ServerProcesses`: starts server processes from a launch spec (the engine's module, or any
+  command prefix: the tests launch doubles), one per server, each in its own session; `stop()`
+  terminates exactly the processes (and their process groups) it started, waits a grace period,
+  then kills. An ``atexit`` hook stops them if the owner forgot to.
+"""
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import weakref
+from typing import Any, Callable, Iterable, Sequence
+
+from gspo_megatron.cli_util import InputError
+
+log = logging.getLogger("gspo_megatron.rollout")
+
+
+class EngineError(RuntimeError):
+    """Base class of every error of an engine behind HTTP (SGLang, vLLM)."""
+
+
+class EngineServerError(EngineError):
+    """A server failed a request (after the retries, when the failure was retryable)."""
+
+    def __init__(self, msg: str, url: str | None = None, status: int | None = None):
+        super().__init__(msg)
+        self.url = url
+        self.status = status
+
+
+class EngineProtocolError(EngineError):
+    """A server answered something that is not what its API promises (malformed JSON, fields)."""
+
+
+class EngineNotReadyError(EngineError, InputError):
+    """A server did not become healthy within the readiness timeout (or its process died). Also an
+    InputError: at startup it usually means a wrong rollout.<engine>.urls / port, and entry points
+    report it as one line (cli_util.user_errors)."""
+
+
+class RetryableHTTPError(EngineServerError):
+    """One attempt failed in a way worth retrying (connection error, timeout, 5xx)."""
+
+
+RETRYABLE_OS_ERRORS = (
+    ConnectionError,  # refused, reset, aborted, http.client.RemoteDisconnected
+    TimeoutError,  # socket.timeout
+    http.client.IncompleteRead,
+    http.client.BadStatusLine,
+    http.client.LineTooLong,
+    OSError,  # unreachable host/network and the like
+)
+
+
+def _snippet(body: bytes | str, n: int = 300) -> str:
+    s = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    s = s.strip().replace("\n", " ")
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def normalize_url(url: str, label: str = "server") -> str:
+    p = urllib.parse.urlsplit(url)
+    if p.scheme not in ("http", "https") or not p.hostname:
+        raise ValueError(f"{label} URL must look like http://host:port, got {url!r}")
+    return url.rstrip("/")
+
+
+class ServerClient:
+    """JSON requests to one inference server (thread-safe; one connection per request).
+
+    `inflight` counts requests under way (least-loaded server choice). `label` names the server
+    in every message ("SGLang server", "vLLM server").
+    """
+
+    label = "server"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 8.0,
+        label: str | None = None,
+    ):
+        if label is not None:
+            self.label = label
+        self.url = normalize_url(url, self.label)
+        p = urllib.parse.urlsplit(self.url)
+        self._https = p.scheme == "https"
+        self._host = p.hostname
+        self._port = p.port or (443 if self._https else 80)
+        self._base_path = p.path.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self._lock = threading.Lock()
+        self.inflight = 0
+        self.requests = 0
+        self.failures = 0
+
+    def __repr__(self) -> str:
+        return f"ServerClient({self.url})"
+
+    # ------------------------------------------------------------------ one attempt
+    def request_once(
+        self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None
+    ) -> tuple[int, bytes]:
+        """One HTTP exchange; connection problems raise `RetryableHTTPError`."""
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        body = None if payload is None else json.dumps(payload).encode()
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        conn = cls(self._host, self._port, timeout=timeout)
+        with self._lock:
+            self.inflight += 1
+            self.requests += 1
+        try:
+            conn.request(method, self._base_path + path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            return resp.status, data
+        except RETRYABLE_OS_ERRORS as e:
+            with self._lock:
+                self.failures += 1
+            kind = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            raise RetryableHTTPError(
+                f"{self.label} {self.url}: {method} {path} failed ({kind})", url=self.url
+            ) from e
+        finally:
+            conn.close()
+            with self._lock:
+                self.inflight -= 1
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to sleep before retry `attempt` (1-based): exponential with jitter, capped."""
+        base = min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1)))
+        return base * (0.75 + 0.5 * random.random())
+
+    # ------------------------------------------------------------------ with retries
+    def request(
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+        expect_json: bool = True,
+        ok_statuses: Iterable[int] = (200,),
+    ) -> Any:
+        """Request with retries on connection errors / timeouts / 5xx. Returns parsed JSON (or
+        the text when `expect_json` is false). Other statuses raise `EngineServerError` at once."""
+        retries = self.max_retries if retries is None else int(retries)
+        ok = set(ok_statuses)
+        last: Exception | None = None
+        for attempt in range(retries + 1):
+            if attempt:
+                log.warning("%s %s: %s %s, retry %d of %d after %s", self.label, self.url, method, path, attempt,
+                            retries, str(last).splitlines()[0] if str(last) else type(last).__name__)
+                time.sleep(self.backoff(attempt))
+            try:
+                status, data = self.request_once(method, path, payload, timeout_s=timeout_s)
+            except RetryableHTTPError as e:
+                last = e
+                continue
+            if status >= 500:
+                last = RetryableHTTPError(
+                    f"{self.label} {self.url}: {method} {path} returned HTTP {status}: {_snippet(data)}",
+                    url=self.url, status=status,
+                )
+                continue
+            if status not in ok:
+                raise EngineServerError(
+                    f"{self.label} {self.url}: {method} {path} returned HTTP {status}: {_snippet(data)}",
+                    url=self.url, status=status,
+                )
+            return parse_json(data, self.url, path, self.label) if expect_json else data.decode("utf-8", "replace")
+        raise EngineServerError(
+            f"{self.label} {self.url}: {method} {path} failed after {retries + 1} attempt(s); "
+            f"last error: {last}",
+            url=self.url, status=getattr(last, "status", None),
+        ) from last
+
+    def get(self, path: str, **kw) -> Any:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, payload: Any = None, **kw) -> Any:
+        return self.request("POST", path, {} if payload is None else payload, **kw)
+
+
+def parse_json(data: bytes, url: str, path: str, label: str = "server") -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise EngineProtocolError(
+            f"{label} {url}: {path} answered malformed JSON ({e}): {_snippet(data)!r}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------- readiness
+def wait_until_ready(
+    clients: Sequence[ServerClient],
+    timeout_s: float,
+    *,
+    poll_s: float = 0.5,
+    alive: Callable[[int], str | None] | None = None,
+    path: str = "/health",
+) -> float:
+    """Wait until every server answers 200 on `path`; returns the seconds waited.
+
+    `alive(i)`: None while server i's process runs, else a description of its death (checked
+    every poll, so a crashed launch fails fast instead of waiting out the timeout).
+    """
+    t0 = time.monotonic()
+    deadline = t0 + float(timeout_s)
+    pending = list(range(len(clients)))
+    last_err: dict[int, str] = {}
+    while pending:
+        for i in list(pending):
+            if alive is not None:
+                dead = alive(i)
+                if dead is not None:
+                    raise EngineNotReadyError(f"{clients[i].label} {clients[i].url} {dead}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                status, data = clients[i].request_once("GET", path, timeout_s=max(0.1, min(10.0, remaining)))
+            except RetryableHTTPError as e:
+                last_err[i] = str(e.__cause__ or e)
+                continue
+            if status == 200:
+                pending.remove(i)
+            else:
+                last_err[i] = f"HTTP {status}: {_snippet(data, 120)}"
+        if not pending:
+            break
+        if time.monotonic() >= deadline:
+            i = pending[0]
+            raise EngineNotReadyError(
+                f"{clients[i].label} {clients[i].url} not ready after {timeout_s:g} s "
+                f"(GET {path}; last error: {last_err.get(i, 'none')})"
+                + (f"; {len(pending) - 1} more server(s) not ready" if len(pending) > 1 else "")
+            )
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+    return time.monotonic() - t0
+
+
+_LIVE: "weakref.WeakSet[ServerProcesses]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:  # pragma: no cover - exercised only when an owner forgot close()
+    for group in list(_LIVE):
+        try:
+            group.stop(grace_s=5.0)
+        except Exception:
+            pass
+
+
+class ServerProcesses:
+    """The server processes this trainer started (never anything else). `spec`: url(i), argv(i),
+    num_servers, env, unset_env, log_dir, log_name (sglang_server.LaunchSpec, vllm_server.VLLMLaunchSpec)."""
+
+    def __init__(self, spec: Any):
+        if spec.num_servers < 1:
+            raise ValueError(f"num_servers must be >= 1, got {spec.num_servers}")
+        if not spec.command and not spec.module:
+            raise ValueError("LaunchSpec needs a module or a command")
+        self.spec = spec
+        self.procs: list[subprocess.Popen] = []
+        self.log_paths: list[str] = []
+        self._logs: list[Any] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.spec.url(i) for i in range(self.spec.num_servers)]
+
+    def start(self) -> list[str]:
+        if self.procs:
+            raise RuntimeError("servers already started")
+        log_dir = self.spec.log_dir
+        if log_dir is None:
+            import tempfile
+
+            log_dir = tempfile.mkdtemp(prefix=f"{getattr(self.spec, 'log_name', 'server')}-logs-")
+        os.makedirs(log_dir, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k not in self.spec.unset_env}
+        env.update(self.spec.env or {})
+        _LIVE.add(self)
+        try:
+            for i in range(self.spec.num_servers):
+                path = os.path.join(log_dir, f"{getattr(self.spec, 'log_name', 'server')}_{i}.log")
+                log = open(path, "ab")
+                self._logs.append(log)
+                self.log_paths.append(path)
+                argv = self.spec.argv(i)
+                log.write(("$ " + " ".join(argv) + "\n").encode())
+                log.flush()
+                self.procs.append(
+                    subprocess.Popen(
+                        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        env=env, start_new_session=True,  # own process group: stop() reaches its children
+                    )
+                )
+        except BaseException:
+            self.stop(grace_s=2.0)
+            raise
+        return self.urls
+
+    def log_tail(self, i: int, n_bytes: int = 2000) -> str:
+        try:
+            with open(self.log_paths[i], "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - n_bytes))
+                return f.read().decode("utf-8", "replace")
+        except (OSError, IndexError):
+            return ""
+
+    def dead(self, i: int) -> str | None:
+        """None while server i runs, else why it is gone (exit code + log tail)."""
+        if i >= len(self.procs):
+            return None
+        rc = self.procs[i].poll()
+        if rc is None:
+            return None
+        return (
+            f"(pid {self.procs[i].pid}) exited with code {rc} before becoming ready; "
+            f"log {self.log_paths[i]}:\n{self.log_tail(i)}"
+        )
+
+    def wait_ready(self, clients: Sequence[ServerClient], timeout_s: float) -> float:
+        return wait_until_ready(clients, timeout_s, alive=self.dead, path=getattr(self.spec, "health_path", "/health"))
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM each started process group, wait up to `grace_s`, then SIGKILL what is left."""
+        for p in self.procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                # the leader is gone; children it left in its group (SGLang schedulers, vLLM engine cores) go too
+                _signal_group(p, signal.SIGKILL, leader_gone=True)
+        for log in self._logs:
+            try:
+                log.close()
+            except OSError:
+                pass
+        self._logs = []
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "ServerProcesses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(p: subprocess.Popen, sig: int, leader_gone: bool = False) -> None:
+    """Signal the process group we created for `p` (its pgid is its pid: start_new_session)."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        if not leader_gone:
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def local_address_towards(url: str) -> str:
+    """The address of this host's interface that routes to `url`'s host (for the servers to reach
+    the trainer's weight-update rendezvous). No packet is sent (UDP connect)."""
+    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
