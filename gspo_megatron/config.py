@@ -424,9 +424,53 @@ class SGLangConfig:
 
 
 @dataclass(frozen=True)
+class VLLMConfig:
+    # Base URLs of running vLLM servers (http://host:port, started with the flags of
+    # rollout/vllm_server.py VLLMLaunchSpec); used when launch is false.
+    urls: list[str] = field(default_factory=list)
+    # Start one vLLM server ourselves (trainer rank 0, on its node) and stop it on every exit.
+    launch: bool = False
+    # Model the servers load at start; null = model.hf_dir.
+    model_path: Optional[str] = None
+    # Command that starts the server, the arguments follow; empty = the python of the venv that
+    # `python -m gspo_megatron.rollout.vllm_env` builds, -m vllm.entrypoints.openai.api_server.
+    server_command: list[str] = field(default_factory=list)
+    # Port and address of a launched server. vLLM 0.32's --api-key guards only /v1, /v2 and
+    # /inference: its control routes (pause, weight reload) are open, so launch binds loopback only.
+    port: int = 8000
+    host: str = "127.0.0.1"
+    # Bearer token sent to the servers (and given to a launched one); null = a generated one for
+    # a launched server, none for urls.
+    api_key: Optional[str] = None
+    # Refuse servers whose GET /version is not the vLLM version this project speaks
+    # (rollout/vllm_api.py VLLM_VERSION); false = warn and go on.
+    check_version: bool = True
+    # How new policy weights reach the servers: "disk" (HF safetensors in shared_dir, reloaded by
+    # the servers through the project's worker extension, rollout/vllm_worker.py).
+    weight_sync: Literal["disk"] = "disk"
+    # Directory visible to trainer and servers for disk sync; null = <out_dir>/weight_sync.
+    shared_dir: Optional[str] = None
+    # Launched server: vLLM's --dtype (auto = the checkpoint's), --max-model-len (null = the
+    # model's), and on CPU the KV cache size in MiB (--kv-cache-memory-bytes; vLLM sizes it from
+    # most of the host's memory otherwise); null on GPUs.
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    cpu_kv_cache_mb: Optional[int] = None
+    # Timeout of one HTTP request, seconds; how long to wait for the servers' /health; retries of
+    # a failed request before the step fails; concurrent in-flight requests across all servers.
+    request_timeout_s: float = 600.0
+    ready_timeout_s: float = 900.0
+    max_retries: int = 3
+    concurrency: int = 64
+    # More arguments for the launched server (e.g. [--tensor-parallel-size, "4"]).
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
-    # Rollout engine: "hf" = in-process transformers generate (CPU/small); "sglang" = SGLang HTTP.
-    backend: Literal["hf", "sglang"] = "hf"
+    # Rollout engine: "hf" = in-process transformers generate (CPU/small); "sglang" = SGLang HTTP;
+    # "vllm" = vLLM HTTP (rollout/vllm_engine.py).
+    backend: Literal["hf", "sglang", "vllm"] = "hf"
     # Prompts per GSPO step (P) and samples per prompt (G, the group size).
     prompts_per_step: int = 8
     samples_per_prompt: int = 8
@@ -455,6 +499,7 @@ class RolloutConfig:
     # the trainer then reports routing_agreement every step. Implied by train.routing_replay=rollout.
     return_routing: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self):
         _positive("rollout.prompts_per_step", self.prompts_per_step)
@@ -477,6 +522,44 @@ class RolloutConfig:
                               "generations of the rollout thread; the synchronous loop never pushes mid-generation)")
         if self.backend == "sglang":
             self._check_sglang()
+        if self.backend == "vllm":
+            self._check_vllm()
+
+    def _check_vllm(self):
+        v = self.vllm
+        if bool(v.urls) == bool(v.launch):
+            raise ConfigError("rollout.backend=vllm needs either rollout.vllm.urls=[http://host:port,...] (running "
+                              "servers) or rollout.vllm.launch=true, not both")
+        for i, u in enumerate(v.urls):
+            p = urllib.parse.urlsplit(u)
+            try:
+                port = p.port
+            except ValueError:
+                port = None
+            if p.scheme not in ("http", "https") or not p.hostname or port is None:
+                raise ConfigError(f"rollout.vllm.urls[{i}] must look like http://host:port, got {u!r}")
+        if v.launch and v.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ConfigError(f"rollout.vllm.host={v.host!r}: a launched vLLM server binds loopback only (vLLM 0.32's "
+                              "--api-key leaves its pause / weight-reload routes open)")
+        if not 1 <= v.port <= 65535:
+            raise ConfigError(f"rollout.vllm.port must be in [1, 65535], got {v.port!r}")
+        for k in ("concurrency",):
+            _positive(f"rollout.vllm.{k}", getattr(v, k))
+        _positive("rollout.vllm.request_timeout_s", v.request_timeout_s)
+        _positive("rollout.vllm.ready_timeout_s", v.ready_timeout_s)
+        _positive("rollout.vllm.max_retries", v.max_retries, allow_zero=True)
+        for k in ("max_model_len", "cpu_kv_cache_mb"):
+            if getattr(v, k) is not None:
+                _positive(f"rollout.vllm.{k}", getattr(v, k))
+        # vLLM reports processed log-probs after top-p / top-k renormalisation (v1/sample/ops/
+        # topk_topp_sampler.py): they would no longer be log_softmax(logits / T), which the
+        # trainer's π_old and mismatch metrics compare against
+        if self.top_p != 1.0 or self.top_k != -1:
+            raise ConfigError("rollout.backend=vllm needs rollout.top_p=1 and rollout.top_k=-1 (vLLM reports "
+                              "log-probs renormalised over the truncated distribution)")
+        if self.return_routing:
+            raise ConfigError("rollout.return_routing with rollout.backend=vllm: vLLM 0.32 returns routed experts "
+                              "only with Model Runner V2 (not on CPU); use sglang, or leave routing to the trainer")
 
     def _check_sglang(self):
         s = self.sglang
@@ -831,6 +914,13 @@ class Config:
                 "data.source=file needs reward.fn ('math' or 'module:function'); null means the "
                 "synthetic task's reward"
             )
+        if self.train.routing_replay == "rollout" and self.rollout.backend == "vllm":
+            raise ConfigError("train.routing_replay=rollout needs the engine's experts, which vLLM 0.32 cannot return "
+                              "on this path: use rollout.backend=sglang or train.routing_replay=old")
+        v = self.rollout.vllm
+        if self.rollout.backend == "vllm" and v.launch and v.model_path is None and self.model.hf_dir is None:
+            raise ConfigError("rollout.vllm.launch=true needs rollout.vllm.model_path or model.hf_dir "
+                              "(vLLM starts from a checkpoint directory)")
         s = self.rollout.sglang
         if (
             self.rollout.backend == "sglang"
@@ -873,8 +963,8 @@ class Config:
         only lets a *hung* rank 0 hold the others that long."""
         waits: dict[str, float] = {}
         r = self.rollout
-        if r.backend == "sglang":
-            sg = r.sglang
+        if r.backend in ("sglang", "vllm"):
+            sg = r.sglang if r.backend == "sglang" else r.vllm  # the same timeout / retry fields
             backoff = sum(min(0.5 * 2 ** k, 8.0) for k in range(sg.max_retries))
             request = (sg.max_retries + 1) * sg.request_timeout_s + backoff
 

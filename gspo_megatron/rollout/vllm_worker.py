@@ -1,0 +1,111 @@
+"""vLLM worker extension: in-place weight reload from a safetensors directory, exact on CPU MoE.
+
+Runs **inside the vLLM server's worker process** (the vLLM venv), so it imports only the
+standard library, torch and vllm — never the rest of gspo_megatron. Start the server with
+
+    PYTHONPATH=<repo> python -m vllm.entrypoints.openai.api_server ... \\
+        --worker-extension-cls gspo_megatron.rollout.vllm_worker.GSPOWorkerExtension
+
+and (with ``VLLM_SERVER_DEV_MODE=1``) call it over HTTP:
+
+    POST /collective_rpc {"method": "gspo_reload_weights",
+                          "kwargs": {"weights_dir": "/path/to/hf_export"}}
+
+Why not vLLM's own ``reload_weights``: in vllm 0.32.0 an in-place reload re-runs
+``UnquantizedFusedMoEMethod.process_weights_after_loading`` -> ``_setup_kernel`` with
+``is_weight_update=True``, which copies the *checkpoint-layout* expert weights into the existing
+parameter storage but skips ``moe_kernel.fused_experts.process_weights_after_loading(layer)``
+(``model_executor/layers/fused_moe/unquantized_fused_moe_method.py`` ``_setup_kernel``). On CPU
+that hook is what pads the intermediate dim and prepacks the experts into the grouped-GEMM layout
+(``model_executor/layers/fused_moe/experts/cpu_moe.py``
+``CPUUnquantizedExperts.process_weights_after_loading``), so after a plain reload the CPU kernel
+reads unpacked weights through a packed layout and the served model is wrong. Here the reload runs
+with ``_setup_kernel`` wrapped so that, on a weight update, the CPU experts' own
+``process_weights_after_loading`` runs on the freshly loaded (materialized) layer before the
+layerwise reloader copies the result into the kernel storage — exactly what the first load does.
+
+Note: on CPU, vLLM packs every dense linear layer's weight into a oneDNN/sgl handler and leaves
+the ``weight`` parameter empty (``model_executor/layers/utils.py`` ~560-600), so parameter sums or
+``/weight_checker`` checksums do not identify the served model there; compare served log-probs.
+
+The served weight version lives in the engine core, not in the worker: after this call, set it
+with ``POST /update_weight_version {"new_version": "..."}`` (ideally between ``/pause?mode=keep``
+and ``/resume`` so no step runs with new weights under the old label).
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["GSPOWorkerExtension"]
+
+
+def _iter_safetensors(weights_dir: str) -> tuple[list[str], Iterator[tuple[str, torch.Tensor]]]:
+    files = sorted(glob.glob(os.path.join(weights_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors under {weights_dir!r}")
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    return files, safetensors_weights_iterator(files, use_tqdm_on_load=False)
+
+
+def _is_cpu_unquantized_experts(obj: object) -> bool:
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except Exception:  # noqa: BLE001 - not a CPU build / module moved: nothing to repack
+        return False
+    return isinstance(obj, CPUUnquantizedExperts)
+
+
+@contextlib.contextmanager
+def _repack_experts_on_weight_update(counter: list[int]):
+    """Wrap ``UnquantizedFusedMoEMethod._setup_kernel`` for the duration of a reload."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
+    original = UnquantizedFusedMoEMethod._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2):  # noqa: ANN001
+        is_weight_update = getattr(self, "moe_kernel", None) is not None
+        original(self, layer, w13, w2)
+        if not is_weight_update:
+            return
+        fused = getattr(self.moe_kernel, "fused_experts", None)
+        if _is_cpu_unquantized_experts(fused):
+            # pad + prepack the just-loaded checkpoint-layout weights, as on the first load
+            fused.process_weights_after_loading(layer)
+            counter[0] += 1
+
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    try:
+        yield
+    finally:
+        UnquantizedFusedMoEMethod._setup_kernel = original
+
+
+class GSPOWorkerExtension:
+    """Mixed into vLLM's worker class (``--worker-extension-cls``); ``self`` is the worker."""
+
+    def gspo_reload_weights(self, weights_dir: str) -> dict:
+        """Reload every weight from ``weights_dir/*.safetensors`` (HF names), in place.
+
+        Returns ``{"files": n, "seconds": s, "repacked_moe_layers": k}`` (per worker).
+        """
+        t0 = time.perf_counter()
+        files, weights = _iter_safetensors(weights_dir)
+        repacked = [0]
+        with _repack_experts_on_weight_update(repacked):
+            # Worker.reload_weights sets the current vllm config and, in the model runner,
+            # drops LoRA / encoder / multimodal caches derived from the old weights.
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return {
+            "files": len(files),
+            "seconds": round(time.perf_counter() - t0, 4),
+            "repacked_moe_layers": repacked[0],
+        }
