@@ -64,9 +64,18 @@ def main(argv=None) -> int:
         try:
             if rank == 0:
                 cfg.dump_yaml(os.path.join(cfg.out_dir, "config.yaml"))
+            from gspo_megatron.rollout.http_servers import EngineError
             from gspo_megatron.train.loop import train
 
-            train(cfg, world_size=world)
+            try:
+                train(cfg, world_size=world)
+            except EngineError as e:
+                # a rollout server that stopped answering (after the engine's retries) or broke its
+                # protocol: one line, exit 1; torchrun then stops the other ranks. The last
+                # checkpoint stays; checkpoint.resume=auto continues from it.
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                print(f"gspo_megatron.train: error: rollout engine: {first}", file=sys.stderr, flush=True)
+                return 1
         finally:
             if lock is not None:
                 lock.release()
