@@ -330,6 +330,47 @@ def test_weight_update_store_address_and_port_come_from_the_config(monkeypatch):
         load_config(tiny, base + ["rollout.sglang.sync_port=70000"])
 
 
+def test_launched_servers_do_not_outlive_a_killed_trainer(tmp_path):
+    """SIGKILL of the process that launched the servers (no stop(), no atexit) still ends them:
+    they get SIGTERM when their parent dies (PR_SET_PDEATHSIG, rollout/http_servers.py)."""
+    import signal
+    import subprocess
+
+    pidfile = tmp_path / "server.pid"
+    code = (
+        "import sys, time\n"
+        "from gspo_megatron.rollout.sglang_server import LaunchSpec, ServerProcesses\n"
+        f"spec = LaunchSpec(model_path='m', command=[sys.executable, '-c', 'import time; time.sleep(600)'], log_dir={str(tmp_path)!r})\n"
+        "p = ServerProcesses(spec); p.start()\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.procs[0].pid))\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and pidfile.read_text()):
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        server = int(pidfile.read_text())
+        os.kill(server, 0)  # running
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                os.kill(server, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{server}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped (its reaper died)
+                    break
+            assert time.monotonic() < deadline, "the server outlived its killed parent"
+            time.sleep(0.2)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
 # ------------------------------------------------------------------------------ faults
 def test_server_down_at_start_times_out_clearly():
     url = f"http://127.0.0.1:{_free_port()}"  # nobody listens

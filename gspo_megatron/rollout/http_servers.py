@@ -24,6 +24,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -330,6 +331,7 @@ class ServerProcesses:
                     subprocess.Popen(
                         argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                         env=env, start_new_session=True,  # own process group: stop() reaches its children
+                        preexec_fn=_term_with_parent,
                     )
                 )
         except BaseException:
@@ -396,6 +398,20 @@ class ServerProcesses:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _term_with_parent() -> None:
+    """In the server process before exec (Linux): SIGTERM when the process that started it dies,
+    even by SIGKILL, where no stop() or atexit hook runs; the server then shuts its own children
+    down (SGLang's schedulers, vLLM's engine core). Elsewhere a no-op. Linux ties it to the
+    starting *thread*: servers are started from the owner's main thread (engine construction)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def _signal_group(p: subprocess.Popen, sig: int, leader_gone: bool = False) -> None:
