@@ -73,7 +73,6 @@ def main(argv=None) -> int:
         from gspo_megatron.model.hf_io import HFCheckpointReader
         from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
         from gspo_megatron.parallel.state import destroy_parallel, init_parallel
-        from gspo_megatron.train.scoring import score_sequences
 
         sp = args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel
         parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp,
@@ -91,6 +90,7 @@ def main(argv=None) -> int:
             reader.validate(arch)
         parallel.validate(int(os.environ.get("WORLD_SIZE", "1")), training=False, **arch.dims_for_validation())
         seqs = read_input(args.input, arch.vocab_size)
+        from gspo_megatron.train.scoring import score_sequences  # Megatron: only after the input checks
 
         ctx = init_parallel(parallel, model_dims=None)
         try:

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
                    help="--smoke: largest mean |engine - trainer| token log-prob difference that passes (0.05)")
     args = p.parse_intermixed_args(argv)
 
-    from gspo_megatron.cli_util import quiet_known_warnings, user_errors
+    from gspo_megatron.cli_util import USER_ERRORS, quiet_known_warnings, user_errors
 
     quiet_known_warnings()
 
@@ -48,14 +48,21 @@ def main(argv=None) -> int:
     with user_errors("gspo_megatron.train"):
         from gspo_megatron.config import load_config
 
-        cfg = load_config(args.config, args.overrides)  # a bad key: one line before torch/Megatron are imported
+        cfg = load_config(args.config, args.overrides)  # a bad key: one line before Megatron is imported
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.smoke_tol is not None and not args.smoke:
+            p.error("--smoke-tol needs --smoke")
+        # inputs (data, tokenizer, reward, checkpoints named) and the device, also before Megatron
+        from gspo_megatron.parallel.state import resolve_device
+        from gspo_megatron.train.setup import check_inputs
+
+        inputs = check_inputs(cfg, world_size=world)
+        resolve_device(cfg.parallel.device)
         if args.smoke:  # writes nothing to out_dir: no run lock, no config.yaml
             from gspo_megatron.train.smoke import DEFAULT_TOL, run_smoke
 
-            return run_smoke(cfg, world_size=world, tol=DEFAULT_TOL if args.smoke_tol is None else args.smoke_tol)
-        if args.smoke_tol is not None:
-            p.error("--smoke-tol needs --smoke")
+            return run_smoke(cfg, world_size=world, tol=DEFAULT_TOL if args.smoke_tol is None else args.smoke_tol,
+                             inputs=inputs)
         lock = None
         if rank == 0:  # one run per out_dir, taken before anything is written there
             from gspo_megatron.train.runlock import RunLock
@@ -68,8 +75,10 @@ def main(argv=None) -> int:
             from gspo_megatron.train.loop import train
 
             try:
-                train(cfg, world_size=world)
+                train(cfg, world_size=world, inputs=inputs)
             except EngineError as e:
+                if isinstance(e, USER_ERRORS):  # e.g. servers not ready at start: bad urls, exit 2 below
+                    raise
                 # a rollout server that stopped answering (after the engine's retries) or broke its
                 # protocol: one line, exit 1; torchrun then stops the other ranks. The last
                 # checkpoint stays; checkpoint.resume=auto continues from it.

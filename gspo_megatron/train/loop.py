@@ -407,8 +407,8 @@ def step_line(row: dict, max_steps: int) -> str:
     return " | ".join(parts)
 
 
-def train(cfg, *, world_size: int) -> dict:
-    parts = setup_run(cfg, world_size=world_size)
+def train(cfg, *, world_size: int, inputs=None) -> dict:
+    parts = setup_run(cfg, world_size=world_size, inputs=inputs)
     ctx = parts.ctx
     if ctx.rank == 0:
         log.info("run: %s", startup_summary(parts))

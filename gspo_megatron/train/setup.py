@@ -412,7 +412,9 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout)
 
 
-def setup_run(cfg, *, world_size: int) -> RunParts:
+def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts:
+    """Everything a run needs, built collectively. `inputs`: check_inputs' result when the entry
+    point already checked them (before importing Megatron, so bad input fails in a second)."""
     from gspo_megatron.model.factory import build_policy, parse_dtype
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import init_parallel
@@ -420,7 +422,7 @@ def setup_run(cfg, *, world_size: int) -> RunParts:
     from gspo_megatron.train.scoring import pad_multiple
 
     # ---- everything that can fail on bad input, before process groups and models ----------
-    inputs = check_inputs(cfg, world_size=world_size)
+    inputs = inputs or check_inputs(cfg, world_size=world_size)
     from gspo_megatron.parallel.state import resolve_device
 
     # parallel.device=cuda without CUDA: one line before any work (not in check_inputs, which

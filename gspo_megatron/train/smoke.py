@@ -84,9 +84,9 @@ def _served_versions(engine) -> dict:
     return {"in-process": engine.weight_version}
 
 
-def run_smoke(cfg, *, world_size: int, tol: float = DEFAULT_TOL) -> int:
+def run_smoke(cfg, *, world_size: int, tol: float = DEFAULT_TOL, inputs=None) -> int:
     """Collective (every rank of the job). Returns the exit status: 0 when every check passes."""
-    parts = setup_run(cfg, world_size=world_size)  # a server of the wrong version stops here (one line)
+    parts = setup_run(cfg, world_size=world_size, inputs=inputs)  # a server of the wrong version stops here (one line)
     ctx = parts.ctx
     checks: list[Check] = []
     try:
