@@ -15,6 +15,8 @@ def pytest_collection_finish(session):
     <cache>/gspo-megatron/vllm-build.log."""
     if not any(os.path.basename(str(item.fspath)).startswith("test_vllm") for item in session.items):
         return
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":  # one build per session (the others wait on its lock)
+        return
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, repo)
     from gspo_megatron.rollout import vllm_env
