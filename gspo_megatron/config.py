@@ -370,6 +370,17 @@ class LossConfig:
             )
 
 
+def _check_urls(key: str, urls: list[str]) -> None:
+    for i, u in enumerate(urls):
+        p = urllib.parse.urlsplit(u)
+        try:
+            port = p.port
+        except ValueError:
+            port = None
+        if p.scheme not in ("http", "https") or not p.hostname or port is None:
+            raise ConfigError(f"{key}[{i}] must look like http://host:port, got {u!r}")
+
+
 @dataclass(frozen=True)
 class SGLangConfig:
     # Base URLs of running SGLang servers (http://host:port); used when launch is false.
@@ -530,14 +541,7 @@ class RolloutConfig:
         if bool(v.urls) == bool(v.launch):
             raise ConfigError("rollout.backend=vllm needs either rollout.vllm.urls=[http://host:port,...] (running "
                               "servers) or rollout.vllm.launch=true, not both")
-        for i, u in enumerate(v.urls):
-            p = urllib.parse.urlsplit(u)
-            try:
-                port = p.port
-            except ValueError:
-                port = None
-            if p.scheme not in ("http", "https") or not p.hostname or port is None:
-                raise ConfigError(f"rollout.vllm.urls[{i}] must look like http://host:port, got {u!r}")
+        _check_urls("rollout.vllm.urls", v.urls)
         if v.launch and v.host not in ("127.0.0.1", "localhost", "::1"):
             raise ConfigError(f"rollout.vllm.host={v.host!r}: a launched vLLM server binds loopback only (vLLM 0.32's "
                               "--api-key leaves its pause / weight-reload routes open)")
@@ -573,16 +577,7 @@ class RolloutConfig:
                 "rollout.backend=sglang needs rollout.sglang.urls=[http://host:port,...] or "
                 "rollout.sglang.launch=true"
             )
-        for i, u in enumerate(s.urls):
-            p = urllib.parse.urlsplit(u)
-            try:
-                port = p.port
-            except ValueError:
-                port = None
-            if p.scheme not in ("http", "https") or not p.hostname or port is None:
-                raise ConfigError(
-                    f"rollout.sglang.urls[{i}] must look like http://host:port, got {u!r}"
-                )
+        _check_urls("rollout.sglang.urls", s.urls)
         for k in ("tp", "dp", "ep", "bucket_mb", "concurrency"):
             _positive(f"rollout.sglang.{k}", getattr(s, k))
         if not 0 < s.mem_fraction < 1:

@@ -68,8 +68,7 @@ from gspo_megatron.rollout.vllm_server import VLLMLaunchSpec
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER_FILE = REPO / "gspo_megatron" / "rollout" / "vllm_worker.py"
-NETWORK = ("Could not find a version", "No matching distribution", "NewConnectionError", "Max retries exceeded",
-           "Temporary failure in name resolution", "Network is unreachable", "Connection refused")
+from test_vllm import vllm_python  # noqa: E402,F401 - the shared vLLM venv fixture (skips without an index)
 
 APP_MODULE, APP_FUNC = "vllm.entrypoints.launchers.app", "build_app"
 CLI_ARGS = "vllm.entrypoints.launchers.cli_args"
@@ -263,18 +262,6 @@ def _version_literal(tree: ast.Module) -> str | None:
                 and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets)):
             return node.value.value
     return None
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    from gspo_megatron.rollout import vllm_env
-
-    try:
-        return vllm_env.ensure(timeout_s=2400)
-    except vllm_env.VLLMEnvError as e:
-        if any(s in str(e) for s in NETWORK):
-            pytest.skip(f"vLLM venv not buildable here, the package index is unreachable: {str(e)[:200]}")
-        raise
 
 
 @pytest.fixture(scope="module")
