@@ -457,8 +457,11 @@ class VLLMConfig:
     # (rollout/vllm_api.py VLLM_VERSION); false = warn and go on.
     check_version: bool = True
     # How new policy weights reach the servers: "disk" (HF safetensors in shared_dir, reloaded by
-    # the servers through the project's worker extension, rollout/vllm_worker.py).
-    weight_sync: Literal["disk"] = "disk"
+    # the servers through the project's worker extension, rollout/vllm_worker.py; CPU and GPU);
+    # "nccl" (vLLM's own weight-transfer engine: trainer rank 0 broadcasts HF-named tensors to
+    # every server worker over NCCL; GPUs only, servers started with
+    # --weight-transfer-config '{"backend": "nccl"}'; rollout/vllm_nccl.py).
+    weight_sync: Literal["disk", "nccl"] = "disk"
     # Directory visible to trainer and servers for disk sync; null = <out_dir>/weight_sync.
     shared_dir: Optional[str] = None
     # Launched server: vLLM's --dtype (auto = the checkpoint's), --max-model-len (null = the

@@ -982,7 +982,8 @@ def flag_failures(options: dict[str, Option], argv: list[str]) -> list[str]:
 def _launch_specs() -> list[VLLMLaunchSpec]:
     return [VLLMLaunchSpec(model_path="/models/m"),  # defaults: dtype auto, GPU server
             VLLMLaunchSpec(model_path="/models/m", port=8123, api_key="k3y", dtype="float32", max_model_len=512,
-                           cpu_kv_cache_mb=32)]  # what tests/test_vllm.py launches (CPU)
+                           cpu_kv_cache_mb=32),  # what tests/test_vllm.py launches (CPU)
+            VLLMLaunchSpec(model_path="/models/m", weight_transfer="nccl")]  # weight_sync=nccl (GPU)
 
 
 def test_launch_flags_are_parser_options(src, options):
@@ -1172,3 +1173,108 @@ def test_vllm_api_table_is_consistent():
     assert GENERATE in ROUTES["POST"] and "/health" in ROUTES["GET"]
     assert len(set(GENERATE_FIELDS)) == len(GENERATE_FIELDS) and len(set(SAMPLING_FIELDS)) == len(SAMPLING_FIELDS)
     assert vllm_api.API_SERVER_MODULE == "vllm.entrypoints.openai.api_server"
+
+
+# ----------------------------------------------------------------------------------------------
+# weight_sync=nccl: rollout/vllm_nccl.py and its test double against vLLM's transfer engine
+# ----------------------------------------------------------------------------------------------
+
+NCCL_COMMON = "vllm.distributed.weight_transfer.nccl_common"
+NCCL_ENGINE = "vllm.distributed.weight_transfer.nccl_engine"
+PYNCCL = "vllm.distributed.device_communicators.pynccl"
+PYNCCL_WRAPPER = "vllm.distributed.device_communicators.pynccl_wrapper"
+
+
+@pytest.fixture(scope="module")
+def nccl_calls():
+    """Every request of a VLLMEngine with weight_sync=nccl (rendezvous and two pushes), recorded by
+    tests/vllm_nccl_double.py."""
+    import torch
+
+    from gspo_megatron.rollout.vllm_engine import VLLMEngine
+    from gspo_megatron.rollout.vllm_server import ServerClient
+    from vllm_nccl_double import FakeNccl, VLLMNcclDouble
+
+    net = FakeNccl()
+    double = VLLMNcclDouble(net, {"http://127.0.0.1:9": 2})
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ServerClient, "request_once", lambda self, *a, **kw: double(self, *a, **kw))
+    try:
+        eng = VLLMEngine({"urls": ["http://127.0.0.1:9"], "weight_sync": "nccl"}, nccl_backend=net, sync_device="cpu")
+        try:
+            for v in (1, 2):
+                eng.update_weights([("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.zeros(3, 4))], v)
+        finally:
+            eng.close()
+    finally:
+        mp.undo()
+    return [(m, urllib.parse.urlsplit(p).path, dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(p).query)), b)
+            for _, m, p, b in double.calls]
+
+
+def test_nccl_requests_match_the_handlers(src, routes, nccl_calls):
+    declared = set(_declared())
+    used = {(m, p) for m, p, _, _ in nccl_calls}
+    assert used <= declared, f"weight_sync=nccl uses undeclared routes {sorted(used - declared)}"
+    for path in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                 "/get_world_size"):
+        assert any(p == path for _, p, _, _ in nccl_calls), f"weight_sync=nccl never called {path}"
+    failures = request_failures(src, routes, nccl_calls)
+    assert not failures, "\n".join(failures)
+    # the check can fail: a body key the handler does not take
+    assert request_failures(src, routes, [("POST", "/init_weight_transfer_engine", {}, {"info": {}})])
+    assert request_failures(src, routes, [("POST", "/finish_weight_update", {}, {"version": "1"})])
+
+
+def test_nccl_payload_fields_are_vllms(src):
+    """What we put in init_info / update_info are fields of vLLM's dataclasses (parse_init_info builds
+    them with **kwargs: an unknown key is an error), and the double accepts exactly those fields."""
+    from gspo_megatron.rollout import vllm_nccl
+    from vllm_nccl_double import INIT_INFO_ACCEPTS, INIT_INFO_REQUIRES, UPDATE_INFO_ACCEPTS
+
+    init = src.fields(NCCL_COMMON, "NCCLWeightTransferInitInfo")
+    update = src.fields(NCCL_ENGINE, "NCCLWeightTransferUpdateInfo")
+    print(f"  NCCLWeightTransferInitInfo {sorted(init)}; NCCLWeightTransferUpdateInfo {sorted(update)}")
+    assert set(vllm_nccl.INIT_INFO_FIELDS) <= set(init), sorted(set(vllm_nccl.INIT_INFO_FIELDS) - set(init))
+    assert set(vllm_nccl.UPDATE_INFO_FIELDS) == set(update)
+    assert INIT_INFO_ACCEPTS == set(init) and UPDATE_INFO_ACCEPTS == set(update)
+    # the fields without a default are the ones the double requires
+    _, cls = src.cls(NCCL_COMMON, "NCCLWeightTransferInitInfo")
+    required = {st.target.id for st in cls.body if isinstance(st, ast.AnnAssign) and st.value is None}
+    assert required == INIT_INFO_REQUIRES, required
+    # the unique-id rendezvous exists and is exclusive with master_address/port; standard base64
+    text = src.text(NCCL_COMMON)
+    for needle in ("nccl_unique_id_b64", "b64decode(nccl_unique_id_b64, validate=True)",
+                   "pass nccl_unique_id_b64 OR master_address/master_port"):
+        assert needle in text, f"{src.rel(NCCL_COMMON)} no longer has {needle!r}"
+
+
+def test_nccl_rendezvous_facts_we_rely_on(src):
+    from gspo_megatron.rollout import vllm_nccl
+
+    # the unique id is 128 bytes (ncclUniqueId's `internal` array)
+    wrapper = src.text(PYNCCL_WRAPPER)
+    m = re.search(r"class ncclUniqueId\(ctypes.Structure\):\s*_fields_ = \[\(\"internal\", ctypes.c_byte \* (\d+)\)\]",
+                  wrapper)
+    assert m and int(m.group(1)) == vllm_nccl.NCCL_UNIQUE_ID_BYTES, "ncclUniqueId changed size"
+    # the worker's rank: dp_rank * (TP*PP) + rank + rank_offset, so our offsets add servers' world sizes
+    got = src.lookup(NCCL_COMMON, "worker_init_process_group")
+    body = ast.unparse(got[1])
+    assert "worker_rank = dp_rank * world_size_per_dp + rank_within_dp" in body, body[:400]
+    assert "rank = worker_rank + init_info.rank_offset" in body
+    # /get_world_size counts DP by default (include_dp=True) and answers {"world_size": n}
+    api = src.text("vllm.entrypoints.rl.online.api_router")
+    fn = api[api.index("async def get_world_size"):]
+    assert "include_dp: bool = Query(True)" in fn and 'content={"world_size": world_size}' in fn
+    # the warm-up: a one-element float32 all_reduce right after ncclCommInitRank, also on the unique-id path
+    init = ast.unparse(src.method(PYNCCL, "PyNcclCommunicator", "_init_comm")[1])
+    assert "torch.zeros(1, device=device)" in init and "self.all_reduce(data)" in init, init
+    uid = ast.unparse(src.method(PYNCCL, "PyNcclCommunicator", "from_unique_id_bytes")[1])
+    assert "self._init_comm(device)" in uid
+    # packed=False: one broadcast per listed name, received as torch.empty(shape, getattr(torch, dtype_name))
+    recv = ast.unparse(src.method(NCCL_ENGINE, "NCCLWeightTransferEngine", "receive_weights")[1])
+    assert "dtype = getattr(torch, dtype_name)" in recv and "broadcast(weight, src=0" in recv
+    # finish_weight_update(weight_version) also labels the weights
+    llm = src.text("vllm.v1.engine.async_llm")
+    fin = llm[llm.index("async def finish_weight_update"):][:600]
+    assert "await self.update_weight_version(weight_version)" in fin, fin

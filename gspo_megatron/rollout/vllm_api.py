@@ -18,6 +18,8 @@ GENERATE_FIELDS = ("request_id", "token_ids", "sampling_params")
 SAMPLING_FIELDS = ("n", "seed", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs",
                    "detokenize")
 ROUTES = {
-    "GET": ("/health", "/version", "/weight_info"),
-    "POST": (GENERATE, "/pause", "/resume", "/update_weight_version", "/collective_rpc", "/abort_requests"),
+    "GET": ("/health", "/version", "/weight_info", "/get_world_size"),
+    "POST": (GENERATE, "/pause", "/resume", "/update_weight_version", "/collective_rpc", "/abort_requests",
+             # weight_sync=nccl (rollout/vllm_nccl.py; entrypoints/rl/online/api_router.py)
+             "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"),
 }

@@ -18,10 +18,15 @@ return at once with the tokens so far and ``finish_reason: abort`` — and later
 return empty aborted rows without asking (a paused vLLM queues new requests instead of refusing
 them); the next push resumes the servers.
 
+Weights (``weight_sync=nccl``, GPUs): vLLM's own NCCL weight transfer, trainer rank 0 broadcasting
+to every server worker (rollout/vllm_nccl.py; the servers run with ``--weight-transfer-config
+'{"backend": "nccl"}'``). Same pause / version / resume around it; a failed transfer leaves the
+group unusable and the engine refusing to generate.
+
 Departures from SGLangEngine: no routed experts (vLLM 0.32 returns them only with Model Runner V2,
 not on CPU; the config refuses the option), ``top_p < 1`` / ``top_k`` are refused (vLLM reports
-log-probs renormalised over the truncated distribution), only disk weight sync (the NCCL weight
-transfer engine of vLLM is written against CUDA and not wired here).
+log-probs renormalised over the truncated distribution), no CUDA-IPC (``tensor``) sync for
+colocated servers.
 """
 from __future__ import annotations
 
@@ -82,7 +87,8 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(self, cfg: Any = None, *, hf_config: dict | None = None, sync_dtype: torch.dtype | None = None,
                  server_env: dict[str, str] | None = None, log_dir: str | None = None, weight_version: int = 0,
-                 retry_backoff_s: float = 0.5, wait_ready: bool = True, **overrides):
+                 retry_backoff_s: float = 0.5, wait_ready: bool = True, nccl_backend=None,
+                 sync_device: torch.device | str | None = None, **overrides):
         c = _defaults()
         c.update(_cfg_dict(cfg))
         unknown = sorted(set(overrides) - set(c))
@@ -108,6 +114,12 @@ class VLLMEngine(RolloutEngine):
         self.metrics: dict[str, float] = {"requests": 0, "retries": 0, "weight_syncs": 0, "last_sync_s": 0.0,
                                           "interrupted_rows": 0}
         self.procs = None
+        self._nccl = None
+        if c["weight_sync"] not in ("disk", "nccl"):
+            raise ValueError(f"VLLMEngine: weight_sync must be disk or nccl, got {c['weight_sync']!r}")
+        if c["weight_sync"] == "nccl" and nccl_backend is None and not torch.cuda.is_available():
+            raise EngineError("rollout.vllm.weight_sync=nccl needs a CUDA device on trainer rank 0 (vLLM's NCCL "
+                              "weight transfer); on CPU use weight_sync=disk")
         api_key = c["api_key"]
         try:
             if c["launch"]:
@@ -127,13 +139,21 @@ class VLLMEngine(RolloutEngine):
                 spec = VLLMLaunchSpec(model_path=model, port=int(c["port"]), host=c["host"], api_key=api_key,
                                       dtype=c["dtype"], max_model_len=c["max_model_len"],
                                       cpu_kv_cache_mb=c["cpu_kv_cache_mb"], extra_args=list(c["extra_args"] or []),
-                                      command=cmd, python=python, env=server_env, log_dir=log_dir)
+                                      command=cmd, python=python, env=server_env, log_dir=log_dir,
+                                      weight_transfer="nccl" if c["weight_sync"] == "nccl" else None)
                 self.procs = launch(spec)
                 urls = self.procs.urls
             else:
                 urls = list(c["urls"])
             self.servers = [ServerClient(u, api_key=api_key, timeout_s=self.request_timeout_s,
                                          max_retries=self.max_retries, backoff_s=self.retry_backoff_s) for u in urls]
+            if c["weight_sync"] == "nccl":
+                from .vllm_nccl import NcclWeightSync
+
+                device = torch.device(sync_device) if sync_device is not None else torch.device(
+                    "cuda", torch.cuda.current_device())
+                self._nccl = NcclWeightSync(self.servers, device=device, timeout_s=self.request_timeout_s,
+                                            backend=nccl_backend)
             if wait_ready:
                 self.wait_ready()
                 self.check_version(strict=bool(c["check_version"]))
@@ -304,12 +324,26 @@ class VLLMEngine(RolloutEngine):
         return out
 
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
-        """Write the tensors once as <shared_dir>/v<version>, then every server reloads them in place
-        (paused meanwhile) and labels its weights `version`."""
+        """disk: write the tensors once as <shared_dir>/v<version>, then every server reloads them in
+        place (paused meanwhile) and labels its weights `version`. nccl: broadcast them to every
+        server worker (rollout/vllm_nccl.py), same pause and label."""
         from .weight_sync import _save_hf, prune_versions, version_dir
 
         self._check_open()
         version = self._weight_version + 1 if version is None else int(version)
+        if self._nccl is not None:
+            t0 = time.perf_counter()
+            try:
+                self._nccl.push(named_tensors, version, dtype=self.sync_dtype, resume=not self._interrupted.is_set())
+            except BaseException as e:
+                self._inconsistent = f"NCCL push of version {version} failed: {str(e).splitlines()[0] if str(e) else e!r}"
+                raise
+            self._inconsistent = None
+            self._weight_version = version
+            self._synced = True
+            self._inc("weight_syncs")
+            self.metrics["last_sync_s"] = time.perf_counter() - t0
+            return
         shared = self.cfg["shared_dir"]
         if not shared:
             raise ValueError("VLLMEngine weight_sync=disk needs shared_dir (visible to trainer and servers)")

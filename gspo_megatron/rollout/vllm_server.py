@@ -19,6 +19,7 @@ entrypoints/serve/middleware/authenticate.py), so a launched server binds loopba
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -48,6 +49,8 @@ class VLLMLaunchSpec:
     env: dict[str, str] | None = None
     unset_env: tuple[str, ...] = ()
     log_dir: str | None = None
+    # "nccl": the server takes vLLM's NCCL weight transfer (rollout.vllm.weight_sync=nccl)
+    weight_transfer: str | None = None
     num_servers: int = 1
     log_name: str = "vllm_server"
     health_path: str = "/health"
@@ -67,6 +70,8 @@ class VLLMLaunchSpec:
             args += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(self.cpu_kv_cache_mb) << 20)]
         if self.api_key:
             args += ["--api-key", self.api_key]
+        if self.weight_transfer:
+            args += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         return prefix + args + [str(a) for a in self.extra_args]
 
     def server_env(self) -> dict[str, str]:

@@ -1,0 +1,125 @@
+"""rollout.vllm.weight_sync=nccl on CPU: the trainer half of vLLM 0.32's NCCL weight transfer
+(rollout/vllm_nccl.py) against a double of vLLM's routes and of the NCCL group
+(tests/vllm_nccl_double.py; its accepted fields are checked against vLLM's source in
+tests/test_vllm_contract.py). The NCCL transport itself needs GPUs on both sides and is not run
+here; everything around it is: the rendezvous payloads and rank offsets, the warm-up collective,
+bucketed broadcasts in the announced order and dtype, the weight version, and the failures."""
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+
+from gspo_megatron.rollout.http_servers import EngineError
+from gspo_megatron.rollout.vllm_engine import VLLMEngine
+from gspo_megatron.rollout.vllm_server import ServerClient, VLLMLaunchSpec
+from vllm_nccl_double import FakeNccl, VLLMNcclDouble
+
+A, B = "http://127.0.0.1:9101", "http://127.0.0.1:9102"
+
+
+def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [("model.embed_tokens.weight", torch.randn(16, 8, generator=g)),
+            ("model.layers.0.mlp.experts.0.up_proj.weight", torch.randn(12, 8, generator=g)),
+            ("model.layers.0.mlp.gate.weight", torch.randn(4, 8, generator=g)),
+            ("model.norm.weight", torch.randn(8, generator=g)),
+            ("lm_head.weight", torch.randn(16, 8, generator=g))]
+
+
+@pytest.fixture
+def servers(monkeypatch):
+    net = FakeNccl(timeout_s=10)
+    double = VLLMNcclDouble(net, {A: 2, B: 1})  # A: TP2 (two workers), B: one worker
+    monkeypatch.setattr(ServerClient, "request_once", lambda self, *a, **kw: double(self, *a, **kw))
+    return net, double
+
+
+def engine(net, **kw) -> VLLMEngine:
+    cfg = {"urls": [A, B], "weight_sync": "nccl", "request_timeout_s": kw.pop("timeout", 10.0), "max_retries": 0}
+    return VLLMEngine(cfg, nccl_backend=net, sync_device="cpu", sync_dtype=torch.bfloat16, **kw)
+
+
+def test_nccl_push_reaches_every_server_in_order_and_labels_the_version(servers):
+    net, double = servers
+    eng = engine(net)
+    try:
+        eng._nccl.bucket_bytes = 300  # several buckets: one update_weights request each
+        eng.update_weights(tensors(1), 1)
+        for url, offset in ((A, 1), (B, 3)):
+            st = double.state[url]
+            info = st["info"]
+            assert info["rank_offset"] == offset and info["world_size"] == 4, info
+            assert base64.b64decode(info["nccl_unique_id_b64"], validate=True) == net.uid
+            assert info["packed"] is False and "master_address" not in info
+            assert st["version"] == "1" and not st["active"] and not st["paused"]
+            got = st["weights"]
+            for name, t in tensors(1):
+                assert got[name].dtype == torch.bfloat16
+                assert torch.equal(got[name], t.to(torch.bfloat16)), name
+        ops = [op for op, _, _ in eng._nccl.comm.ops]
+        assert ops[0] == "all_reduce" and ops[1:] == ["broadcast"] * 5, ops
+        paths = [p for u, _, p, _ in double.calls if u == A and p not in ("/health", "/version", "/get_world_size")]
+        n_updates = paths.count("/update_weights")
+        assert n_updates >= 2, paths  # bucketed
+        assert paths == (["/init_weight_transfer_engine", "/pause", "/start_weight_update"]
+                         + ["/update_weights"] * n_updates + ["/finish_weight_update", "/resume"]), paths
+        # the second push reuses the group: no second rendezvous, the new version and values
+        eng.update_weights(tensors(2), 2)
+        for url in (A, B):
+            assert double.state[url]["inits"] == 1 and double.state[url]["version"] == "2"
+            assert torch.equal(double.state[url]["weights"]["lm_head.weight"],
+                               dict(tensors(2))["lm_head.weight"].to(torch.bfloat16))
+        assert eng.weight_version == 2 and eng.metrics["weight_syncs"] == 2
+        assert eng.server_weight_versions() == {A: "2", B: "2"}
+    finally:
+        eng.close()
+
+
+def test_a_failed_transfer_fails_the_push_and_the_engine_refuses_to_go_on(servers):
+    net, double = servers
+    eng = engine(net)
+    try:
+        eng.update_weights(tensors(1), 1)
+        double.fail_update.add(B)
+        with pytest.raises(EngineError) as e:
+            eng.update_weights(tensors(2), 2)
+        assert "update failed on the worker" in str(e.value) and "\n" not in str(e.value)
+        assert eng.weight_version == 1
+        from gspo_megatron.rollout.base import SamplingParams
+
+        with pytest.raises(EngineError, match="hold different weights"):
+            eng.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2))
+        double.fail_update.clear()
+        with pytest.raises(EngineError, match="failed earlier"):
+            eng.update_weights(tensors(3), 3)
+    finally:
+        eng.close()
+
+
+@pytest.mark.timeout(60)  # the wait is bounded by request_timeout_s, not by the server
+def test_a_server_that_never_joins_fails_within_the_timeout(servers):
+    net, double = servers
+    double.never_join.add(B)
+    eng = engine(net, timeout=1.5)
+    try:
+        with pytest.raises(EngineError) as e:
+            eng.update_weights(tensors(1), 1)
+        msg = str(e.value)
+        assert "did not form" in msg or "init_weight_transfer_engine" in msg, msg
+        assert "\n" not in msg
+    finally:
+        eng.close()
+
+
+def test_nccl_needs_cuda_and_launch_passes_the_transfer_config():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(EngineError) as e:
+        VLLMEngine({"urls": [A], "weight_sync": "nccl"}, wait_ready=False)
+    assert "weight_sync=disk" in str(e.value) and "\n" not in str(e.value)
+    argv = VLLMLaunchSpec(model_path="/m", weight_transfer="nccl").argv(0)
+    i = argv.index("--weight-transfer-config")
+    assert argv[i + 1] == '{"backend": "nccl"}'
+    assert "--weight-transfer-config" not in VLLMLaunchSpec(model_path="/m").argv(0)
