@@ -983,7 +983,10 @@ def _launch_specs() -> list[VLLMLaunchSpec]:
     return [VLLMLaunchSpec(model_path="/models/m"),  # defaults: dtype auto, GPU server
             VLLMLaunchSpec(model_path="/models/m", port=8123, api_key="k3y", dtype="float32", max_model_len=512,
                            cpu_kv_cache_mb=32),  # what tests/test_vllm.py launches (CPU)
-            VLLMLaunchSpec(model_path="/models/m", weight_transfer="nccl")]  # weight_sync=nccl (GPU)
+            VLLMLaunchSpec(model_path="/models/m", weight_transfer="nccl"),  # weight_sync=nccl (GPU)
+            # a random-init run's launched server (train/setup.py _make_vllm_engine)
+            VLLMLaunchSpec(model_path="/runs/x/weight_sync/initial", cpu_kv_cache_mb=32,
+                           extra_args=["--load-format", "dummy"])]
 
 
 def test_launch_flags_are_parser_options(src, options):
