@@ -3,6 +3,7 @@ side by side in one run.
 
     python bench/bench_async.py                  # 20 steps each, ~3 min on 2 cores
     python bench/bench_async.py --steps 8 --json out.json
+    python bench/bench_async.py --smoke          # 2 steps, 1 trainer process, fixed delay: the harness runs
 
 Setup
   Two trainer processes (torchrun, TP2+SP, the demo's tiny Qwen3-MoE, fp32, CPU) train against
@@ -21,6 +22,11 @@ Printed
   maximum staleness seen (<= async_steps), dropped samples, samples carried over a weight push
   (partial rollouts), the trainer's waits, and peak RSS of the run's processes (ru_maxrss of the
   children).
+
+--nproc 1: one trainer process at TP1 (no sequence parallel), started without torchrun.
+--smoke: 2 steps per run, --nproc 1 (the fewest processes that run the same loop), a fixed
+2 ms/token instead of the calibration run, the runs sync and async + partial only; the same
+table, numbers meaningless.
 """
 from __future__ import annotations
 
@@ -52,15 +58,21 @@ def _hf_dir(path: str) -> str:
     return path
 
 
-def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: str, partial: bool = False) -> dict:
+def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: str, partial: bool = False,
+         nproc: int = 2) -> dict:
     from sglang_double import sglang_overrides
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}",
-           "model.hf_config=null", f"train.max_steps={steps}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
+    # tiny_cpu.yaml's layout is TP2+SP on 2 processes; one process runs it at TP1
+    layout = [] if nproc == 2 else ["parallel.tp=1", "parallel.sequence_parallel=false"]
+    # one process needs no launcher (the trainer runs as world 1 without torchrun's environment),
+    # which saves torchrun's own start-up (importing torch once more) per run
+    launch = ([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone"]
+              if nproc > 1 else [sys.executable])
+    cmd = [*launch, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}",
+           "model.hf_config=null", *layout, f"train.max_steps={steps}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
            "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
            "train.minibatches_per_step=2", f"rollout.async_steps={async_steps}", f"rollout.partial={str(partial).lower()}",
            # the synchronous loop's pi_old default; the same in both runs, so only the overlap differs
@@ -88,8 +100,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--per-token-s", type=float, default=None, help="default: calibrated (rollout ~ training)")
+    ap.add_argument("--nproc", type=int, choices=(1, 2), default=2,
+                    help="trainer processes: 2 = TP2+SP as tiny_cpu.yaml, 1 = TP1")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="--steps 2 --nproc 1 --per-token-s 0.002 (no calibration), runs sync and async + partial: "
+                         "seconds, the harness runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.nproc = 2, 1
+        if args.per_token_s is None:
+            args.per_token_s = 0.002
 
     import torch
     from sglang_double import Faults, SGLangDouble
@@ -103,7 +124,8 @@ def main() -> None:
         with SGLangDouble(hf_dir, faults=Faults()) as dbl:
             per_token = args.per_token_s
             if per_token is None:  # rollout time ~ training time
-                cal = _run(os.path.join(tmp, "cal"), hf_dir, dbl.url, 3, 0, os.path.join(tmp, "sync_cal"))
+                cal = _run(os.path.join(tmp, "cal"), hf_dir, dbl.url, 3, 0, os.path.join(tmp, "sync_cal"),
+                           nproc=args.nproc)
                 train = cal["t_step"] - cal["t_rollout"]
                 # the double sleeps per_token * tokens minus its own generation time: a step's
                 # rollout then takes ~ 8 * per_token (max_new_tokens of tiny_cpu.yaml) = the rest
@@ -111,18 +133,23 @@ def main() -> None:
                 print(f"calibration (3 sync steps, no delay): rollout {cal['t_rollout']:.2f} s, "
                       f"rest of the step {train:.2f} s -> per-token delay {per_token * 1e3:.0f} ms")
             dbl.faults.per_token_s = per_token
+            # (async_steps, partial); the smoke leaves out plain async: async + partial runs the same
+            # producer code and more, and each run costs a trainer start-up (~13 CPU-s)
+            runs = ((0, False), (1, True)) if args.smoke else ((0, False), (1, False), (1, True))
             res = [_run(os.path.join(tmp, f"async{k}{'p' * p}"), hf_dir, dbl.url, args.steps, k,
-                        os.path.join(tmp, f"s{k}{'p' * p}"), partial=p)
-                   for k, p in ((0, False), (1, False), (1, True))]
-    sync, asy, part = res
-    print(f"\n{args.steps} steps, 2 trainer processes (TP2+SP), the double at {per_token * 1e3:.0f} ms/token")
+                        os.path.join(tmp, f"s{k}{'p' * p}"), partial=p, nproc=args.nproc)
+                   for k, p in runs]
+    sync = res[0]
+    layout = "2 trainer processes (TP2+SP)" if args.nproc == 2 else "1 trainer process (TP1)"
+    print(f"\n{args.steps} steps, {layout}, the double at {per_token * 1e3:.0f} ms/token")
     print(f"{'async_steps':>11} {'partial':>7} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} "
           f"{'push':>8} {'stale max':>9} {'dropped':>7} {'carried':>7} {'peak MiB':>9}")
     for r in res:
         print(f"{r['async_steps']:>11} {str(r['partial']):>7} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} "
               f"{r['t_rollout']:>8.2f} {r['t_old']:>8.2f} {r['t_train']:>8.2f} {r['t_sync']:>8.2f} "
               f"{r['staleness_max']:>9} {r['dropped']:>7} {r['carried']:>7} {r['peak_rss_mib']:>9.0f}")
-    for name, r in (("async", asy), ("async + partial rollouts", part)):
+    for r in res[1:]:
+        name = "async + partial rollouts" if r["partial"] else "async"
         print(f"speed-up {name} / sync: step time {sync['t_step'] / r['t_step']:.2f}x, whole run "
               f"{sync['wall_s'] / r['wall_s']:.2f}x (ideal 2x when rollout = training)")
     if args.json:

@@ -3,6 +3,7 @@
     python bench/bench_load.py                        # ~1 GiB fp32 checkpoint, TP2 (2 gloo ranks)
     python bench/bench_load.py --size-gb 0.3 --keep   # quicker; keep the checkpoint for the next run
     python bench/bench_load.py --tp 2 --ep 2          # experts split over the 2 ranks too
+    python bench/bench_load.py --smoke                # ~55 MiB, 1 rank, all methods in one process: seconds
 
 The checkpoint is synthetic: random fp32 tensors with the Hub names and shapes of
 `mapping.hf_shapes(arch)` for a Qwen3-MoE (hidden 1024, 16/4 heads, head_dim 64, 32 experts,
@@ -52,6 +53,11 @@ the reader holds the file open, i.e. for the whole load. Those pages are clean p
 shared by the ranks on a host (each rank's VmRSS counts them, physical memory holds them once)
 and reclaimable without swap, so they are not an OOM risk like private memory; but they do show
 up in RSS-based monitoring and cgroup memory.current. "anon overhead" is the private part.
+
+--smoke: --size-gb 0.05 (the smallest config: vocab 4000, 1 layer), 16 MiB shards, --tp 1 (one
+process runs every loader path; the vocab-row slicing of TP2 is not exercised), and the methods
+share that one process instead of a fresh one each (their peaks are still measured from a reset
+VmHWM, but allocator state carries over): the same table, for checking that the bench runs.
 
 The shards are read from the page cache (the bench just wrote them, or a previous --keep run did),
 so load times are CPU/memcpy bound, not disk bound.
@@ -435,7 +441,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shard-mb", type=int, default=256, help="safetensors shard size in MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900, help="seconds per method (all ranks)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--size-gb 0.05 --shard-mb 16 --tp 1 --ep 1, the methods in one shared process: seconds")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.size_gb, args.shard_mb, args.tp, args.ep = 0.05, 16, 1, 1
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
@@ -468,9 +478,15 @@ def main(argv=None) -> int:
     try:
         for m in methods:
             with timer() as t:
-                results[m] = run_distributed(_rank_main, args.tp, ckpt, args.tp, args.ep, m, timeout=args.timeout)
+                # fresh processes per method (run_distributed otherwise reuses pooled ranks), so one
+                # method's allocator state and imports do not shape the next one's numbers
+                results[m] = run_distributed(_rank_main, args.tp, ckpt, args.tp, args.ep, m, timeout=args.timeout,
+                                             fresh=not args.smoke)
             print(f"  {m}: done in {t():.0f} s (spawn + init + build + load + verify, all ranks)", flush=True)
     finally:
+        from dist_utils import close_pools
+
+        close_pools()  # the smoke's pooled rank waits for work until told to stop (else no exit)
         if not args.keep:
             shutil.rmtree(ckpt, ignore_errors=True)
             if created_workdir:

@@ -2,6 +2,7 @@
 
     python bench/bench_logprobs.py                                  # 4096 x 151936, H=2048
     python bench/bench_logprobs.py --tokens 512 --vocab 32768 --hidden 256   # quick
+    python bench/bench_logprobs.py --smoke        # 256 x 4096, H=64, fp32, TP1 (one process): seconds
 
 Implementations (all compute log softmax(logits)[target] and its gradient):
   naive     torch.log_softmax(logits.float()) + gather; at TP2 the logit shards are first
@@ -295,7 +296,12 @@ def main(argv=None):
     ap.add_argument("--max-gib", type=float, default=14.0,
                     help="skip a method whose estimated peak over all ranks exceeds this")
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--smoke", action="store_true",
+                    help="--tokens 256 --vocab 4096 --hidden 64 --dtypes fp32 --tp 1 --repeats 1 (4 MiB of logits), "
+                         "every method and section in one process (TP2's gathers not exercised): seconds")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.tokens, a.vocab, a.hidden, a.dtypes, a.tp, a.repeats = 256, 4096, 64, "fp32", "1", 1
     print(f"# tokens={a.tokens} vocab={a.vocab} hidden={a.hidden} threads={a.threads} "
           f"repeats={a.repeats} torch={torch.__version__}", flush=True)
     hdr = (f"{'section':8} {'tp':>2} {'dtype':5} {'method':9} {'time_s':>8} {'x_megatron':>10} "

@@ -5,6 +5,7 @@
     python bench/bench_packing.py --n 8 --reps 1 --layouts tp1,tp2 --median 16 --sigma 1.6 \\
         --max-len 256 --budget 256 --hidden 64 --layers 2 --heads 4 --kv-heads 2 --head-dim 16 \\
         --experts 4 --moe-inter 32 --vocab 512                     # tiny check: ~20 s
+    python bench/bench_packing.py --smoke                          # that tiny model, tp1 only: seconds
 
 What is compared
   The same batch of N samples (--n, default 64) trained with the two microbatch layouts of
@@ -351,7 +352,14 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-rtol", type=float, default=1e-4)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per layout run (all ranks)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the tiny check above at tp1 (one process; the packed/padded correctness checks still "
+                         "run after the warm-up step): seconds")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.n, args.reps, args.warmup, args.layouts, args.median, args.sigma = 8, 1, 1, "tp1", 16, 1.6
+        args.max_len, args.budget, args.hidden, args.layers, args.heads, args.kv_heads = 256, 256, 64, 2, 4, 2
+        args.head_dim, args.experts, args.moe_inter, args.vocab = 16, 4, 32, 512
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown or not layouts:
@@ -374,9 +382,16 @@ def main(argv=None) -> int:
           f"{args.budget} tokens/microbatch; {args.warmup} warm-up + {args.reps} timed steps per arm; "
           f"{args.threads} thread(s)/process", flush=True)
 
+    from dist_utils import close_pools
+
     results = []
-    for name in layouts:
-        results.append(run_layout(name, cfg, samples, st["real_tokens"], args))
+    try:
+        for name in layouts:
+            results.append(run_layout(name, cfg, samples, st["real_tokens"], args))
+    finally:
+        # run_distributed keeps its ranks alive for the next call (a pool per world size, made for
+        # the test suite); they wait for work until told to stop, so this process would never exit
+        close_pools()
 
     rows = []
     for r in results:

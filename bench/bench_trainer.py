@@ -4,10 +4,20 @@ with importance_sampling_level="sequence" (TRL's GSPO), side by side in one run,
     python bench/bench_trainer.py                         # 10 rollout batches per arm, first 2 skipped
     python bench/bench_trainer.py --steps 6 --warmup 1 --arms gspo_tp1,trl    # quicker
     python bench/bench_trainer.py --rounds 2              # arms interleaved twice (shared machines)
+    python bench/bench_trainer.py --smoke                 # 2 steps, TP1 + TRL (skipped if absent): seconds
 
-TRL is optional (it is not a project dependency). Install it without touching torch/transformers:
-    .venv/bin/pip freeze | grep -v '^-e' > /tmp/c.txt && .venv/bin/pip install -c /tmp/c.txt trl
-Without it the TRL arm is skipped with a message (its row shows the reason, no numbers).
+TRL is optional (it is not a project dependency, and it is not installed into .venv: its
+requirements must not move the trainer's torch/transformers). Give it its own venv with the same
+CPU torch wheel and transformers as .venv, and point the TRL arm at that interpreter:
+    python3.11 -m venv /tmp/bench-trl-venv
+    /tmp/bench-trl-venv/bin/pip install /opt/wheels/torch-2.13.0+cpu-*.whl   # as the Makefile does for .venv
+    /tmp/bench-trl-venv/bin/pip install transformers==5.24.0                 # the version .venv has
+    printf 'torch==2.13.0+cpu\\ntransformers==5.24.0\\n' > /tmp/c.txt
+    /tmp/bench-trl-venv/bin/pip install -c /tmp/c.txt trl==1.16.0 pyyaml     # pyproject's `bench` extra
+    .venv/bin/python bench/bench_trainer.py --rounds 2 --trl-python /tmp/bench-trl-venv/bin/python
+(The TRL child imports the project from this checkout through PYTHONPATH: only the config, task
+and chat-template code, which need pyyaml and transformers.) Without TRL the TRL arm is skipped
+with one line saying so (its row shows the reason, no numbers).
 
 Same work on both sides
   model    the demo's tiny Qwen3-MoE (launch/configs/tiny_cpu.yaml model.hf_config), random init
@@ -251,8 +261,10 @@ def child_gspo(result: str, argv: list[str]) -> int:
     marks: list[tuple[float, float]] = []
     orig = loop.push_weights
 
-    def push_weights(parts, version):
-        out = orig(parts, version)
+    # forward whatever else the loop passes (e.g. its async `producer`): the bench only needs to
+    # see when each push ends, and must not break when the signature grows again
+    def push_weights(parts, version, *args, **kwargs):
+        out = orig(parts, version, *args, **kwargs)
         marks.append((time.perf_counter(), time.process_time()))
         return out
 
@@ -292,6 +304,7 @@ def child_trl(result: str, hf_dir: str, config_path: str, steps: int, micro_batc
     from gspo_megatron.rollout.tasks import SyntheticTask
 
     rec["trl_version"] = trl.__version__
+    rec["python"] = sys.executable  # --trl-python: which venv the numbers come from
     r = cfg.rollout
     G, P, M = r.samples_per_prompt, r.prompts_per_step, cfg.train.minibatches_per_step
     if (P * G) % M:
@@ -445,6 +458,17 @@ def aggregate(runs: list[dict]) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def trl_unavailable(python: str) -> str | None:
+    """Why `python` cannot run the TRL arm (None if it has trl): checked before starting the arm,
+    so a machine without TRL does not pay for a child process that only finds that out."""
+    code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('trl') is None)"
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{python} does not run: {type(e).__name__}: {e}"
+    return None if r.returncode == 0 else f"trl is not installed for {python} (--trl-python: a venv with trl)"
+
+
 def arm_command(arm: str, args, hf_dir: str, out_dir: str, result: str) -> tuple[list[str], dict]:
     py, me = sys.executable, os.path.abspath(__file__)
     env = {}
@@ -462,8 +486,9 @@ def arm_command(arm: str, args, hf_dir: str, out_dir: str, result: str) -> tuple
                "logging.progress_bar=false", "logging.plot=false"]
     else:
         env["OMP_NUM_THREADS"] = str(args.threads)
-        cmd = [py, me, "--_child", "trl", "--_result", result, "--_hf_dir", hf_dir, "--_out", out_dir,
-               "--config", args.config, "--steps", str(args.steps), "--micro-batch-tokens", str(args.micro_batch_tokens)]
+        cmd = [args.trl_python or py, me, "--_child", "trl", "--_result", result, "--_hf_dir", hf_dir,
+               "--_out", out_dir, "--config", args.config, "--steps", str(args.steps),
+               "--micro-batch-tokens", str(args.micro_batch_tokens)]
     return cmd, env
 
 
@@ -482,6 +507,11 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true")
     p.add_argument("--timeout", type=float, default=900, help="seconds per arm run")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--trl-python", default=None,
+                   help="interpreter of the TRL arm (a venv with trl; default: this one)")
+    p.add_argument("--smoke", action="store_true",
+                   help="--steps 2 --warmup 1 --rounds 1 --arms gspo_tp1,trl (the TRL arm skipped when TRL is "
+                        "absent): seconds, checks that the harness runs")
     p.add_argument("--summarize", metavar="WORKDIR", default=None,
                    help="only print the table of a kept workdir (same --warmup/--config/--threads)")
     # internal
@@ -497,6 +527,10 @@ def main(argv=None) -> int:
         return child_trl(args._result, args._hf_dir, args.config, args.steps, args.micro_batch_tokens, args._out)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.smoke:
+        # one trainer process (TP1) is the fewest that runs the gspo child's code (TP2 only adds a
+        # second rank of the same code); 2 steps so that one is measured after the warm-up
+        args.steps, args.warmup, args.rounds, args.arms = 2, 1, 1, "gspo_tp1,trl"
     if args.summarize:  # re-render the table of a kept --workdir without running anything
         cfg = load_demo_cfg(args.config, args.micro_batch_tokens)
         names = {d.rsplit(".r", 1)[0] for d in os.listdir(args.summarize) if ".r" in d}
@@ -517,12 +551,19 @@ def main(argv=None) -> int:
     base_env["PYTHONPATH"] = ROOT + os.pathsep + base_env.get("PYTHONPATH", "")
     base_env["TOKENIZERS_PARALLELISM"] = "false"
 
+    trl_missing = trl_unavailable(args.trl_python or sys.executable) if "trl" in arms else None
+    if trl_missing:
+        print(f"[bench_trainer] TRL arm skipped: {trl_missing}", flush=True)
     for rnd in range(args.rounds):
         for arm in arms:
             out_dir = os.path.join(workdir, f"{arm}.r{rnd}")
             shutil.rmtree(out_dir, ignore_errors=True)
             os.makedirs(out_dir)
             result = os.path.join(out_dir, "bench")
+            if arm == "trl" and trl_missing:  # no child to start: its row shows the reason
+                with open(f"{result}.rank0.json", "w") as f:
+                    json.dump({"rank": 0, "skipped": trl_missing}, f)
+                continue
             cmd, env = arm_command(arm, args, hf_dir, out_dir, result)
             print(f"[bench_trainer] round {rnd + 1}/{args.rounds} {arm}: running, log {out_dir}/log.txt", flush=True)
             run = run_arm(arm, cmd, {**base_env, **env}, os.path.join(out_dir, "log.txt"), args.timeout)
@@ -560,6 +601,7 @@ def collect(workdir: str, arms: list[str], warmup: int) -> dict:
                 elif arm == "trl":
                     runs.append(summarize_trl(ranks[0], warmup))
                     info["trl_version"] = ranks[0].get("trl_version")
+                    info["trl_python"] = ranks[0].get("python")
                     info["prompt_ids_match"] = runs[-1]["prompt_ids_match"]
                 else:
                     runs.append(summarize_gspo(out_dir, ranks, warmup))
@@ -644,7 +686,8 @@ def render(results: dict, cfg, args) -> str:
         if i.get("launcher_rss"):
             line += f"; torchrun launcher peak RSS {i['launcher_rss'] / MiB:.0f} MiB (not in the sum)"
         if i.get("trl_version"):
-            line += f"; trl {i['trl_version']}, its prompt token ids equal ours: {i.get('prompt_ids_match')}"
+            line += (f"; trl {i['trl_version']} ({i.get('trl_python')}), its prompt token ids equal ours: "
+                     f"{i.get('prompt_ids_match')}")
         notes.append(line)
     return format_table(headers, rows, title) + "\n" + "\n".join(notes)
 

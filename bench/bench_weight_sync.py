@@ -3,15 +3,16 @@
     python bench/bench_weight_sync.py                     # ~0.7 GB fp32 model, TP2 and EP2
     python bench/bench_weight_sync.py --layers 1 --experts 8 --hidden 512   # quick
     python bench/bench_weight_sync.py --profile           # where rank 0's time goes
+    python bench/bench_weight_sync.py --smoke             # tiny model, TP1 (1 process), 1 pass: seconds
 
-For each layout (TP2 = tp2 + sequence parallel; EP2 = ep2 with dp2), 2 gloo processes (1 thread
-each) build a random-init Qwen3-MoE with `build_policy` + `init_parallel`, then stream it through
-`gspo_megatron.model.export.iter_hf_tensors` (TP / EP gathers, Megatron -> HF conversion; rank 0
-receives the full tensors) into `weight_sync.iter_buckets` (bucket_mb buckets, optional dtype
-cast) — exactly what SGLangEngine.update_weights consumes before its transport. Timed on rank 0
-from the first item to the last bucket (all ranks start together after a barrier), best of
---repeats passes (the median pass is printed too: the machine is shared and noisy); an untimed
-pass first warms the allocator.
+For each layout (TP2 = tp2 + sequence parallel; EP2 = ep2 with dp2: 2 gloo processes, 1 thread
+each; tp1: one process, no gathers, the smoke's layout) build a random-init Qwen3-MoE with
+`build_policy` + `init_parallel`, then stream it through `gspo_megatron.model.export.iter_hf_tensors`
+(TP / EP gathers, Megatron -> HF conversion; rank 0 receives the full tensors) into
+`weight_sync.iter_buckets` (bucket_mb buckets, optional dtype cast) — exactly what
+SGLangEngine.update_weights consumes before its transport. Timed on rank 0 from the first item to
+the last bucket (all ranks start together after a barrier), best of --repeats passes (the median
+pass is printed too: the machine is shared and noisy); an untimed pass first warms the allocator.
 
 Reported next to it, in the same process and thread count: a plain memcpy of the same number of
 bytes (`dst.copy_(src)` of one uint8 buffer, best of 3), and the ratio export / memcpy. The target
@@ -153,13 +154,14 @@ def run_layout(name, layout, args) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, layout, args, q)) for r in range(2)]
+    world = layout["tp"] * layout["ep"]  # the ranks of one TP or EP group (EP2 = DP2 for the dense part)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, layout, args, q)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
     deadline = time.monotonic() + args.timeout
     try:
-        while len(results) < 2:
+        while len(results) < world:
             import queue as _q
 
             try:
@@ -202,11 +204,19 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes (best is reported)")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model (vocab 8192, hidden 128, 1 layer, 4 experts; ~9 MB), 1 MiB buckets, 1 timed pass, "
+                         "layout tp1 only (one process: the export and bucketing without gathers): seconds")
     args = ap.parse_args(argv)
-    layouts = {"tp2": dict(tp=2, ep=1), "ep2": dict(tp=1, ep=2)}
+    if args.smoke:
+        args.vocab, args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim = 8192, 128, 1, 4, 2, 32
+        args.experts, args.moe_inter, args.bucket_mb, args.repeats, args.layouts = 4, 32, 1, 1, "tp1"
+    layouts = {"tp2": dict(tp=2, ep=1), "ep2": dict(tp=1, ep=2), "tp1": dict(tp=1, ep=1)}
+    worlds = {layouts[n]["tp"] * layouts[n]["ep"] for n in args.layouts.split(",")}
+    procs = "2 gloo processes" if worlds == {2} else "1 process" if worlds == {1} else "1 or 2 processes per layout"
     print(f"model: vocab={args.vocab} hidden={args.hidden} layers={args.layers} experts={args.experts} "
           f"moe_inter={args.moe_inter} dtype={args.dtype} cast={args.cast}{' at source' if args.cast_at_source else ''} bucket={args.bucket_mb} MiB; "
-          "2 gloo processes x 1 thread")
+          f"{procs} x 1 thread")
     print(f"{'layout':12s} {'HF bytes':>10s} {'buckets':>8s} {'export s':>9s} {'export GB/s':>12s} "
           f"{'memcpy GB/s':>12s} {'ratio':>7s} {'median':>7s} {'fresh memcpy':>13s} {'ratio':>7s}")
     for name in args.layouts.split(","):

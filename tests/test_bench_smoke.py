@@ -1,13 +1,23 @@
-"""The benches that the docs quote still run: bench/bench_checkpoint.py and bench/bench_data.py in
-their --smoke modes, as subprocesses (as a user runs them), exit status 0 and the rows of their
-printed tables present and consistent. No timing is asserted: only that every measurement is
-there and the counts agree (the CLI's dry run sees the same records as the in-process check)."""
+"""The benches that the docs quote still run: every bench/ script in its --smoke mode, as a
+subprocess (as a user runs it), exit status 0 and the rows of its printed table present and
+consistent. No timing is asserted: only that every measurement is there and the numbers agree
+with each other (e.g. the CLI's dry run sees the same records as the in-process check, a ratio
+column equals the ratio of its columns).
+
+bench_checkpoint and bench_data run one after the other (their own tests below). The other smokes
+(SMOKES) are started together by one module fixture, a few at a time: most of each is process
+start-up (torch + Megatron imports, ~7 s of CPU per process) and waits, which overlap; each bench
+then has its own test on the fixture's output. Elsewhere: bench_dataplane --smoke runs in
+tests/test_dataplane.py, bench_convert and gpu_check in their own tests; bench_vllm --smoke needs a
+vLLM server and runs with the vLLM tests."""
 from __future__ import annotations
 
 import os
 import re
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -87,3 +97,217 @@ def test_bench_data_smoke(tmp_path):
     assert [int(_num(x)) for x in cli[3:6]] == checks["char"], (cli, checks["char"])  # same records, same verdicts
     assert all(_num(x) > 0 for x in cli[6:11]), cli
     assert _left_nothing(workdir), os.listdir(workdir)
+
+
+# ---- the smokes run together ----------------------------------------------------------------
+
+# script -> extra arguments; longest first, so the pool's lanes end together
+SMOKES = {
+    "bench_async.py": [],  # 2 trainer runs (sync, async + partial) against the SGLang double
+    "bench_trainer.py": [],  # our TP1 arm; the TRL arm too where TRL is installed, else one skip line
+    "bench_weight_sync.py": [],
+    "bench_packing.py": [],
+    "bench_load.py": ["--workdir", "{tmp}/load"],
+    "bench_logprobs.py": [],
+    "bench_launch.py": [],
+}
+SMOKE_WORKERS = 3  # concurrent smokes: more only oversubscribes the CPUs further
+SMOKE_TIMEOUT_S = 600  # per smoke, a hang bound (on a quiet 2-core machine all of them take ~1 min)
+
+
+def _smoke(script: str, args: list[str]) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--smoke", *args], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = "timeout", e.stdout or "", e.stderr or ""
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x for x in (out, err))
+    return {"rc": rc, "out": out, "err": err, "wall_s": time.monotonic() - t0}
+
+
+@pytest.fixture(scope="module")
+def smokes(tmp_path_factory) -> dict:
+    tmp = str(tmp_path_factory.mktemp("smokes"))
+    with ThreadPoolExecutor(SMOKE_WORKERS) as pool:
+        futures = {s: pool.submit(_smoke, s, [a.format(tmp=tmp) for a in args]) for s, args in SMOKES.items()}
+        res = {s: f.result() for s, f in futures.items()}
+    # wall time per smoke, for whoever sizes the suite (-s or the captured output of a failure)
+    print("smoke wall s: " + ", ".join(f"{s} {r['wall_s']:.0f}" for s, r in res.items()))
+    res["tmp"] = tmp
+    return res
+
+
+def _ok(smokes: dict, script: str) -> str:
+    r = smokes[script]
+    assert r["rc"] == 0, f"{script} --smoke exited {r['rc']}:\n{r['out'][-4000:]}\n{r['err'][-4000:]}"
+    return r["out"]
+
+
+def _close(printed: float, value: float, decimals: int, rel: float = 0.0) -> bool:
+    """`printed` is `value` rounded to `decimals` (plus a relative slack for values derived from
+    other rounded numbers)."""
+    return abs(printed - value) <= 0.5 * 10 ** -decimals + 1e-9 + rel * abs(value)
+
+
+def test_smokes_all_ran():
+    """Every script in bench/ has a smoke run somewhere (here, or the test named in the docstring)."""
+    elsewhere = {"bench_checkpoint.py", "bench_data.py", "bench_dataplane.py", "bench_convert.py", "gpu_check.py",
+                 "bench_vllm.py", "common.py"}
+    scripts = {f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
+    assert scripts - elsewhere == set(SMOKES), scripts - elsewhere ^ set(SMOKES)
+
+
+@pytest.mark.timeout(1200)
+def test_bench_async_smoke(smokes):
+    out = _ok(smokes, "bench_async.py")
+    assert re.search(r"^2 steps, 1 trainer process \(TP1\), the double at 2 ms/token$", out, re.M), out
+    _row(out, r"^async_steps\s+partial\s+wall s\s+t_step\s+rollout\s+pi_old\s+train\s+push\s+stale max\s+dropped"
+              r"\s+carried\s+peak MiB$")
+    rows = {}
+    assert not re.search(r"^\s+1\s+False\s", out, re.M), out  # the smoke leaves plain async out
+    for k, partial in (("0", "False"), ("1", "True")):
+        row = _row(out, rf"^\s+{k}\s+{partial}\s")
+        wall, t_step, *phases = (_num(x) for x in row[2:8])
+        stale, dropped, carried, peak = (_num(x) for x in row[8:12])
+        assert wall > 0 and t_step > 0 and all(x >= 0 for x in phases) and peak > 0, row
+        assert stale <= int(k), row  # staleness never exceeds rollout.async_steps
+        assert dropped >= 0 and carried >= 0, row
+        if partial == "False":
+            assert carried == 0, row  # only partial rollouts carry samples over a push
+        rows[(k, partial)] = t_step
+    m = re.search(rf"^speed-up async \+ partial rollouts / sync: step time ({NUM})x, whole run ({NUM})x", out, re.M)
+    assert m, out
+    sync_t, part_t = rows[("0", "False")], rows[("1", "True")]
+    # the printed ratio is of the unrounded step times; the rows show them to 2 decimals
+    slack = (sync_t / part_t) * (0.005 / sync_t + 0.005 / part_t) * 1.1
+    assert abs(_num(m[1]) - sync_t / part_t) <= 0.005 + slack, (m[0], rows)
+
+
+@pytest.mark.timeout(1200)
+def test_bench_trainer_smoke(smokes):
+    out = _ok(smokes, "bench_trainer.py")
+    skipped = re.search(r"^\[bench_trainer\] TRL arm skipped: (.+)$", out, re.M)
+    lines = out.splitlines()
+    header = next((ln for ln in lines if ln.startswith("arm ") and "tokens/s" in ln), None)
+    assert header is not None and header.split()[-1] == "TRL", out
+    cells = {}
+    for label in ("gspo-megatron TP1, 1 proc", "TRL GRPOTrainer GSPO, 1 proc"):
+        rows = [ln[len(label):].split() for ln in lines if ln.startswith(label)]
+        assert len(rows) == 1, (label, out)
+        cells[label] = rows[0]
+    assert not any(ln.startswith("gspo-megatron TP2") for ln in lines), out  # the smoke runs TP1 only
+    ours = cells["gspo-megatron TP1, 1 proc"]
+    assert len(ours) == 16, ours  # threads + 15 measurements
+    s_step, best, tok, tok_s = (_num(x) for x in ours[1:5])
+    assert 0 < best <= s_step + 0.005 and tok > 0, ours  # best step <= the mean (printed with 2 decimals)
+    # one measured step: tokens/s = tokens of that step / its time (printed to 2 decimals)
+    assert abs(tok_s - tok / s_step) <= tok_s * (0.006 / s_step + 0.002) + 1, ours
+    rollout, old, train, sync, cpu, tok_cpu = (_num(x) for x in ours[6:12])
+    assert min(rollout, old, train, sync) >= 0 and cpu > 0 and tok_cpu > 0, ours
+    assert rollout + old + train + sync <= s_step + 0.05, ours  # the phases are parts of the step
+    assert 0 < _num(ours[13]) <= 8, ours  # response length <= max_new_tokens of tiny_cpu.yaml
+    assert _num(ours[14]) > 0, ours  # peak RSS MiB
+    assert re.search(r"^gspo_tp1: 1 run\(s\), 1 measured steps; run wall \d+s;", out, re.M), out
+    trl = cells["TRL GRPOTrainer GSPO, 1 proc"]
+    if skipped:  # no TRL: its row names no numbers, ours none relative to it
+        assert trl[1] == "skipped" and set(trl[2:]) == {"-"}, trl
+        assert ours[5] == ours[12] == ours[15] == "n/a", ours
+        assert re.search(r"^trl: .*SKIPPED: trl is not installed", out, re.M), out
+    else:
+        assert ours[5].endswith("x") and trl[5] == "1.00x" and trl[15] == "1.00x", (ours, trl)
+        assert re.search(r"its prompt token ids equal ours: True", out), out
+
+
+@pytest.mark.timeout(1200)
+def test_bench_weight_sync_smoke(smokes):
+    out = _ok(smokes, "bench_weight_sync.py")
+    assert re.search(r"^model: vocab=8192 hidden=128 layers=1 experts=4 .* bucket=1 MiB; 1 process x 1 thread$", out,
+                     re.M), out
+    _row(out, r"^layout\s+HF bytes\s+buckets\s+export s\s+export GB/s\s+memcpy GB/s\s+ratio\s+median\s+fresh memcpy"
+              r"\s+ratio$")
+    row = _row(out, r"^tp1\s")
+    assert not re.search(r"^(tp2|ep2)\s", out, re.M), out  # the smoke: one layout, one process
+    assert row[1].endswith("G") and _num(row[1][:-1]) > 0, row  # ~9 MB of HF tensors
+    buckets, export_s, ex, mc = int(_num(row[2])), _num(row[3]), _num(row[4]), _num(row[5])
+    assert buckets >= 2 and export_s >= 0 and ex > 0 and mc > 0, row  # 1 MiB buckets: more than one
+    assert row[6].endswith("%") and _close(_num(row[6][:-1]), 100 * ex / mc, 1, rel=0.05), row
+    assert row[7] == row[6], row  # one timed pass: its median is the best
+    fresh = _num(row[8])
+    assert row[9].endswith("%") and _close(_num(row[9][:-1]), 100 * ex / fresh, 1, rel=0.05), row
+
+
+@pytest.mark.timeout(1200)
+def test_bench_packing_smoke(smokes):
+    out = _ok(smokes, "bench_packing.py")
+    m = re.search(rf"real tokens ({NUM})$", out, re.M)
+    assert m, out
+    real = int(_num(m[1]))
+    _row(out, r"^layout / arm\s+micro\s+positions\s+real tok\s+pad frac\s+attn M\s+s/step\s+tok/s\s+peak MiB\s+"
+              r"\+MiB\s+packed/pad$")
+    steps = {}
+    for arm in ("padded", "packed"):
+        row = _row(out, rf"^tp1 {arm}\s")
+        micro, positions, real_tok = (int(_num(x)) for x in row[2:5])
+        assert micro >= 1 and real_tok == real and positions >= real, row  # same samples in both arms
+        assert _close(_num(row[5]), 1 - real / positions, 3), row
+        s_step, tok_s = _num(row[7]), _num(row[8])
+        assert s_step > 0 and abs(tok_s - real / s_step) <= 0.01 * tok_s + 1, row
+        assert _num(row[9]) > 0, row
+        steps[arm] = (s_step, row)
+    speedup = steps["packed"][1][11]
+    assert speedup.endswith("x") and _close(_num(speedup[:-1]), steps["padded"][0] / steps["packed"][0], 2, rel=0.02)
+    # the bench's own correctness check passed (exit 0): padded and packed agree
+    assert re.search(r"^tp1: loss padded \S+ packed \S+ rel diff \S+; grad rel diff \S+;", out, re.M), out
+
+
+@pytest.mark.timeout(1200)
+def test_bench_load_smoke(smokes):
+    out = _ok(smokes, "bench_load.py")
+    assert re.search(r"^checkpoint .* \(written in .*\): \d+ MiB fp32 in \d+ shards", out, re.M), out
+    _row(out, r"^method\s+rank\s+load s\s+baseline\s+after build\s+params\s+peak\s+ru_maxrss\s+overhead\s+/ckpt")
+    for method in ("stream", "close", "pread", "naive"):
+        row = _row(out, rf"^{method}\s+0\s")  # one rank (TP1)
+        assert _num(row[2]) > 0 and all(_num(x) > 0 for x in row[3:8]), row
+        if method == "naive":
+            assert row[13:15] == ["1.00", "1.00"], row  # the reference of the "vs naive" columns
+    m = re.search(r"^verified per rank: every parameter written, (.*)$", out, re.M)
+    assert m, out
+    assert all(re.search(rf"{x} \d+ params == HF slices", m[1]) for x in ("stream", "close", "pread", "naive")), m[0]
+    assert "(checkpoint deleted; --keep to reuse it)" in out
+    assert _left_nothing(os.path.join(smokes["tmp"], "load")), os.listdir(os.path.join(smokes["tmp"], "load"))
+
+
+@pytest.mark.timeout(1200)
+def test_bench_logprobs_smoke(smokes):
+    out = _ok(smokes, "bench_logprobs.py")
+    assert re.search(r"^# tokens=256 vocab=4096 hidden=64 threads=1 repeats=1", out, re.M), out
+    hidden_only = ("fused", "mm3", "mm4")  # they take hidden states and the weight, not logits
+    for section in ("logits", "hidden"):
+        for method in ("naive", "megatron", "chunked", "fused", "mm3", "mm4"):
+            pattern = rf"^{section}\s+1\s+fp32\s+{method}\s"
+            if section == "logits" and method in hidden_only:
+                assert not re.search(pattern, out, re.M), out
+                continue
+            row = _row(out, pattern)
+            t, x_meg = (float(x) for x in row[4:6])
+            peak, extra, logits, ratio = (float(x) for x in row[6:10])
+            assert t > 0 and logits > 0 and extra <= peak, row
+            # extra/logits is printed from unrounded MiB; extra and logits themselves rounded to 1 MiB
+            assert abs(ratio * logits - extra) <= 0.5 + 0.5 * abs(ratio) + 0.001 * logits, row
+            if method == "megatron":
+                assert x_meg == 1.0, row
+
+
+@pytest.mark.timeout(1200)
+def test_bench_launch_smoke(smokes):
+    out = _ok(smokes, "bench_launch.py")
+    _row(out, r"^case\s+exit\s+expected\s+runs\s+median s\s+min s\s+max s$")
+    for case, rc in (("dry-run", 0), ("dry-run-bad-key", 2)):
+        row = _row(out, rf"^{case}\s")
+        assert row[1:4] == [str(rc), str(rc), "1"], row  # the exit status it should have, 1 run
+        med, lo, hi = (_num(x) for x in row[4:7])
+        assert 0 < lo == med == hi, row  # one run: its time is the median, min and max
+    assert re.search(r"^dry-run-bad-key: gspo_megatron\.train: error: unknown config key 'trian'", out, re.M), out

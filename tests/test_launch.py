@@ -670,22 +670,63 @@ def test_planner_cli_text_and_errors(capsys):
     assert pl["layout"]["tp"] == 1 and pl["layout"]["dp"] == 2
 
 
+# `python -m gspo_megatron.train ARGS` as runpy runs it, plus a report written at exit (to a file:
+# stdout and stderr stay the CLI's own) of what an early exit promises not to have done: import
+# Megatron, import the modules that build the model or the process groups (parallel/state.py
+# holds the only init_process_group call), or leave torch.distributed initialised.
+_PROBE = r"""
+import atexit, json, os, runpy, sys
+
+HEAVY = ("gspo_megatron.parallel.state", "gspo_megatron.model.factory", "gspo_megatron.train.loop")
+
+
+def _report():
+    dist = sys.modules.get("torch.distributed")
+    with open(os.environ["GSPO_PROBE_OUT"], "w") as f:
+        json.dump({"megatron": sorted(m for m in sys.modules if m.split(".")[0] == "megatron"),
+                   "heavy": [m for m in HEAVY if m in sys.modules],
+                   "dist_initialized": bool(dist and dist.is_available() and dist.is_initialized())}, f)
+
+
+atexit.register(_report)
+sys.argv = ["gspo_megatron.train", *sys.argv[1:]]
+runpy.run_module("gspo_megatron.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def _cli_probed(tmp_path, *args) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run the trainer's CLI in a fresh process; return its result and what it had loaded at exit."""
+    report = tmp_path / f"probe{len(list(tmp_path.glob('probe*.json')))}.json"
+    r = subprocess.run([sys.executable, "-c", _PROBE, "--config", preset("tiny_cpu"), *args], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT,
+                       env=dict(os.environ, PYTHONWARNINGS="ignore", GSPO_PROBE_OUT=str(report)))
+    assert report.exists(), r.stdout[-2000:] + r.stderr[-2000:]
+    return r, json.loads(report.read_text())
+
+
+def _before_heavy_work(probe: dict) -> None:
+    """What "fails fast" stands for (these tests used to assert `dt < 5` s; the time is now measured
+    by bench/bench_launch.py): Megatron never imported, no model built, no process group."""
+    assert probe["megatron"] == [], probe["megatron"][:10]
+    assert probe["heavy"] == [], probe["heavy"]
+    assert probe["dist_initialized"] is False
+
+
 def _dry_run_fails(tmp_path, *overrides) -> str:
     """The dry run's one error line. It stops before any heavy work: no plan is printed (the plan
-    comes after the inputs check) and the process never starts torch.distributed (the dry run
-    has no code that would; timing it belongs in a bench, not here)."""
-    r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", preset("tiny_cpu"), "--dry-run",
-                        *overrides], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    comes after the inputs check), Megatron is not imported, no model or process group is built."""
+    r, probe = _cli_probed(tmp_path, "--dry-run", *overrides)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("gspo_megatron.train: error: "), r.stderr[-2000:]
     assert r.stdout == "", r.stdout[-2000:]
+    _before_heavy_work(probe)
     return lines[0]
 
 
 def test_dry_run_checks_data_tokenizer_and_warm_start(tmp_path):
-    """--dry-run reads what the trainer would read before its process groups: one line each, fast."""
+    """--dry-run reads what the trainer would read before its process groups: one line each, before any
+    heavy work (Megatron not imported, no model, no process group)."""
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
     tok = tmp_path / "tok"
@@ -695,9 +736,9 @@ def test_dry_run_checks_data_tokenizer_and_warm_start(tmp_path):
                     '{"question": "3+3?", "answer": "6"}\n')
     file_data = ["data.source=file", f"data.path={data}", "reward.fn=math", f"model.tokenizer={tok}"]
     # a record without the prompt key is reported (training skips it and counts it in data_skipped)
-    ok = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", preset("tiny_cpu"), "--dry-run",
-                         *file_data, "train.sft_warmup_steps=0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    ok, probe = _cli_probed(tmp_path, "--dry-run", *file_data, "train.sft_warmup_steps=0")
     assert ok.returncode == 0, ok.stderr[-2000:]
+    _before_heavy_work(probe)  # a dry run that passes does not start the trainer either
     assert "3 records checked in" in ok.stdout and "2 usable, 1 skipped by training (record 3 has no key 'prompt'" \
         in ok.stdout and "data.prompt_key" in ok.stdout, ok.stdout
     # every record without the key: a wrong data.prompt_key, one line

@@ -13,7 +13,6 @@ carries the engine log-prob) of the policy that produced it.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -147,9 +146,9 @@ def test_sglang_engine_interrupt_cuts_running_requests(tok, tmp_path):
         try:
             sp = SamplingParams(temperature=1.0, max_new_tokens=8)
             threading.Timer(0.35, eng.interrupt).start()
-            t0 = time.monotonic()
             out = eng.generate([[5, 6, 7], [8, 9]], 2, sp)
-            assert time.monotonic() - t0 < 0.75  # answered at the abort, not after 8 tokens
+            # answered at the abort, not after 8 tokens: aborted rows with fewer tokens than asked for
+            # (no wall-clock bound: a loaded machine would make one flaky)
             assert [s.finish_reason for s in out] == ["abort"] * 4  # partial rows, not retried
             assert all(1 <= len(s.response_ids) < 8 and len(s.response_logprobs) == len(s.response_ids)
                        for s in out), [len(s.response_ids) for s in out]
