@@ -160,7 +160,7 @@ def _init(layout: dict, cfg: dict):
     import torch
     import torch.distributed.checkpoint  # noqa: F401
 
-    import converters.mcore  # noqa: F401
+    import gspo_megatron.checkpoint.mcore  # noqa: F401
     import gspo_megatron.model.factory  # noqa: F401
     import gspo_megatron.parallel.ddp  # noqa: F401
     import gspo_megatron.train.checkpoint  # noqa: F401

@@ -1,6 +1,7 @@
 """Throughput and peak memory of `gspo-convert` in both directions, next to a plain file copy.
 
     python bench/bench_convert.py [--workdir /tmp/x] [--layers 12 --experts 64 ...]
+    python bench/bench_convert.py --smoke     # a ~1 MB model, one run each: the harness runs (seconds)
 
 Builds a synthetic Qwen3-MoE (random bf16 weights, many small expert tensors, written straight
 into safetensors shards, so creating it takes seconds), then on the same disk:
@@ -36,7 +37,7 @@ def synth_config(a) -> dict:
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": a.vocab,
         "hidden_size": a.hidden, "intermediate_size": a.hidden * 3, "num_hidden_layers": a.layers,
         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
-        "num_experts": a.experts, "num_experts_per_tok": 8, "moe_intermediate_size": a.moe_inter,
+        "num_experts": a.experts, "num_experts_per_tok": min(8, a.experts), "moe_intermediate_size": a.moe_inter,
         "norm_topk_prob": True, "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "max_position_embeddings": 4096, "hidden_act": "silu", "torch_dtype": "bfloat16",
         "decoder_sparse_step": 1, "mlp_only_layers": [],
@@ -58,7 +59,7 @@ def write_synthetic_hf(d: str, a) -> int:
         json.dump({"bos_token_id": 0, "eos_token_id": 1}, f)
     shapes = hf_shapes(Qwen3MoeArch.from_hf_dict(cfg))
     g = torch.Generator().manual_seed(0)
-    pool = torch.randn(1 << 26, generator=g).to(torch.bfloat16)  # 128 MB of random values
+    pool = torch.randn(a.pool_numel, generator=g).to(torch.bfloat16)  # 128 MB of random values (default)
     limit = a.hf_shard_mb * 1024**2
     shards: list[dict[str, torch.Tensor]] = [{}]
     size, total, weight_map = 0, 0, {}
@@ -147,8 +148,29 @@ def run_measured(cmd: list[str]) -> tuple[float, int, str]:
     return r["wall"], r["maxrss_kb"] * 1024, r["stderr"]
 
 
+def run_in_process(cmd: list[str]) -> tuple[float, int, str]:
+    """--smoke: (wall seconds, 0 = no peak RSS, stderr) of the gspo-convert command `cmd` run in
+    this process (converters.cli.main): a converter subprocess spends seconds starting up and
+    importing torch, which is what the full bench measures but not what a smoke run is for."""
+    import contextlib
+    import io
+
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from converters.cli import main as convert
+
+    err = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stderr(err):
+        rc = convert(cmd[cmd.index("converters.cli") + 1:])
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"command failed ({rc}): {' '.join(cmd)}\n{err.getvalue()[-3000:]}")
+    return wall, 0, err.getvalue()
+
+
 def check_bit_exact(a: str, b: str) -> int:
-    from converters.safetensors_data import SafetensorsData
+    from gspo_megatron.checkpoint.safetensors_data import SafetensorsData
     from gspo_megatron.model.hf_io import HFCheckpointReader
 
     ra, rb = HFCheckpointReader(a), HFCheckpointReader(b)
@@ -179,7 +201,15 @@ def main(argv=None) -> int:
                    help="--max-shard-size for both conversions (mcore-to-hf buffers one shard in memory)")
     p.add_argument("--threads", type=int, default=1, help="hf-to-mcore --threads")
     p.add_argument("--repeat", type=int, default=3, help="runs per operation; the fastest counts (busy machines are noisy)")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny model (2 layers x 4 experts, ~1 MB), one run per operation: a check that the bench "
+                        "runs and its round trip is bit-exact (seconds; tests/test_converters.py runs it); no "
+                        "timing in it means anything")
     a = p.parse_args(argv)
+    a.pool_numel = 1 << 26  # the random values tensors are cut from; larger than any tensor
+    if a.smoke:
+        a.layers, a.experts, a.hidden, a.moe_inter, a.heads, a.kv_heads, a.head_dim = 2, 4, 64, 32, 4, 2, 16
+        a.vocab, a.hf_shard_mb, a.out_shard_size, a.repeat, a.pool_numel = 256, 1, "256KB", 1, 1 << 16
 
     work = a.workdir or tempfile.mkdtemp(prefix="bench_convert_", dir="/tmp")
     os.makedirs(work, exist_ok=True)
@@ -213,7 +243,7 @@ def main(argv=None) -> int:
 
         def convert(args, out):
             shutil.rmtree(out, ignore_errors=True)
-            wall, rss, err = run_measured(cli + args)
+            wall, rss, err = (run_in_process if a.smoke else run_measured)(cli + args)
             m = re.search(r"in ([0-9.]+) s \(", err)  # the CLI's own timing, after start-up
             flush = fsync_tree(out)  # until the bytes are on disk, like the copy
             return wall + flush, (float(m.group(1)) if m else float("nan")) + flush, rss
@@ -232,12 +262,15 @@ def main(argv=None) -> int:
                 runs[k].append(fn())
         res = {k: (min(r[0] for r in v), min(r[1] for r in v), max(r[2] or 0 for r in v)) for k, v in runs.items()}
         n = check_bit_exact(hf, hf2)
-        idle_wall, idle_rss, _ = run_measured([sys.executable, "-c", "import torch, converters.mcore"])
+        if a.smoke:
+            idle = "not measured (--smoke)"
+        else:
+            idle_wall, idle_rss, _ = run_measured([sys.executable, "-c", "import torch, gspo_megatron.checkpoint.mcore"])
+            idle = f"{idle_wall:.1f} s, {idle_rss / 2**20:.0f} MiB RSS"
 
         print(f"\nround trip HF -> mcore -> HF bit-exact for all {n} tensors")
         print(f"model: {model_bytes / 1e9:.3f} GB of tensors ({disk_bytes / 1e9:.3f} GB on disk); "
-              f"--max-shard-size {a.out_shard_size}; interpreter + imports alone: {idle_wall:.1f} s, "
-              f"{idle_rss / 2**20:.0f} MiB RSS\n")
+              f"--max-shard-size {a.out_shard_size}; interpreter + imports alone: {idle}\n")
         base = res["copy"][0]
         print(f"{'':<14}{'-- wall, incl. start-up --':>28}{'-- conversion only --':>28}")
         print(f"{'operation':<14}{'seconds':>10}{'GB/s':>8}{'vs copy':>10}{'seconds':>10}{'GB/s':>8}{'vs copy':>10}"
@@ -250,7 +283,8 @@ def main(argv=None) -> int:
             print(cells)
         print(f"\n(best of {a.repeat} interleaved runs, os.sync() before each; every time includes fsync of "
               "the written files; 'vs copy' = copy time / time; 'conversion only' excludes interpreter "
-              "start-up and imports, as timed by the CLI itself; peak RSS of the converter process)")
+              "start-up and imports, as timed by the CLI itself; peak RSS of the converter process"
+              + ("; --smoke: conversions in this process, no RSS, times meaningless)" if a.smoke else ")"))
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -317,7 +317,7 @@ class Check:
 
 def _masters(ckpt: str) -> dict:
     """The fp32 master weights (optimizer.state.param.*) of a torch_dist checkpoint, global tensors."""
-    from converters.dcp_io import DcpReader
+    from gspo_megatron.checkpoint.dcp_io import DcpReader
 
     r = DcpReader(ckpt)
     try:
@@ -581,7 +581,7 @@ def main(argv=None) -> int:
         return f"{len(a)} tensors bit-identical"
 
     def checkpoint():
-        from converters.dcp_io import DcpReader
+        from gspo_megatron.checkpoint.dcp_io import DcpReader
 
         r = DcpReader(ckpt(run_dir, 3))
         try:

@@ -1,6 +1,7 @@
 """gspo-convert: Qwen3-MoE checkpoints between Hugging Face safetensors and Megatron-Core torch_dist.
 
-`converters.mcore` holds the API (conversion both ways, saving/loading the sharded model),
-`converters.cli` the `gspo-convert` command; the HF <-> Megatron tensor map itself is
-`gspo_megatron.model.mapping`, used here as is.
+Only the command lives here (`converters.cli`: arguments, progress, exit codes). The formats are
+the library's checkpoint package (`gspo_megatron.checkpoint.mcore` holds the conversion both ways,
+saving/loading the sharded model), which the trainer and `gspo_megatron.score` use too; the HF <->
+Megatron tensor map itself is `gspo_megatron.model.mapping`.
 """

@@ -45,11 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-to-mcore", help="Hugging Face safetensors -> Megatron torch_dist",
         description="Convert a Hugging Face Qwen3-MoE checkpoint (safetensors shards + index, or one "
                     "model.safetensors) into a Megatron-Core torch_dist checkpoint that loads at any "
-                    "TP/PP/EP/ETP layout (gspo_megatron.score --load, the trainer), as a Megatron-LM "
-                    "checkpoint root: <out>/release/ and <out>/latest_checkpointed_iteration.txt, which "
-                    "Megatron-LM and Megatron-Bridge 0.3.1 load too. The HF config, generation config and "
-                    "tokenizer files are kept in <out>/release/hf_config/, Megatron-Bridge's run_config.yaml "
-                    "beside it.",
+                    "TP/PP/EP/ETP layout (gspo_megatron.score --load, the trainer's model.load), as a "
+                    "Megatron-LM checkpoint root holding iteration 0: <out>/iter_0000000/, "
+                    "<out>/latest_checkpointed_iteration.txt and Megatron-Bridge's latest_train_state.pt, "
+                    "which Megatron-LM and Megatron-Bridge 0.3.1 (AutoBridge.load_megatron_model included) "
+                    "load too. The HF config, generation config and tokenizer files are kept in "
+                    "<out>/iter_0000000/hf_config/, Megatron-Bridge's run_config.yaml beside it.",
     )
     h2m.add_argument("--hf-dir", required=True, metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors)")
     common(h2m, "largest torch_dist data file (.distcp); a tensor larger than this gets a file of its own;", "5GB")
@@ -102,10 +103,10 @@ def _within(path: str, parent: str) -> bool:
 
 def converter_output(path: str, command: str) -> bool:
     """Whether `path` looks like what `command` writes (the only kind --overwrite replaces):
-    hf-to-mcore a Megatron-LM root (tracker + release/ or iter_*), mcore-to-hf an HF directory
-    (config.json + safetensors)."""
+    hf-to-mcore a Megatron-LM root (tracker + iter_*, or release/ from earlier versions),
+    mcore-to-hf an HF directory (config.json + safetensors)."""
     if command == "hf-to-mcore":
-        from converters.megatron_dirs import TRACKER, is_root
+        from gspo_megatron.checkpoint.megatron_dirs import TRACKER, is_root
 
         return is_root(path) and os.path.isfile(os.path.join(path, TRACKER))
     names = os.listdir(path)
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     started = False
     with user_errors(PROG):
-        from converters import mcore
+        from gspo_megatron.checkpoint import mcore
 
         max_size = _size(args.max_shard_size)
         inputs = [args.hf_dir] if args.command == "hf-to-mcore" else [args.load, args.hf_config_dir]

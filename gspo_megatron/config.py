@@ -212,6 +212,23 @@ class ModelConfig:
             check_hf_config(self.hf_config, "model.hf_config")
 
 
+@dataclass(frozen=True)
+class LoadSource:
+    """What model.load's checkpoint holds, read from disk where the run is set up
+    (gspo_megatron/train/setup.py read_load_source), before any model is built. This module parses
+    and validates; it reads no checkpoint format (Megatron-LM roots and trackers, Megatron-Bridge's
+    run_config.yaml, Megatron-LM's run arguments are gspo_megatron/checkpoint/'s): importing that
+    package from here closed an import circle (config -> checkpoint -> model -> config)."""
+    # The torch_dist directory model.load stands for (a Megatron-LM root: the iteration its
+    # tracker names, else its newest iter_*).
+    directory: str
+    # Its hf_config/ (config.json, maybe tokenizer files), when present.
+    hf_config_dir: Optional[str] = None
+    # (HF config dict, source path) from Megatron-Bridge's run_config.yaml or Megatron-LM's run
+    # arguments, for a checkpoint without hf_config/; None when it carries neither.
+    carried: Optional[tuple] = None
+
+
 def _read_json_object(path: str, option: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
@@ -916,9 +933,11 @@ class Config:
             raise ConfigError("train.routing_replay=rollout needs the engine's experts, which vLLM 0.32 cannot return "
                               "on this path: use rollout.backend=sglang or train.routing_replay=old")
         v = self.rollout.vllm
-        if self.rollout.backend == "vllm" and v.launch and v.model_path is None and self.model.hf_dir is None:
-            raise ConfigError("rollout.vllm.launch=true needs rollout.vllm.model_path or model.hf_dir "
-                              "(vLLM starts from a checkpoint directory)")
+        if (self.rollout.backend == "vllm" and v.launch and v.model_path is None and self.model.hf_dir is None
+                and self.model.hf_config is None and self.model.load is None):
+            raise ConfigError("rollout.vllm.launch=true needs rollout.vllm.model_path, model.hf_dir, model.hf_config or "
+                              "model.load (vLLM starts from a checkpoint directory, or from the architecture with dummy "
+                              "weights)")
         s = self.rollout.sglang
         if (
             self.rollout.backend == "sglang"
@@ -990,52 +1009,42 @@ class Config:
 
     # ---- architecture -------------------------------------------------------------------
 
-    def load_dir(self) -> str | None:
-        """model.load's torch_dist directory (a Megatron-LM root resolves to the iteration its
-        tracker names: converters/megatron_dirs.py); None without model.load."""
-        m = self.model
-        if m.load is None or not os.path.isdir(m.load):
-            return m.load
-        from converters.megatron_dirs import resolve
+    def _need_load_source(self, load: "LoadSource | None") -> None:
+        if self.model.load is not None and load is None:  # a caller's bug, not bad input
+            raise ValueError("model.load is set: its checkpoint is read where the run is set up "
+                             "(gspo_megatron.train.setup.read_load_source(cfg)); pass that here")
 
-        try:
-            return resolve(m.load)
-        except ValueError as e:
-            raise ConfigError(f"model.load: {e}") from None
-
-    def model_sources(self) -> list[tuple[str, str]]:
-        """(option, directory) of the checkpoints that carry an HF config, in the order of
-        precedence: model.load's hf_config/ (when present), then model.hf_dir."""
-        m = self.model
+    def model_sources(self, load: "LoadSource | None" = None) -> list[tuple[str, str]]:
+        """(option, directory) of the checkpoints that carry an HF config (and maybe tokenizer
+        files), in the order of precedence: model.load's hf_config/ (when present), then
+        model.hf_dir. `load`: what model.load's checkpoint holds (needed when model.load is set)."""
+        self._need_load_source(load)
         out = []
-        load = self.load_dir()
-        if load is not None and os.path.isfile(os.path.join(load, "hf_config", "config.json")):
-            out.append(("model.load", os.path.join(load, "hf_config")))
-        if m.hf_dir is not None:
-            out.append(("model.hf_dir", m.hf_dir))
+        if load is not None and load.hf_config_dir is not None:
+            out.append(("model.load", load.hf_config_dir))
+        if self.model.hf_dir is not None:
+            out.append(("model.hf_dir", self.model.hf_dir))
         return out
 
-    def _config_sources(self) -> list[tuple[str, str, dict]]:
+    def _config_sources(self, load: "LoadSource | None") -> list[tuple[str, str, dict]]:
         """(option, path, config dict) of every checkpoint config, in model_sources' order; a
-        model.load without hf_config/ but with Megatron-Bridge's run_config.yaml gives that."""
+        model.load without hf_config/ but with Megatron-Bridge's run_config.yaml (or Megatron-LM's
+        run arguments) gives that."""
         out = [(opt, os.path.join(d, "config.json"), _read_json_object(os.path.join(d, "config.json"), opt))
-               for opt, d in self.model_sources()]
-        load = self.load_dir()
-        if load is not None and not any(opt == "model.load" for opt, *_ in out) and os.path.isdir(load):
-            from converters.megatron_dirs import carried_config
-
-            got = carried_config(load)
-            if got is not None:
-                out.insert(0, ("model.load", got[1], got[0]))
+               for opt, d in self.model_sources(load)]
+        if load is not None and load.hf_config_dir is None and load.carried is not None:
+            out.insert(0, ("model.load", load.carried[1], load.carried[0]))
         return out
 
-    def hf_config_dict(self) -> dict:
-        """The model architecture as a Qwen3MoeConfig dict: the config.json a checkpoint carries
-        (model.load's hf_config/, else model.hf_dir), else the inline hf_config. Every other
+    def hf_config_dict(self, load: "LoadSource | None" = None) -> dict:
+        """The model architecture as a Qwen3MoeConfig dict: the config a checkpoint carries
+        (model.load's, else model.hf_dir's config.json), else the inline hf_config. Every other
         source given must agree with it field by field — never a silent override (a smaller inline
-        vocab_size used to load a larger checkpoint's embedding cut to its first rows)."""
+        vocab_size used to load a larger checkpoint's embedding cut to its first rows). `load`:
+        what model.load's checkpoint holds, read by train/setup.py read_load_source (required
+        when model.load is set)."""
         m = self.model
-        configs = self._config_sources()
+        configs = self._config_sources(load)
         if not configs:
             if m.hf_config is None:
                 raise ConfigError(f"model.load: {m.load} has no hf_config/config.json (nor a Megatron-Bridge "
@@ -1304,5 +1313,8 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     data = apply_overrides(data, list(overrides or ()))
     cfg = Config.from_dict(data)
     cfg.check_paths()
-    cfg.check_model()
+    if cfg.model.load is None:
+        # With model.load the architecture is the checkpoint's, which is read where the run is set
+        # up (train/setup.py check_inputs: the same checks, still before Megatron is imported).
+        cfg.check_model()
     return cfg

@@ -246,7 +246,12 @@ def default_world_size(cfg: Config) -> int:
 
 def plan(config: Config, world_size: int) -> dict:
     """Validate `config` on `world_size` ranks and describe the layout (a JSON-able dict)."""
-    hf = config.hf_config_dict()
+    load = None
+    if config.model.load is not None:  # the checkpoint's architecture, read as the trainer reads it
+        from gspo_megatron.train.setup import read_load_source
+
+        load = read_load_source(config)
+    hf = config.hf_config_dict(load)
     config.validate_world(world_size, hf)
     d = hf_model_dims(hf)
     p = config.parallel

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         dtype = parse_dtype(args.dtype)
         # Everything that can be checked without process groups is checked first, on every rank.
         if args.load:
-            from converters.mcore import read_mcore_arch
+            from gspo_megatron.checkpoint.mcore import read_mcore_arch
 
             arch = read_mcore_arch(args.load)
             reader = None
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         try:
             chunks, _ = build_policy(ctx, arch, reader=reader, dtype=dtype)
             if args.load:
-                from converters.mcore import load_mcore_into_model
+                from gspo_megatron.checkpoint.mcore import load_mcore_into_model
 
                 load_mcore_into_model(chunks, args.load)
             out = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size,

@@ -77,7 +77,7 @@ def hub_named_grads(model) -> dict[str, torch.Tensor]:
 
 def dcp_tensors(d, part: str = "") -> dict[str, torch.Tensor]:
     """Every global tensor of a torch_dist checkpoint directory whose key contains `part`."""
-    from converters.dcp_io import DcpReader
+    from gspo_megatron.checkpoint.dcp_io import DcpReader
 
     r = DcpReader(str(d))
     try:

@@ -29,8 +29,12 @@ from safetensors.torch import load_file, save_file
 from dist_utils import run_distributed
 from megatron_utils import hf_token_logprobs, make_tiny_hf, random_sequences
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGPROB_TOL = 1e-4
 LENGTHS = [5, 17, 9, 12]
+# hf-to-mcore --out R writes R/iter_0000000/ (a Megatron-LM root holding iteration 0, as
+# Megatron-Bridge saves a converted model: gspo_megatron/checkpoint/megatron_dirs.py)
+ITER0 = "iter_0000000"
 TOKENIZER_FILES = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": '{"model_max_length": 64}'}
 
 
@@ -87,7 +91,7 @@ def test_roundtrip_is_bit_exact(ckpts, case, tmp_path):
     _, cases = ckpts
     hf, mc, _ = cases[case]
     assert len(glob.glob(str(hf / "*.safetensors"))) > 1  # the input is really sharded
-    assert sorted(os.listdir(mc / "release" / "hf_config")) == sorted(
+    assert sorted(os.listdir(mc / ITER0 / "hf_config")) == sorted(
         f for f in os.listdir(hf) if f.endswith(".json") and f != "model.safetensors.index.json")
     back = tmp_path / "back"
     convert("mcore-to-hf", "--load", str(mc), "--out", str(back), "--max-shard-size", "300KB")
@@ -100,8 +104,8 @@ def test_roundtrip_is_bit_exact(ckpts, case, tmp_path):
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(got)
     assert json.loads((back / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
-    for f in os.listdir(mc / "release" / "hf_config"):
-        assert (back / f).read_bytes() == (mc / "release" / "hf_config" / f).read_bytes()
+    for f in os.listdir(mc / ITER0 / "hf_config"):
+        assert (back / f).read_bytes() == (mc / ITER0 / "hf_config" / f).read_bytes()
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]
 
 
@@ -135,7 +139,7 @@ def test_export_loads_in_transformers_and_dtype_option(ckpts, tmp_path):
 
     # --dtype bfloat16 on the way in: the checkpoint, its stored config and the export are bf16
     convert("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "mc16"), "--dtype", "bfloat16")
-    assert json.loads((tmp_path / "mc16" / "release" / "hf_config" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "mc16" / ITER0 / "hf_config" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     convert("mcore-to-hf", "--load", str(tmp_path / "mc16"), "--out", str(tmp_path / "back16"))
     assert_bit_exact({k: v.to(torch.bfloat16) for k, v in hf_tensors(hf).items()}, hf_tensors(tmp_path / "back16"))
     # ... and back to fp32 on the way out
@@ -145,9 +149,9 @@ def test_export_loads_in_transformers_and_dtype_option(ckpts, tmp_path):
 
 
 def test_layout_module_matches_the_format(ckpts):
-    from converters import layout
-    from converters.dcp_io import DcpReader
-    from converters.mcore import read_mcore_arch
+    from gspo_megatron.checkpoint import layout
+    from gspo_megatron.checkpoint.dcp_io import DcpReader
+    from gspo_megatron.checkpoint.mcore import read_mcore_arch
 
     _, cases = ckpts
     for name, (_, mc, _) in cases.items():
@@ -171,9 +175,9 @@ def _rank_load_layouts(rank, world, jobs, seqs):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from converters import layout as lay
-    from converters.dcp_io import DcpReader
-    from converters.mcore import _sharded_tensors, load_mcore_into_model, model_sharded_state_dict, read_mcore_arch
+    from gspo_megatron.checkpoint import layout as lay
+    from gspo_megatron.checkpoint.dcp_io import DcpReader
+    from gspo_megatron.checkpoint.mcore import _sharded_tensors, load_mcore_into_model, model_sharded_state_dict, read_mcore_arch
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.export import iter_hf_tensors
     from gspo_megatron.model.factory import build_policy
@@ -201,9 +205,9 @@ def _rank_load_layouts(rank, world, jobs, seqs):
         torch.distributed.all_gather_object(keys, sorted({st.key for st in sts}))
         assert set().union(*keys) == reader.keys(), (name, sorted(set().union(*keys) ^ reader.keys()))
         # every `_extra_state` entry the model asks a checkpoint for (what Megatron-Bridge's loaders
-        # request) is among the ones the converter writes (converters/megatron_dirs.py)
-        from converters import megatron_dirs
-        from converters.mcore import model_extra_state_keys
+        # request) is among the ones the converter writes (gspo_megatron/checkpoint/megatron_dirs.py)
+        from gspo_megatron.checkpoint import megatron_dirs
+        from gspo_megatron.checkpoint.mcore import model_extra_state_keys
 
         asked = model_extra_state_keys(chunks)
         assert asked and set(asked) <= set(megatron_dirs.extra_state_objects(arch)), (name, asked[:3])
@@ -292,7 +296,7 @@ def _rank_save_and_reload(rank, world, hf_dir, out):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from converters.mcore import load_mcore_into_model, save_mcore_checkpoint
+    from gspo_megatron.checkpoint.mcore import load_mcore_into_model, save_mcore_checkpoint
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.export import iter_hf_tensors
     from gspo_megatron.model.factory import build_policy
@@ -319,7 +323,7 @@ def _rank_save_and_reload(rank, world, hf_dir, out):
 
 @pytest.mark.timeout(300)
 def test_model_saved_checkpoint_matches_converter(ckpts, tmp_path):
-    from converters.dcp_io import DcpReader
+    from gspo_megatron.checkpoint.dcp_io import DcpReader
 
     _, cases = ckpts
     hf, mc, _ = cases["fp32-untied"]
@@ -359,7 +363,7 @@ def test_cli_under_torchrun(ckpts, tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
 
     torchrun("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "mc"))
-    files = os.listdir(tmp_path / "mc" / "release")
+    files = os.listdir(tmp_path / "mc" / ITER0)
     assert any(f.startswith("__0_") for f in files) and any(f.startswith("__1_") for f in files)
     torchrun("mcore-to-hf", "--load", str(tmp_path / "mc"), "--out", str(tmp_path / "back"), "--max-shard-size", "300KB")
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "back"))
@@ -483,24 +487,24 @@ def test_bad_input(ckpts, tmp_path, capsys):
 
     noconf = tmp_path / "noconf"
     shutil.copytree(mc, noconf)
-    shutil.rmtree(noconf / "release" / "hf_config")
-    (noconf / "release" / "run_config.yaml").unlink()  # (with it, the architecture comes from there)
+    shutil.rmtree(noconf / ITER0 / "hf_config")
+    (noconf / ITER0 / "run_config.yaml").unlink()  # (with it, the architecture comes from there)
     _fails(capsys, m2h(noconf), "hf_config/config.json", "missing", "run_config.yaml", "run arguments", out=out)
 
     broken = tmp_path / "broken"
     shutil.copytree(mc, broken)
-    data = (broken / "release" / "__0_0.distcp").read_bytes()
-    (broken / "release" / "__0_0.distcp").write_bytes(data[: len(data) // 2])
+    data = (broken / ITER0 / "__0_0.distcp").read_bytes()
+    (broken / ITER0 / "__0_0.distcp").write_bytes(data[: len(data) // 2])
     _fails(capsys, m2h(broken), "__0_0.distcp", out=out)
 
     nometa = tmp_path / "nometa"
     shutil.copytree(mc, nometa)
-    (nometa / "release" / ".metadata").unlink()
+    (nometa / ITER0 / ".metadata").unlink()
     _fails(capsys, m2h(nometa), ".metadata", out=out)
 
 
 def test_failure_half_way_leaves_nothing(ckpts, tmp_path, monkeypatch):
-    from converters import mcore
+    from gspo_megatron.checkpoint import mcore
 
     _, cases = ckpts
     hf, mc, _ = cases["fp32-untied"]
@@ -539,3 +543,26 @@ def test_help_explains_every_option(capsys):
         text = capsys.readouterr().out
         for n in needles:
             assert n in text, (argv, n)
+
+
+# ----------------------------------------------------------------------------------------------
+# The bench
+
+
+@pytest.mark.timeout(120)
+def test_bench_convert_smoke(tmp_path):
+    """bench/bench_convert.py --smoke, as a user runs it: exit 0, the round trip bit-exact, one row
+    per operation with its numbers, the work directory removed. No timing is asserted."""
+    import re
+
+    work = tmp_path / "w"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_convert.py"), "--smoke",
+                        "--workdir", str(work)], capture_output=True, text=True, timeout=110, cwd=REPO,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"^round trip HF -> mcore -> HF bit-exact for all \d+ tensors$", r.stdout, re.M), r.stdout
+    num = r"[0-9]+\.[0-9]+"
+    for op in ("copy", "hf-to-mcore", "mcore-to-hf"):
+        rows = [ln for ln in r.stdout.splitlines() if ln.split()[:1] == [op]]
+        assert len(rows) == 1 and re.fullmatch(rf"{op}\s+{num}\s+{num}\s+\d+%\s+{num}\s+{num}\s+\d+%", rows[0]), rows
+    assert not work.exists()

@@ -15,12 +15,14 @@ same HF directory.
 - We save (`gspo-convert hf-to-mcore`, and that run's trainer checkpoint root): Bridge's
   low-level weights loader, its training loader (`load_checkpoint`, finetune) and
   `AutoBridge.load_megatron_model` (which builds the model from our run_config.yaml) load them,
-  and every parameter equals Bridge's own import of the HF checkpoint bit for bit.
+  every one given the root, and every parameter equals Bridge's own import of the HF checkpoint
+  bit for bit.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -43,13 +45,17 @@ def bridge_path():
     return path
 
 
-def _driver(bridge_path, *args, timeout=300) -> dict:
+def _run_driver(bridge_path, *args, timeout=300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([bridge_path, REPO]), OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    r = subprocess.run([sys.executable, DRIVER, *args], capture_output=True, text=True, timeout=timeout, env=env,
-                       cwd=REPO)
+    return subprocess.run([sys.executable, DRIVER, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=REPO)
+
+
+def _driver(bridge_path, *args, timeout=300) -> dict:
+    r = _run_driver(bridge_path, *args, timeout=timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert r.returncode == 0 and lines, f"bridge_driver {args[0]} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return json.loads(lines[-1])
@@ -77,13 +83,21 @@ def test_checkpoints_round_trip_with_megatron_bridge(bridge_path, tmp_path):
     exported = hf_tensors(run / "hf")
     assert_bit_exact(hf_tensors(hf), exported)  # what was loaded is Bridge's checkpoint, untouched
 
-    # we save -> Megatron-Bridge loads it: the converter's root and the trainer's checkpoint root
+    # we save -> Megatron-Bridge loads it: the converter's root and the trainer's checkpoint root,
+    # each given as the root (AutoBridge.load_megatron_model takes the newest iter_* directory,
+    # auto_bridge.py:662-675: the converter writes iteration 0 as Bridge's own save does)
     ours = tmp_path / "ours"
     assert convert(["hf-to-mcore", "--hf-dir", hf, "--out", str(ours), "--no-progress"]) == 0
-    # (Bridge's AutoBridge.load_megatron_model looks for iter_* directories, auto_bridge.py:662-675:
-    # a converted root's release/ is given to it directly)
-    for ckpt, loader in ((ours, "lowlevel"), (ours, "training"), (ours / "release", "highlevel"),
+    for ckpt, loader in ((ours, "lowlevel"), (ours, "training"), (ours, "highlevel"),
                          (run / "checkpoints", "training"), (run / "checkpoints", "highlevel")):
         got = _driver(bridge_path, "load", "--hf", hf, "--ckpt", str(ckpt), "--loader", loader)
         print(ckpt.name, loader, got)
         assert got["tensors"] > 0 and not got["differ"] and not got["missing"], got
+    # the control: without Bridge's latest_train_state.pt its training loader falls back to the
+    # Megatron-LM tracker, whose reader in Bridge 0.3.1 refuses iteration 0 (the converter writes
+    # that file for this reason, as Bridge's own save does)
+    bare = tmp_path / "ours_without_train_state"
+    shutil.copytree(ours, bare)
+    (bare / "latest_train_state.pt").unlink()
+    r = _run_driver(bridge_path, "load", "--hf", hf, "--ckpt", str(bare), "--loader", "training")
+    assert r.returncode != 0 and "error parsing metadata file" in r.stdout + r.stderr, r.stdout[-2000:]

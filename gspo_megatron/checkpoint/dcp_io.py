@@ -223,8 +223,8 @@ class DcpReader:
     """Region reads from a DCP checkpoint directory (Megatron torch_dist or the converter's)."""
 
     def __init__(self, directory: str):
-        """`directory`: a torch_dist directory, or a Megatron-LM root (converters/megatron_dirs.py)."""
-        from converters.megatron_dirs import resolve
+        """`directory`: a torch_dist directory, or a Megatron-LM root (megatron_dirs.py)."""
+        from gspo_megatron.checkpoint.megatron_dirs import resolve
 
         directory = resolve(directory) if os.path.isdir(directory) else directory
         self.directory = directory

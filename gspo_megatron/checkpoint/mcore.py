@@ -2,8 +2,9 @@
 saving/loading the sharded model.
 
 Checkpoint directory layout (what `save_mcore_checkpoint` writes into C; `gspo-convert
-hf-to-mcore --out R` writes it into R/release/ with R/latest_checkpointed_iteration.txt =
-"release", a Megatron-LM checkpoint root; see converters/megatron_dirs.py):
+hf-to-mcore --out R` writes it into R/iter_0000000/ with R/latest_checkpointed_iteration.txt = "0"
+and Megatron-Bridge's latest_train_state.pt, a Megatron-LM checkpoint root that Megatron-LM and
+Megatron-Bridge load as they load Bridge's own converted models; see megatron_dirs.py):
 
     C/metadata.json        {"sharded_backend": "torch_dist", ...}   Megatron's format marker
     C/common.pt            Megatron's non-sharded state ({"content_metadata": ...} for a converted model)
@@ -17,7 +18,7 @@ hf-to-mcore --out R` writes it into R/release/ with R/latest_checkpointed_iterat
 Every reader here takes C or a Megatron-LM root (its tracker, else its newest iter_*), and takes
 the architecture from hf_config/, else from a Megatron-Bridge run_config.yaml.
 
-Keys and global shapes are Megatron's (see converters/layout.py): decoder tensors stacked over
+Keys and global shapes are Megatron's (see layout.py): decoder tensors stacked over
 layers, experts over [layers, experts], TE norm names, vocab tensors with the HF vocabulary's rows
 (unpadded; any padding rows a layout needs are zero-filled on load). The `_extra_state` entries
 of Transformer Engine layers are stored as None (megatron_dirs.extra_state_objects: Megatron-Bridge's
@@ -46,9 +47,9 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from converters import atomic, layout, megatron_dirs
-from converters.dcp_io import Chunk, DcpReader, save_chunks
-from converters.safetensors_data import SafetensorsData
+from gspo_megatron.checkpoint import atomic, layout, megatron_dirs
+from gspo_megatron.checkpoint.dcp_io import Chunk, DcpReader, save_chunks
+from gspo_megatron.checkpoint.safetensors_data import SafetensorsData
 from gspo_megatron.model import mapping
 from gspo_megatron.model.hf_io import CheckpointError, HFCheckpointReader
 from gspo_megatron.model.hf_writer import (
@@ -267,9 +268,11 @@ def _hf_to_mcore(hf_dir, out_dir, *, dtype, max_file_size, progress, overwrite, 
     stats = ConversionStats(tensors=len(mine), bytes=sum(c.nbytes for c in mine))
     bar = _progress(stats.bytes, "hf-to-mcore" + (f" [rank {rank}]" if world > 1 else ""), progress and rank == 0)
     tmp = atomic.make_tmp_collective(out_dir)
-    # a Megatron-LM root: release/ + the tracker naming it (Megatron-LM's convention for converted
-    # weights; Megatron-LM and Megatron-Bridge load the root, our readers resolve it)
-    ck = os.path.join(tmp, megatron_dirs.RELEASE)
+    # a Megatron-LM root holding iteration 0, as Megatron-Bridge saves a converted model:
+    # iter_0000000/ + the tracker + Bridge's train state (megatron_dirs.py says why not release/;
+    # Megatron-LM, Bridge's three loaders and our readers all take the root)
+    it = megatron_dirs.CONVERTED_ITERATION
+    ck = os.path.join(tmp, megatron_dirs.iter_name(it))
     os.makedirs(ck, exist_ok=True)
     try:
         save_chunks(mine, ck, max_file_bytes=parse_size(max_file_size), threads=threads,
@@ -278,7 +281,8 @@ def _hf_to_mcore(hf_dir, out_dir, *, dtype, max_file_size, progress, overwrite, 
         bar.close()
         if rank == 0:
             _write_format_files(ck, _with_dtype(cfg, dtype), hf_dir)
-            megatron_dirs.write_tracker(tmp, megatron_dirs.RELEASE)
+            megatron_dirs.write_bridge_train_state(tmp, ck, it)
+            megatron_dirs.write_tracker(tmp, it)
         _barrier()
         if rank == 0:
             atomic.publish(tmp, out_dir, overwrite=overwrite)
@@ -577,7 +581,7 @@ def save_mcore_checkpoint(
     `write_rank_files(tmp_dir)`: called on every rank after the tensors are written and before
     the directory is published, for per-rank side files. Load it back with `load_mcore_into_model`.
     `tensor_chunks` + `common_state`: instead of Megatron's save of the sharded state, write these
-    (this rank's) chunks of the global tensors with converters/dcp_io.save_chunks and
+    (this rank's) chunks of the global tensors with dcp_io.save_chunks and
     `common_state` as common.pt (rank 0) — the same format, e.g. for the trainer's distributed
     optimizer (gspo_megatron/train/checkpoint_shards.py); `model_state`/`extra_sharded_state` are
     then not used.

@@ -7,6 +7,17 @@ A Megatron-LM checkpoint root (Megatron-Bridge 0.3.1 writes the same) is
                                                __*.distcp, common.pt), plus Bridge's
                                                run_config.yaml (its ConfigContainer; `model:` is
                                                the model provider's fields)
+    ROOT/latest_train_state.pt                 Bridge's own tracker (+ iter_<N>/train_state.pt)
+
+`gspo-convert hf-to-mcore` writes a converted model as iteration 0, as Bridge's
+`save_megatron_model` does (training/checkpointing.py:731-766: iter_0000000/, the tracker "0",
+latest_train_state.pt): `AutoBridge.load_megatron_model(ROOT)` takes only the newest iter_*
+directory (auto_bridge.py:662-675, the tracker unread), so a root holding just release/ fails
+there. Megatron-LM reads the tracker "0" since core_v0.16.0 (Megatron-LM PR #2199,
+training/checkpointing.py read_metadata: `assert iteration > -1 or release`); Bridge 0.3.1's own
+copy of that reader still refuses 0 (checkpointing.py:253), but its training loader reads
+latest_train_state.pt first (checkpointing.py:1977-1989), which is why that file is written too.
+Roots of earlier converter versions (release/ + "release") are still read.
 
 What this module gives the project's readers and writers:
 
@@ -40,6 +51,11 @@ from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM training/checkpointing.py get_checkpoint_tracker_filename
 RELEASE = "release"
+# The iteration a converted model is written as (not a trained step; see the module docstring)
+CONVERTED_ITERATION = 0
+# Megatron-Bridge's tracker and per-iteration train state (training/utils/checkpoint_utils.py:32-33)
+BRIDGE_TRAIN_STATE = "train_state.pt"
+BRIDGE_LATEST_TRAIN_STATE = "latest_train_state.pt"
 RUN_CONFIG = "run_config.yaml"
 FORMAT_FILE = "metadata.json"
 # megatron/bridge/training/checkpointing.py _build_sharded_state_dict_metadata (singleton_local_shards:
@@ -61,6 +77,23 @@ def write_tracker(root: str, iteration: int | str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, TRACKER))
+
+
+def write_bridge_train_state(root: str, ckpt_dir: str, iteration: int) -> None:
+    """Megatron-Bridge's train state for a checkpoint at `iteration` with nothing trained:
+    ckpt_dir/train_state.pt and ROOT/latest_train_state.pt, TrainState.state_dict() of Bridge
+    0.3.1 (training/state.py:56-76; the FLOP count a float32 as its save writes it,
+    checkpointing.py:750-752). A dict of tensors only: `torch.load(weights_only=True)` reads it.
+    Our readers never read it (the Megatron-LM tracker names the iteration)."""
+    import torch
+
+    zero = torch.tensor(0, dtype=torch.int32)
+    state = {"step": torch.tensor(iteration, dtype=torch.int32), "consumed_train_samples": zero.clone(),
+             "skipped_train_samples": zero.clone(), "consumed_valid_samples": zero.clone(),
+             "floating_point_operations_so_far": torch.tensor(0, dtype=torch.float32),
+             "do_train": torch.tensor(False), "do_valid": torch.tensor(False), "do_test": torch.tensor(False)}
+    torch.save(state, os.path.join(ckpt_dir, BRIDGE_TRAIN_STATE))
+    torch.save(state, os.path.join(root, BRIDGE_LATEST_TRAIN_STATE))
 
 
 def read_tracker(root: str) -> str | None:
@@ -325,7 +358,7 @@ def dcp_key(key: str, shape: tuple[int, ...], offset: tuple[int, ...]) -> str:
 
 
 def extra_state_entries(arch: Qwen3MoeArch) -> dict[str, bytes]:
-    """DCP key -> stored bytes of every `_extra_state` entry (for converters/dcp_io.save_chunks)."""
+    """DCP key -> stored bytes of every `_extra_state` entry (for dcp_io.save_chunks)."""
     data = extra_state_bytes()
     return {dcp_key(*x): data for x in extra_state_objects(arch)}
 

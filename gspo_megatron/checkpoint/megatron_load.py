@@ -22,7 +22,7 @@
 The data files themselves are read by torch with weights_only=True (filesystem.py:899-903); byte
 entries (ShardedObjects) would be unpickled with weights_only=False by the load planner
 (default_planner.py:382-392), so callers refuse ShardedObjects in what they request
-(converters/mcore.py load_sharded).
+(mcore.py load_sharded).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ Here the file goes through a restricted unpickler instead (Python's own pickle m
   this process (pickle.py load_build, the `slotstate` branch). That is why the pure-Python
   machine is used; it is slower than the C unpickler (about 5x on a 50k-chunk file: 6.4 s vs
   1.2 s on a busy 2-core machine; 10x on the tiny test checkpoints, milliseconds), and a caller
-  loading one checkpoint in several pieces reads it once (converters/mcore.py load_sharded).
+  loading one checkpoint in several pieces reads it once (mcore.py load_sharded).
 * persistent ids and out-of-band buffers: refused (the defaults of pickle._Unpickler).
 
 The result must be a `Metadata` whose entries have the expected types, and every data file it

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from gspo_megatron.model import mapping
 from gspo_megatron.model.hf_io import HFCheckpointReader, load_hf_into_model
 from gspo_megatron.model.qwen3_moe import Qwen3MoeArch, build_model_chunks
 
@@ -16,6 +17,21 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
+def mark_expert_params(model: torch.nn.Module) -> None:
+    """Reduce expert gradients over the expert-data-parallel group, also when EP == 1.
+
+    Megatron-Core 0.16.1 marks expert weights `allreduce=False` (reduce over the expert-DP group)
+    only when expert_model_parallel_size > 1. With EP=1, ETP=1 and TP>1 (sequence parallel),
+    every TP rank runs the full experts on its own token shard, so the expert gradient must be
+    summed over the TP ranks too — which is the expert-DP group, not the DP group Megatron then
+    uses. tests/test_megatron_parity.py::...[tp2-sp] fails without this. (Here, not in
+    qwen3_moe.build_model_chunks: the map imports qwen3_moe.)
+    """
+    for name, p in model.named_parameters():
+        if mapping.match(name).rule.kind.is_expert:
+            setattr(p, "allreduce", False)
+
+
 def build_policy(ctx, arch: Qwen3MoeArch, *, hf_dir: str | None = None, dtype=torch.float32, recompute="none",
                  reader: HFCheckpointReader | None = None, fused_logprobs: bool = False, routing_replay: bool = False):
     """Model chunks for this rank; loaded from `hf_dir` when given (else Megatron's random init).
@@ -24,6 +40,8 @@ def build_policy(ctx, arch: Qwen3MoeArch, *, hf_dir: str | None = None, dtype=to
     fused hidden -> log-prob path (parallel/fused_head.py); train/loss.py picks the path from the
     model, so every forward step works with either."""
     chunks, config = build_model_chunks(arch, ctx, dtype=dtype, recompute=recompute, routing_replay=routing_replay)
+    for chunk in chunks:
+        mark_expert_params(chunk)
     if fused_logprobs:
         from gspo_megatron.parallel.fused_head import install_hidden_head
 

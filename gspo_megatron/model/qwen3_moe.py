@@ -310,6 +310,9 @@ def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.fl
     """This rank's model chunk(s) for the layout in `ctx` (a parallel.state.ParallelContext).
 
     Returns (chunks, transformer_config). One chunk per rank (no virtual pipeline stages yet).
+    The expert parameters are marked for the expert-DP gradient reduction by the caller,
+    model/factory.py build_policy (mark_expert_params reads the HF <-> Megatron map, which
+    imports this module: marking here made an import circle).
     """
     use_te = ctx.device.type == "cuda" and te_available()
     if arch.tie_word_embeddings and ctx.parallel.pp > 1 and ctx.device.type == "cpu":
@@ -319,22 +322,5 @@ def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.fl
     config = transformer_config(arch, ctx.parallel, dtype=dtype, use_te=use_te, recompute=recompute,
                                 routing_replay=routing_replay)
     model = build_gpt_model(arch, config, pre_process=ctx.is_first_stage, post_process=ctx.is_last_stage, use_te=use_te)
-    mark_expert_params(model)
     model.to(ctx.device)
     return [model], config
-
-
-def mark_expert_params(model: torch.nn.Module) -> None:
-    """Reduce expert gradients over the expert-data-parallel group, also when EP == 1.
-
-    Megatron-Core 0.16.1 marks expert weights `allreduce=False` (reduce over the expert-DP group)
-    only when expert_model_parallel_size > 1. With EP=1, ETP=1 and TP>1 (sequence parallel),
-    every TP rank runs the full experts on its own token shard, so the expert gradient must be
-    summed over the TP ranks too — which is the expert-DP group, not the DP group Megatron then
-    uses. tests/test_megatron_parity.py::...[tp2-sp] fails without this.
-    """
-    from gspo_megatron.model import mapping
-
-    for name, p in model.named_parameters():
-        if mapping.match(name).rule.kind.is_expert:
-            setattr(p, "allreduce", False)

@@ -1,9 +1,10 @@
 """Trainer checkpoints in Megatron-Core's `dist_checkpointing` (torch_dist) format: resharding on load.
 
-Layout: <out_dir>/checkpoints/ is a Megatron-LM checkpoint root (converters/megatron_dirs.py):
-<out_dir>/checkpoints/iter_0000010/ is one torch_dist checkpoint directory —
+Layout: <out_dir>/checkpoints/ is a Megatron-LM checkpoint root (checkpoint/megatron_dirs.py; paths
+here are under gspo_megatron/): <out_dir>/checkpoints/iter_0000010/ is one torch_dist checkpoint
+directory —
 
-    metadata.json, .metadata, __*.distcp   global tensors: the model (converters/layout.py keys, the
+    metadata.json, .metadata, __*.distcp   global tensors: the model (checkpoint/layout.py keys, the
                                            ones `gspo-convert` reads and writes) and the optimizer's
                                            sharded state (`optimizer.sharded_state_dict`, fully
                                            reshardable: fp32 masters and Adam moments per parameter
@@ -70,7 +71,7 @@ def ckpt_root(out_dir: str) -> str:
 
 
 def _step_name(step: int) -> str:
-    from converters.megatron_dirs import iter_name
+    from gspo_megatron.checkpoint.megatron_dirs import iter_name
 
     return iter_name(step)
 
@@ -131,7 +132,7 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
     from its own shard (train/checkpoint_shards.py), any other optimizer through Megatron's save;
     "megatron" — Megatron's save always (its fully_reshardable path gathers the optimizer state
     on every DP rank first). Both write the same checkpoint (tests/test_checkpoint.py)."""
-    from converters.mcore import model_sharded_state_dict
+    from gspo_megatron.checkpoint.mcore import model_sharded_state_dict
 
     if writer not in ("auto", "megatron"):
         raise ValueError(f"checkpoint.save: writer={writer!r}, expected 'auto' or 'megatron'")
@@ -165,7 +166,7 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
 
 def _save_collective(root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer,
           writer) -> str:
-    from converters.mcore import save_mcore_checkpoint
+    from gspo_megatron.checkpoint.mcore import save_mcore_checkpoint
     from gspo_megatron.train.checkpoint_shards import distributed_optimizer_plan
 
     def rank_files(tmp: str) -> None:
@@ -192,7 +193,7 @@ def _save_collective(root, final, step, model, optimizer, model_state, trainer, 
     dist.barrier()  # the directory is in place on every rank's view
     _write_checksums(final, ctx)
     if ctx.rank == 0:
-        from converters.megatron_dirs import write_tracker
+        from gspo_megatron.checkpoint.megatron_dirs import write_tracker
 
         write_tracker(root, step)
         _prune(root, keep_last, step)
@@ -239,7 +240,7 @@ def _prune(root: str, keep_last: int, just_written: int) -> None:
     """Keep the newest `keep_last` iterations up to the one just written; never delete a newer
     one (a run that resumed from an older checkpoint — tracker lost — must not delete the
     newer ones, nor count them and delete what it just wrote)."""
-    from converters.megatron_dirs import iterations
+    from gspo_megatron.checkpoint.megatron_dirs import iterations
 
     if keep_last <= 0:
         return
@@ -258,7 +259,7 @@ def find_latest(out_dir: str) -> str | None:
     or incomplete) the newest complete iter_* directory, with a log line saying so. None when there
     is no checkpoint at all; one CheckpointError line when there are iter_* directories but none is
     usable (nothing is deleted: the run would otherwise start over and prune them)."""
-    from converters.megatron_dirs import iterations, read_tracker
+    from gspo_megatron.checkpoint.megatron_dirs import iterations, read_tracker
 
     from gspo_megatron.model.hf_io import CheckpointError
 
@@ -312,7 +313,7 @@ def resolve_resume(resume: str, out_dir: str) -> str | None:
         return None
     if resume == "auto":
         return find_latest(out_dir)
-    from converters.megatron_dirs import is_root, resolve
+    from gspo_megatron.checkpoint.megatron_dirs import is_root, resolve
 
     return resolve(resume) if is_root(resume) else resume  # a root resumes from what its tracker names
 
@@ -377,7 +378,7 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     The model first (its temporary tensors are freed before the optimizer's are read), then the
     optimizer: the distributed optimizer's state piece by piece (_load_distributed_optimizer),
     any other through Megatron's sharded_state_dict in one load."""
-    from converters.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
+    from gspo_megatron.checkpoint.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
 
     verify_checksums(path, ctx)  # before anything is read: a corrupted file is one line naming it
     common = _read_common(path)
@@ -495,7 +496,7 @@ def _load_param_state(opt, params: dict, path: str, chunk_bytes: int, device) ->
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    from converters.mcore import load_sharded
+    from gspo_megatron.checkpoint.mcore import load_sharded
 
     owned = []  # (model_param, its range) for the parameters this rank has a range of
     for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):

@@ -165,15 +165,15 @@ def distributed_optimizer_plan(optimizer, model_state: dict):
     Megatron's DistributedOptimizer over torch/TE Adam state with master weights, or has never
     stepped (no moments yet): the caller then uses Megatron's own save.
 
-    chunks: converters.dcp_io.Chunk per box (model weights and optimizer state); the common state
-    is what Megatron's save would put in common.pt for `optimizer.sharded_state_dict(model_state,
+    chunks: gspo_megatron.checkpoint.dcp_io.Chunk per box (model weights and optimizer state); the
+    common state is what Megatron's save would put in common.pt for `optimizer.sharded_state_dict(model_state,
     metadata={"distrib_optim_sharding_type": "fully_reshardable", ...})`: per inner optimizer its
     `state_dict()` (param groups, step, grad scaler) and the sharding type, keyed by the inner
     optimizer's index when there are several (ChainedOptimizer.sharded_state_dict)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from converters.dcp_io import Chunk
+    from gspo_megatron.checkpoint.dcp_io import Chunk
     from gspo_megatron.train.optim import inner_optimizers
 
     inner = inner_optimizers(optimizer)

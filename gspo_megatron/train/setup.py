@@ -2,6 +2,7 @@
 tokenizer, prompt source, reward, rollout engine (rank 0), optional reference model."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -297,16 +298,41 @@ class RunParts:
         destroy_parallel()
 
 
-def load_tokenizer(cfg):
+def read_load_source(cfg):
+    """What model.load's checkpoint holds (config.py LoadSource), None without model.load: the
+    torch_dist directory a Megatron-LM root stands for (its tracker's iteration, else its newest
+    iter_*), its hf_config/, else the architecture Megatron-Bridge's run_config.yaml or
+    Megatron-LM's run arguments give. Read here, where the run is set up, not in config.py (which
+    parses and validates, and reads no checkpoint format). One ConfigError line naming the file."""
+    from gspo_megatron.checkpoint.megatron_dirs import carried_config, resolve
+    from gspo_megatron.config import ConfigError, LoadSource
+
+    load = cfg.model.load
+    if load is None:
+        return None
+    if not os.path.isdir(load):  # load_config checked it; it went away since
+        raise ConfigError(f"model.load: {load} is not a directory")
+    try:
+        directory = resolve(load)
+    except ValueError as e:  # CheckpointError: a root whose tracker names nothing usable, ...
+        raise ConfigError(f"model.load: {e}") from None
+    hf_config_dir = os.path.join(directory, "hf_config")
+    if os.path.isfile(os.path.join(hf_config_dir, "config.json")):
+        return LoadSource(directory, hf_config_dir=hf_config_dir)
+    return LoadSource(directory, carried=carried_config(directory))
+
+
+def load_tokenizer(cfg, load=None):
     """model.tokenizer, else the first checkpoint directory with tokenizer files (model.load's
-    hf_config/, model.hf_dir), else (synthetic task only) the project's local tokenizer."""
+    hf_config/, model.hf_dir), else (synthetic task only) the project's local tokenizer. `load`:
+    read_load_source(cfg)."""
     from transformers import AutoTokenizer
 
     if cfg.model.tokenizer:
         if not os.path.exists(os.path.join(cfg.model.tokenizer, "tokenizer_config.json")):
             raise InputError(f"model.tokenizer: {cfg.model.tokenizer} has no tokenizer_config.json")
         return AutoTokenizer.from_pretrained(cfg.model.tokenizer)
-    for _, d in cfg.model_sources():
+    for _, d in cfg.model_sources(load):
         if os.path.exists(os.path.join(d, "tokenizer_config.json")):
             return AutoTokenizer.from_pretrained(d)
     if cfg.data.source != "synthetic":
@@ -348,6 +374,23 @@ def _make_vllm_engine(cfg, hf_config, tokenizer, dtype):
     from gspo_megatron.rollout.vllm_engine import VLLMEngine
 
     arch = {**hf_config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    v = cfg.rollout.vllm
+    if v.launch and v.model_path is None and cfg.model.hf_dir is None:
+        # A random-init run has no checkpoint directory for the server to start from. It starts
+        # from the architecture and tokenizer alone with vLLM's dummy weights (--load-format dummy);
+        # the loop pushes the policy before the first rollout (loop.py push_weights) anyway.
+        from gspo_megatron.fsutil import make_tmp, publish
+
+        start = os.path.join(cfg.out_dir, "weight_sync", "initial")
+        if not os.path.exists(os.path.join(start, "config.json")):
+            os.makedirs(os.path.dirname(start), exist_ok=True)
+            tmp = make_tmp(start)
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(arch, f, indent=2)
+            tokenizer.save_pretrained(tmp)
+            publish(tmp, start, overwrite=True)
+        return VLLMEngine.from_config(cfg, hf_config=arch, model_path=start,
+                                      extra_args=[*v.extra_args, "--load-format", "dummy"])
     return VLLMEngine.from_config(cfg, hf_config=arch)
 
 
@@ -365,6 +408,7 @@ class Inputs:
     prompts: PromptSource
     score: Callable
     heldout: Any = None  # train/evaluation.py HeldOut when eval.interval > 0
+    load: Any = None  # config.py LoadSource of model.load (read_load_source), None without it
 
 
 def check_inputs(cfg, *, world_size: int) -> Inputs:
@@ -374,15 +418,16 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     trainer checkpoint). One InputError/ConfigError/CheckpointError line on bad input."""
     from gspo_megatron.model.hf_io import HFCheckpointReader
 
-    hf_config = cfg.hf_config_dict()
-    sources = cfg.model_sources()
+    load = read_load_source(cfg)  # model.load's checkpoint: resolved and read once, here
+    hf_config = cfg.hf_config_dict(load)
+    sources = cfg.model_sources(load)
     arch = Qwen3MoeArch.from_hf_dict(hf_config, source=sources[0][0] if sources else "model.hf_config")
     cfg.validate_world(world_size, hf_config)
     reader = None
     if cfg.model.hf_dir:
         reader = HFCheckpointReader(cfg.model.hf_dir)
         reader.validate(arch)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg, load)
     if len(tokenizer) > arch.vocab_size:
         raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {arch.vocab_size} "
                          "(model.tokenizer and the model's checkpoint must belong together)")
@@ -409,7 +454,7 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
         from gspo_megatron.train.evaluation import HeldOut
 
         heldout = HeldOut(cfg, prompts)
-    return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout)
+    return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout, load)
 
 
 def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts:
@@ -452,9 +497,10 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
     if cfg.model.fused_logprobs:
         log.info("token log-probs: fused from the final hidden states (no [tokens, vocab/tp] logits)")
     if cfg.model.load:
-        from converters.mcore import load_mcore_into_model
+        from gspo_megatron.checkpoint.mcore import load_mcore_into_model
 
-        load_mcore_into_model(chunks, cfg.model.load)
+        # the directory check_inputs read the architecture from (a root is not resolved twice)
+        load_mcore_into_model(chunks, inputs.load.directory if inputs.load is not None else cfg.model.load)
     if cfg.loss.kl_coef > 0:
         ref_chunks, _ = build_policy(ctx, arch, dtype=dtype, fused_logprobs=cfg.model.fused_logprobs)
         for src, dst in zip(chunks, ref_chunks):
