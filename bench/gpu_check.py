@@ -35,8 +35,12 @@ imports (then TE's FusedAdam, whose checkpoint path keeps `step` in the param gr
                    step-3 checkpoint) on a few sequences, both computed in fp32
   6 mcore-to-hf    gspo-convert mcore-to-hf of the step-3 checkpoint == <out>/hf, bit for bit
   7 checkpoint     the step-3 checkpoint holds fp32 masters and Adam moments for every parameter
+  8 vllm-nccl      rollout.vllm.weight_sync=nccl's trainer half (rollout/vllm_nccl.py) with no server
+                   attached, a group of one rank: on CUDA through torch.cuda.nccl exactly as a push
+                   does (unique id, init_rank, the warm-up all_reduce, bucketed bf16 broadcasts from
+                   rank 0); on CPU a stand-in communicator (torch.cuda.nccl is CUDA-only)
 
-It prints a PASS/FAIL table of these 7 rows (a row not reached is a FAIL naming the row it waited
+It prints a PASS/FAIL table of these 8 rows (a row not reached is a FAIL naming the row it waited
 for) and exits non-zero on any failure. Every launch has a timeout; the whole check is sized for
 < 8 minutes on one GPU (about 2 minutes on 2 CPU cores).
 """
@@ -80,7 +84,27 @@ DEFAULT_PYVERS = ("3.10", "3.11", "3.12", "3.13")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64")
 OVERLAY_ENV = "GSPO_GPU_CHECK_VENV"  # set in the re-run: the venv it runs in (no second re-run)
-ROWS = ("1 environment", "2 train", "3 resume", "4 metrics", "5 export", "6 mcore-to-hf", "7 checkpoint")
+ROWS = ("1 environment", "2 train", "3 resume", "4 metrics", "5 export", "6 mcore-to-hf", "7 checkpoint",
+        "8 vllm-nccl")
+
+
+class _CpuLoopback:
+    """NcclBackend stand-in for --device cpu (torch.cuda.nccl exists only in CUDA builds)."""
+
+    def unique_id(self) -> bytes:
+        return os.urandom(128)
+
+    def join(self, uid, world_size, rank, device):
+        class Comm:
+            def all_reduce(self, t):
+                pass
+
+            broadcast = all_reduce
+
+            def synchronize(self):
+                pass
+
+        return Comm()
 # Step 3 on CUDA: ||B3 - C3|| <= RESUME_RTOL * ||C3 - A2||. Measured on CPU with a fault put into
 # the resume (a scratch copy of train/checkpoint.py): Adam's step count reset to 0 gives 61% (caught
 # on both devices); off by one (9 instead of 8 at step 2 x 4 minibatches) gives 1.1%, which only
@@ -601,23 +625,44 @@ def main(argv=None) -> int:
             raise RuntimeError(f"optimizer state dtypes {sorted(map(str, dtypes))}, expected fp32")
         return f"{len(model_keys)} model tensors, each with fp32 master + exp_avg + exp_avg_sq"
 
+    def vllm_nccl():
+        import torch
+
+        from gspo_megatron.rollout.vllm_nccl import NcclWeightSync, TorchNccl
+
+        cuda = args.device == "cuda"
+        backend, dev = (TorchNccl(), torch.device("cuda", 0)) if cuda else (_CpuLoopback(), torch.device("cpu"))
+        sync = NcclWeightSync([], device=dev, timeout_s=120, bucket_bytes=1 << 20, backend=backend)
+        g = torch.Generator().manual_seed(0)
+        named = [(f"w{i}", torch.randn(300, 500, generator=g)) for i in range(4)]  # 293 KiB each in bf16
+        sent = sync.push(named, 1, dtype=torch.bfloat16)
+        if sent != len(named) or sync.world_size != 1 or sync.comm is None:
+            raise RuntimeError(f"sent {sent} of {len(named)} tensors, group of {sync.world_size}")
+        how = "torch.cuda.nccl: unique id, init_rank, warm-up all_reduce" if cuda else "CPU stand-in communicator"
+        return f"group of 1 rank ({how}), {sent} bf16 tensors broadcast in 2 buckets"
+
     def skip(row: str, after: str):
         chk.add(row, False, 0.0, f"not run: {after} failed")
 
-    steps = dict(zip(ROWS, (environment, train, resume, metrics, export, mcore_to_hf, checkpoint)))
+    steps = dict(zip(ROWS, (environment, train, resume, metrics, export, mcore_to_hf, checkpoint, vllm_nccl)))
+    runs = ROWS[:7]  # the launches' rows; row 8 needs only the environment
     ok_env = chk.run(ROWS[0], environment)
     if ok_env and chk.run(ROWS[1], train):
         chk.run(ROWS[2], resume)
         if resumed:  # rows 4-7 need launch B's output, not launch C's agreement
-            for row in ROWS[3:]:
+            for row in runs[3:]:
                 chk.run(row, steps[row])
         else:
-            for row in ROWS[3:]:
+            for row in runs[3:]:
                 skip(row, ROWS[2])
     else:
         failed = chk.rows[-1][0]
-        for row in ROWS[len(chk.rows):]:
+        for row in runs[len(chk.rows):]:
             skip(row, failed)
+    if ok_env:
+        chk.run(ROWS[7], vllm_nccl)
+    else:
+        skip(ROWS[7], ROWS[0])
     print()
     print(f"gspo-megatron check, device={args.device}, {args.nproc} process(es); logs in {out}")
     print(chk.table())

@@ -20,7 +20,7 @@ from bare_env import BareEnvError, bare_python, carried_wheels
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK_TIMEOUT_S = 900
-STEPS = ("environment", "train", "resume", "metrics", "export", "mcore-to-hf", "checkpoint")
+STEPS = ("environment", "train", "resume", "metrics", "export", "mcore-to-hf", "checkpoint", "vllm-nccl")
 
 
 def _run_check(cmd, **kw) -> subprocess.CompletedProcess:
@@ -68,7 +68,7 @@ def test_gpu_check_cpu_half_from_a_bare_python(tmp_path):
                     "--wheels", wheels, "--out", str(out)], env=env, cwd=tmp_path)
     print(r.stdout[-4000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
-    assert "7 passed, 0 failed" in r.stdout
+    assert "8 passed, 0 failed" in r.stdout
     rows = {line.split()[1]: line for line in r.stdout.splitlines()
             if line[:1].isdigit() and len(line.split()) > 2 and line.split()[2] in ("PASS", "FAIL")}
     assert list(rows) == list(STEPS), list(rows)
@@ -77,4 +77,5 @@ def test_gpu_check_cpu_half_from_a_bare_python(tmp_path):
     assert f"into {out / 'venv'}" in rows["environment"]  # the install path was the one taken
     assert "bit-identical" in rows["resume"]  # CPU: the resumed step 3 == the uninterrupted one exactly
     assert "log-probs == trainer's" in rows["export"]
+    assert "4 bf16 tensors broadcast" in rows["vllm-nccl"]
     assert not _has_megatron(py, tmp_path)  # the interpreter itself was not written to
