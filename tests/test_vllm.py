@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from sglang_double import teacher_forced_logprobs
-from test_train_loop import REPO, TINY, _env, torchrun_cmd
+from test_train_loop import REPO, _env, torchrun_cmd
 
 TINY_VLLM = os.path.join(REPO, "launch", "configs", "tiny_vllm_cpu.yaml")
 HF = dict(vocab_size=98, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -290,3 +290,20 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
         assert err <= 1e-4
     finally:
         eng.close()
+
+
+@pytest.mark.timeout(600)
+def test_bench_vllm_smoke_against_the_running_server(server, tmp_path):
+    """bench/bench_vllm.py --smoke (as a user runs it) against this module's server instead of a
+    second one: the bench cannot rot unseen. Last in the file: it pushes the bench's own models."""
+    url, key = server
+    env = dict(_env(), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_vllm.py"), "--smoke", "--url", url,
+                        "--api-key", key, "--workdir", str(tmp_path / "bench")],
+                       capture_output=True, text=True, timeout=540, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    for row in ("vLLM push (update_weights)", "safetensors write + read", "vLLM server", "HFEngine (in-process)"):
+        assert sum(line.startswith(row) for line in out.splitlines()) == 1, f"no row {row!r}:\n{out}"
+    assert "push / (write + read):" in out and "vLLM / HFEngine tokens/s:" in out, out
+    assert f"external server {url}" in out
