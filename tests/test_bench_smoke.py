@@ -170,9 +170,11 @@ def test_bench_async_smoke(smokes):
     assert not re.search(r"^\s+1\s+False\s", out, re.M), out  # the smoke leaves plain async out
     for k, partial in (("0", "False"), ("1", "True")):
         row = _row(out, rf"^\s+{k}\s+{partial}\s")
-        wall, t_step, *phases = (_num(x) for x in row[2:8])
+        run_total, t_step, *phases = (_num(x) for x in row[2:8])
         stale, dropped, carried, peak = (_num(x) for x in row[8:12])
-        assert wall > 0 and t_step > 0 and all(x >= 0 for x in phases) and peak > 0, row
+        # every measurement was printed (a zero total or peak is a column the bench failed to fill);
+        # no bound on how long anything took
+        assert min(run_total, t_step, peak) > 0 and min(phases) >= 0, row
         assert stale <= int(k), row  # staleness never exceeds rollout.async_steps
         assert dropped >= 0 and carried >= 0, row
         if partial == "False":
