@@ -705,7 +705,7 @@ def _cli_probed(tmp_path, *args) -> tuple[subprocess.CompletedProcess, dict]:
 
 
 def _before_heavy_work(probe: dict) -> None:
-    """What "fails fast" stands for (these tests used to assert `dt < 5` s; the time is now measured
+    """What "fails fast" stands for (these tests used to bound the wall time at 5 s; the time is now measured
     by bench/bench_launch.py): Megatron never imported, no model built, no process group."""
     assert probe["megatron"] == [], probe["megatron"][:10]
     assert probe["heavy"] == [], probe["heavy"]
