@@ -155,6 +155,10 @@ def _single_rank(rank, world_size):
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(THD_LENGTHS), cu_seqlens_kv=_cu(THD_LENGTHS),
                               max_seqlen_q=9, max_seqlen_kv=9)
         out["thd"] = _run_local(m, q, k, v, g, packed_seq_params=psp)
+        # the same pack in padded batches of at most 800 scores: (9, 5) | 2, out of local order
+        m.BATCH_ELEMENTS = 800
+        out["thd_grouped"] = _run_local(m, q, k, v, g, packed_seq_params=psp)
+        m.BATCH_ELEMENTS = CpuCoreAttention.BATCH_ELEMENTS
         real, padded = THD_PADDED
         q, k, v, g = _qkvg((sum(padded),), seed=3)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(real), cu_seqlens_kv=_cu(real),
@@ -207,6 +211,8 @@ def test_cp1_thd_equals_reference_per_sequence(single):
     got = single["thd"]
     assert got[0].shape == (sum(THD_LENGTHS), NP * HN)
     for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    for a, b in zip(single["thd_grouped"], want):  # split into batches: the same answer
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     # attending across the sequence boundary would change the answer
     joint = ref_attention(q, k, v, [sum(THD_LENGTHS)], 1 / math.sqrt(HN))
@@ -307,6 +313,15 @@ def _cp2_rank(rank, world_size):
                 psp.cu_seqlens_q_padded = psp.cu_seqlens_kv_padded = _cu(padded)
             out[f"thd_{name}"] = _run_local(mp, q[idx], k[idx], v[idx], g[idx], packed_seq_params=psp)
 
+        # local lengths 4 | 2 | 6 (full 8 | 4 | 12): batches of at most 2*6*12*4 = 576 scores -> (6, 4) | 2
+        real = THD_CP_CASES["unpadded"][0]
+        q, k, v, g = _qkvg((sum(real),), seed=20 + list(THD_CP_CASES).index("unpadded"))
+        idx = thd_index(real, 2, rank)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(real), cu_seqlens_kv=_cu(real))
+        mp.BATCH_ELEMENTS = 576
+        out["thd_grouped"] = _run_local(mp, q[idx], k[idx], v[idx], g[idx], packed_seq_params=psp)
+        mp.BATCH_ELEMENTS = CpuCoreAttention.BATCH_ELEMENTS
+
         # dynamic CP: packed_seq_params.cp_group wins over the module's group
         full = THD_CP_CASES["unpadded"][0]
         q, k, v, g = _qkvg((sum(full),), seed=21)
@@ -345,10 +360,12 @@ def test_cp2_sbhd_zigzag_equals_reference(cp2, name):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", list(THD_CP_CASES) + ["dynamic_group"])
+@pytest.mark.parametrize("name", list(THD_CP_CASES) + ["dynamic_group", "grouped"])
 def test_cp2_thd_equals_reference(cp2, name):
     if name == "dynamic_group":
         full, seed = THD_CP_CASES["unpadded"][0], 21
+    elif name == "grouped":  # the unpadded case in two padded batches, out of local order
+        full, seed = THD_CP_CASES["unpadded"][0], 20 + list(THD_CP_CASES).index("unpadded")
     else:
         real, padded = THD_CP_CASES[name]
         full, seed = padded or real, 20 + list(THD_CP_CASES).index(name)

@@ -13,8 +13,9 @@ this module is never meant to run there. It plugs in as
 
 It is exact, not fast: every rank all-gathers K and V of the whole CP group and computes its local
 queries against all of them with an explicit mask; memory is O(local_tokens x full_tokens) for
-[s, b] inputs and, for packed THD inputs, per sequence (one block per sequence, as TE's THD
-kernels: no work across sequence boundaries).
+[s, b] inputs and, for packed THD inputs, per sequence: sequences of similar lengths are padded
+into batches of at most ``BATCH_ELEMENTS`` scores (one masked call per batch; no work across
+sequence boundaries, as TE's THD kernels).
 
 Conventions copied from ``DotProductAttention`` (dot_product_attention.py)
 -------------------------------------------------------------------------
@@ -138,6 +139,9 @@ class CpuCoreAttention(MegatronModule):
       thd:  query [t, np, hn],    key/value [t, ng, hn]    -> [t, np*hn]
     """
 
+    #: THD: score elements (batch x heads x local queries x keys) per attention call (_forward_thd)
+    BATCH_ELEMENTS = 1 << 22
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -229,7 +233,8 @@ class CpuCoreAttention(MegatronModule):
         return kv[..., :hn], kv[..., hn:]
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
-        """q [B, np, sq, hn], k/v [B, ng, sk, hn], allowed [sq, sk] bool -> [B, np, sq, hn]."""
+        """q [B, np, sq, hn], k/v [B, ng, sk, hn], allowed bool broadcastable to [B, np, sq, sk]
+        -> [B, np, sq, hn]."""
         rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
@@ -333,23 +338,84 @@ class CpuCoreAttention(MegatronModule):
         dev = query.device
         k_all, v_all = self._gather_kv(key, value, group, cp)  # [T, ng, hn], CP-rank order
         q_h, k_h, v_h = query.permute(1, 0, 2), k_all.permute(1, 0, 2), v_all.permute(1, 0, 2)
-        # One sequence at a time: its local queries against its keys from every CP rank (rank j's
-        # tokens of sequence i sit at j*t + [local offset, + n_i/cp) of the gathered tensors), so
-        # the work is sum_i n_i^2 / cp like TE's THD kernels, not (t x T) for the whole pack.
-        outs, offset = [], 0
-        for n in lengths:
-            k_local = n // cp
-            if k_local == 0:
-                continue
-            q_idx = torch.arange(offset, offset + k_local, device=dev)
-            k_idx = torch.cat([j * t + q_idx for j in range(cp)])
-            q_pos = zigzag_positions(n, cp, cp_rank, dev)
-            k_pos = torch.cat([zigzag_positions(n, cp, j, dev) for j in range(cp)])
-            allowed = k_pos[None, :] <= q_pos[:, None]
-            outs.append(self._attend(q_h[:, q_idx][None], k_h[:, k_idx][None], v_h[:, k_idx][None], allowed)[0])
-            offset += k_local
-        out = torch.cat(outs, dim=1) if outs else q_h.new_zeros(np_, 0, hn)  # [np, t, hn]
+        # Sequences of similar length are attended together, padded to a batch [B, heads, Lq, Lk]
+        # of (local queries) x (their keys from every CP rank: rank j's tokens of sequence i sit at
+        # j*t + [its local offset, + n_i/cp) of the gathered tensors), with a mask keeping each
+        # query to its own sequence's real keys at global positions <= its own. The work stays
+        # close to TE's per-sequence sum_i n_i^2 / cp (a batch only takes sequences at least half
+        # as long as its longest) in a few calls instead of one small call per sequence, which
+        # cost more in Python and dispatch than in arithmetic (the demo packs 16 x ~38 tokens).
+        local = [n // cp for n in lengths]
+        starts = [0]
+        for n in local[:-1]:
+            starts.append(starts[-1] + n)
+        outs, order = [], []
+        for batch in _thd_batches(local, np_ * cp, self.BATCH_ELEMENTS):
+            qi, valid, pos_q, ki, valid_k, pos_k = _thd_batch_index([local[i] for i in batch],
+                                                                   [starts[i] for i in batch],
+                                                                   [lengths[i] for i in batch], t, cp, cp_rank, dev)
+            allowed = valid_k[:, None, :] & (pos_k[:, None, :] <= pos_q[:, :, None])  # [B, Lq, Lk]
+            # a padding query row sees one key: its softmax stays finite (NaN would reach the
+            # real rows' gradients through the matmuls) and its output is dropped below
+            allowed[:, :, 0] |= ~valid
+            B, lq = qi.shape
+            q = q_h[:, qi.reshape(-1)].view(np_, B, lq, hn).transpose(0, 1)
+            k = k_h[:, ki.reshape(-1)].view(-1, B, ki.shape[1], hn).transpose(0, 1)
+            v = v_h[:, ki.reshape(-1)].view(-1, B, ki.shape[1], hn).transpose(0, 1)
+            o = self._attend(q, k, v, allowed[:, None])  # [B, np, Lq, hn]
+            keep = valid.reshape(-1).nonzero().squeeze(1)
+            outs.append(o.transpose(0, 1).reshape(np_, B * lq, hn).index_select(1, keep))
+            order.append(qi.reshape(-1)[keep])
+        if not outs:
+            return query.new_zeros(t, np_ * hn)
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [np, t, hn] in batch order
+        perm = torch.cat(order) if len(order) > 1 else order[0]
+        if not bool((perm[1:] > perm[:-1]).all()):
+            out = out.index_select(1, torch.argsort(perm))
         return out.permute(1, 0, 2).reshape(t, np_ * hn).to(query.dtype)
+
+
+def _thd_batches(local: list[int], heads_cp: int, budget: int) -> list[list[int]]:
+    """Sequence indices (non-empty ones) in batches of similar local length: longest first, a
+    batch takes sequences at least half as long as its first while B x Lq x Lq x heads_cp (its
+    score elements) stays within `budget` (a sequence alone may exceed it)."""
+    todo = sorted((i for i, n in enumerate(local) if n > 0), key=lambda i: (-local[i], i))
+    batches: list[list[int]] = []
+    for i in todo:
+        if batches:
+            cur = batches[-1]
+            L = local[cur[0]]
+            if 2 * local[i] >= L and (len(cur) + 1) * L * L * heads_cp <= budget:
+                cur.append(i)
+                continue
+        batches.append([i])
+    for b in batches:  # local order within a batch: the output needs no reordering when one batch
+        b.sort()
+    return batches
+
+
+def _thd_batch_index(local, start, full, t, cp, cp_rank, device):
+    """Index tensors of one padded THD batch of B sequences (their local token counts, local
+    offsets and full lengths): local query index [B, Lq], its validity and global position; key
+    index into the CP-gathered tokens [B, cp*Lq], its validity and global position."""
+    lq = max(local)
+    ar = torch.arange(lq)
+    n = torch.tensor(local)[:, None]
+    st = torch.tensor(start)[:, None]
+    chunk = torch.tensor(full)[:, None] // (2 * cp)
+    valid = ar[None, :] < n  # [B, Lq]
+    qi = torch.where(valid, st + ar[None, :], st)  # padding rows point at the sequence's first token
+
+    def positions(j):
+        if cp == 1:
+            return ar[None, :].expand_as(qi)
+        return torch.where(ar[None, :] < chunk, ar[None, :] + j * chunk, ar[None, :] + (2 * cp - 2 - j) * chunk)
+
+    ki = torch.cat([qi + j * t for j in range(cp)], dim=1)
+    valid_k = valid.repeat(1, cp)
+    pos_k = torch.cat([positions(j) for j in range(cp)], dim=1)
+    return (qi.to(device), valid.to(device), positions(cp_rank).to(device), ki.to(device), valid_k.to(device),
+            pos_k.to(device))
 
 
 def _check_mask_type(mask_type) -> None:
