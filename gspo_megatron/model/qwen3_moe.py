@@ -231,8 +231,10 @@ def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank:
 
     GPU: Megatron's Transformer Engine spec (grouped-GEMM experts, fused norm+QKV).
     CPU: Megatron's local spec with every RMSNorm swapped for `SPRMSNorm` (the local spec's torch
-    norm refuses sequence parallel, which MoE+TP training requires) and the core attention for
-    `CpuCoreAttention` (parallel/cp_attention.py: context parallelism and packed THD sequences).
+    norm refuses sequence parallel, which MoE+TP training requires), the core attention for
+    `CpuCoreAttention` (parallel/cp_attention.py: context parallelism and packed THD sequences) and
+    the experts for `CpuGroupedExperts` (parallel/cpu_experts.py: SequentialMLP's parameters, its
+    expert loop as two grouped GEMMs).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
@@ -251,6 +253,7 @@ def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank:
 
     from gspo_megatron.model.norm import SPRMSNorm
     from gspo_megatron.parallel.cp_attention import CpuCoreAttention
+    from gspo_megatron.parallel.cpu_experts import CpuGroupedExperts
 
     layer = specs.get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, qk_layernorm=True, normalization="RMSNorm"
@@ -259,6 +262,8 @@ def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank:
     # Megatron's local DotProductAttention refuses CP and packed THD sequences; the CPU runtime's
     # attention does both (a test vehicle; on GPU TE's attention does).
     sub.self_attention.submodules.core_attention = CpuCoreAttention
+    # SequentialMLP's parameters with its expert loop as two grouped GEMMs (parallel/cpu_experts.py)
+    sub.mlp.submodules.experts.module = CpuGroupedExperts
     sub.input_layernorm = SPRMSNorm
     sub.pre_mlp_layernorm = SPRMSNorm
     sub.self_attention.submodules.q_layernorm = SPRMSNorm
