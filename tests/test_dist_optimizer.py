@@ -26,7 +26,7 @@ def _train(ctx, arch, dtype, distributed, samples, clip, init=None):
     from gspo_megatron.train.batch import plan_minibatch
     from gspo_megatron.train.loop import _optimizer_step
     from gspo_megatron.train.loss import sft_loss_step
-    from gspo_megatron.train.optim import build_optimizer
+    from gspo_megatron.train.optim import build_optimizer, inner_optimizers
     from gspo_megatron.train.scoring import pad_multiple
     from gspo_megatron.config import OptimizerConfig
 
@@ -46,6 +46,9 @@ def _train(ctx, arch, dtype, distributed, samples, clip, init=None):
              for _ in range(STEPS)]
     weights = dict(iter_hf_tensors(model, ctx, arch))
     kinds = sorted(type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt]))
+    # the CPU runtime's Adam is torch's fused kernel (train/optim.py fuse_cpu_adam) in every group
+    kinds.append("fused" if all(g["fused"] for o in inner_optimizers(opt) for g in o.optimizer.param_groups)
+                 else "unfused")
     after = [p.detach().float() for c in chunks for p in c.parameters()]
     moved = float(sum((a - b.float()).norm() ** 2 for a, b in zip(after, [t for c in before for t in c])) ** 0.5
                   / sum(b.float().norm() ** 2 for c in before for b in c) ** 0.5)
@@ -95,6 +98,7 @@ LAYOUTS = [
 def test_distributed_optimizer_matches_plain_optimizer(world, layout, dtype, clip):
     out = run_distributed(_rank, world, layout, dtype, clip, timeout=560)[0]
     assert "DistributedOptimizer" in out["kinds_dist"] and "DistributedOptimizer" not in out["kinds_plain"]
+    assert "fused" in out["kinds_dist"] and "fused" in out["kinds_plain"]
     if dtype == "bfloat16":
         assert "Float16OptimizerWithFloat16Params" in out["kinds_plain"]  # fp32 masters on both sides
     assert out["n_micro"] >= 2  # DP ranks hold several microbatches each

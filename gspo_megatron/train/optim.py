@@ -43,6 +43,7 @@ def build_optimizer(opt_cfg, model, *, total_steps: int = 1, dtype=torch.float32
         initial_loss_scale=2.0 ** 16,
     )
     optimizer = get_megatron_optimizer(config, model)
+    fuse_cpu_adam(optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if opt_cfg.warmup_steps else lr,
@@ -57,6 +58,32 @@ def build_optimizer(opt_cfg, model, *, total_steps: int = 1, dtype=torch.float32
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def fuse_cpu_adam(optimizer) -> int:
+    """CPU runtime: torch's fused AdamW kernel (one C++ pass over every tensor of a group)
+    instead of the per-tensor Python loop torch picks for CPU tensors by default. Without
+    Transformer Engine or Apex, Megatron builds torch.optim.AdamW (megatron/core/optimizer/
+    __init__.py:10-32, :360) with neither `foreach` nor `fused`, and torch then only chooses
+    foreach for CUDA tensors: on CPU every update walked ~50 tensors one at a time in Python
+    (4.4 ms per update for the demo model; fused: 0.7 ms). The fused kernel is the same Adam; its
+    results differ from the loop's in the last float32 bit (~1e-8). On GPU Megatron's TE/Apex
+    FusedAdam is used and this changes nothing (it only touches torch Adam over CPU tensors).
+    Returns the number of param groups switched."""
+    n = 0
+    for opt in inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):  # AdamW is an Adam subclass in torch 2.x
+            continue
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if not params or any(p.device.type != "cpu" for p in params):
+            continue
+        for g in inner.param_groups:
+            if g.get("differentiable") or g.get("capturable"):
+                continue
+            g["fused"], g["foreach"] = True, False
+            n += 1
+    return n
 
 
 def uses_distributed_optimizer(model) -> bool:
