@@ -260,12 +260,24 @@ def child_gspo(result: str, argv: list[str]) -> int:
 
     marks: list[tuple[float, float]] = []
     orig = loop.push_weights
+    prof_path = os.environ.get("BENCH_PROFILE")  # --profile: cProfile the measured steps only
+    prof_from = int(os.environ.get("BENCH_PROFILE_FROM", "0"))
+    prof_to = int(os.environ.get("BENCH_PROFILE_TO", "0"))
+    prof = None
+    if prof_path:
+        import cProfile
+
+        prof = cProfile.Profile()
 
     # forward whatever else the loop passes (e.g. its async `producer`): the bench only needs to
     # see when each push ends, and must not break when the signature grows again
     def push_weights(parts, version, *args, **kwargs):
         out = orig(parts, version, *args, **kwargs)
         marks.append((time.perf_counter(), time.process_time()))
+        if prof is not None and len(marks) == prof_from + 1:  # after the warm-up steps' pushes
+            prof.enable()
+        if prof is not None and len(marks) == prof_to + 1:  # the last step's push: stop before the save
+            prof.disable()
         return out
 
     loop.push_weights = push_weights
@@ -276,6 +288,9 @@ def child_gspo(result: str, argv: list[str]) -> int:
     finally:
         import torch
 
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(f"{prof_path}.rank{rank}")
         _write_mem(f"{result}.rank{rank}.json",
                    {"rank": rank, "rc": rc, "marks": marks, "torch_threads": torch.get_num_threads()})
     return rc
@@ -512,6 +527,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="--steps 2 --warmup 1 --rounds 1 --arms gspo_tp1,trl (the TRL arm skipped when TRL is "
                         "absent): seconds, checks that the harness runs")
+    p.add_argument("--profile", metavar="PREFIX", default=None,
+                   help="cProfile our arms' measured steps (after --warmup) into PREFIX.<arm>.r<round>.rank<r> "
+                        "(pstats files; python -m pstats to read; the timings include the profiler's overhead)")
     p.add_argument("--summarize", metavar="WORKDIR", default=None,
                    help="only print the table of a kept workdir (same --warmup/--config/--threads)")
     # internal
@@ -565,6 +583,9 @@ def main(argv=None) -> int:
                     json.dump({"rank": 0, "skipped": trl_missing}, f)
                 continue
             cmd, env = arm_command(arm, args, hf_dir, out_dir, result)
+            if args.profile and arm.startswith("gspo"):
+                env.update(BENCH_PROFILE=f"{os.path.abspath(args.profile)}.{arm}.r{rnd}",
+                           BENCH_PROFILE_FROM=str(args.warmup), BENCH_PROFILE_TO=str(args.steps))
             print(f"[bench_trainer] round {rnd + 1}/{args.rounds} {arm}: running, log {out_dir}/log.txt", flush=True)
             run = run_arm(arm, cmd, {**base_env, **env}, os.path.join(out_dir, "log.txt"), args.timeout)
             workers = {rk["pid"] for rk in _read_ranks(result)}
