@@ -25,6 +25,23 @@ def test_a_hung_call_is_scored_zero_after_its_timeout_inline():
 
 
 @pytest.mark.timeout(120)
+def test_a_hung_inline_call_does_not_hold_the_process_at_exit():
+    """The abandoned call sleeps for an hour: the process must still exit when its work is done
+    (a ThreadPoolExecutor's worker was joined at interpreter shutdown: the run hung there)."""
+    import subprocess
+    import sys
+
+    code = ("from gspo_megatron.rollout.rewards import RewardScorer\n"
+            "s = RewardScorer(('spec', 'reward_fns:sleepy'), workers=0, timeout_s=0.5)\n"
+            "print(s(['a', 'b'], [{'sleep': 3600}, {'sleep': 0}]))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "([0.0, 1.0], [True, False])"
+
+
+@pytest.mark.timeout(120)
 def test_worker_processes_score_in_parallel_and_a_hung_worker_is_replaced(tmp_path):
     s = RewardScorer(SPEC, workers=2, timeout_s=20.0, max_error_frac=0.5)
     try:

@@ -151,9 +151,9 @@ def _worker_call(resp: str, ex: dict):
 class RewardScorer:
     """`scorer(texts, examples) -> (rewards, raised)` for the trainer (rank 0).
 
-    workers = 0: calls run one at a time in a helper thread, each waited for at most `timeout_s`;
-    a call that does not return in time is abandoned (the thread is replaced; Python cannot stop
-    it) and scored 0. workers = N: N worker processes (spawned; each builds the function from
+    workers = 0: calls run one at a time in a helper (daemon) thread, each waited for at most
+    `timeout_s`; a call that does not return in time is abandoned (the thread is replaced; Python
+    cannot stop it) and scored 0. workers = N: N worker processes (spawned; each builds the function from
     its recipe) score in parallel; a call past its timeout is scored 0 and the pool is replaced,
     which kills the hung worker. Either way a sample whose call raised, returned a non-number or
     timed out gets 0.0 and raised=True, and when more than `max_error_frac` of one call's samples
@@ -166,16 +166,8 @@ class RewardScorer:
         self.name = getattr(self.fn, "__qualname__", repr(self.fn))
         self.workers, self.timeout_s, self.max_error_frac = workers, timeout_s, max_error_frac
         self._pool = None
-        self._thread = None
 
     # -- executors
-    def _thread_pool(self):
-        if self._thread is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        return self._thread
-
     def _process_pool(self):
         if self._pool is None:
             import multiprocessing as mp
@@ -197,7 +189,61 @@ class RewardScorer:
 
     def close(self) -> None:
         self._drop("_pool")
-        self._drop("_thread")
+
+    def _score_in_thread(self, responses, examples, rewards, raised, errors) -> None:
+        """workers = 0: the batch is scored one sample after another in the helper thread - one
+        handoff per batch (a handoff per sample cost ~0.25 ms each in thread wake-ups) - and each
+        call is waited for at most timeout_s from its start (or, until the thread reaches it, from
+        the handoff or the previous call's end). A late call is scored 0 and abandoned with its
+        thread; the rest of the batch goes on in a fresh one."""
+        import threading
+        import time
+
+        n, i = len(responses), 0
+        while i < n:
+            cond = threading.Condition()
+            state = {"started": {}, "done": {}, "abandoned": False}
+
+            def work(first: int, cond=cond, state=state) -> None:
+                for j in range(first, n):
+                    with cond:
+                        if state["abandoned"]:
+                            return
+                        state["started"][j] = time.monotonic()
+                    try:
+                        out = (True, _classify(self.fn(responses[j], examples[j])))
+                    except Exception as err:  # noqa: BLE001 - the sample's failure
+                        out = (False, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+                    with cond:
+                        state["done"][j] = out
+                        cond.notify_all()
+
+            handed = time.monotonic()
+            # a daemon thread per batch: an abandoned (hung) call must not hold the process at exit,
+            # which a ThreadPoolExecutor's worker did (interpreter shutdown joins those)
+            threading.Thread(target=work, args=(i,), name="reward", daemon=True).start()
+            late = False
+            with cond:
+                while i < n and not late:
+                    if i in state["done"]:
+                        ok, val = state["done"].pop(i)
+                        if ok:
+                            rewards[i], raised[i] = val, False
+                        else:
+                            errors.append(val)
+                        i += 1
+                        handed = time.monotonic()  # the next call starts about now
+                        continue
+                    left = state["started"].get(i, handed) + self.timeout_s - time.monotonic()
+                    if left <= 0:
+                        late = True
+                        state["abandoned"] = True
+                        errors.append(f"timed out after {self.timeout_s:g} s (reward.timeout_s)")
+                        i += 1
+                    else:
+                        cond.wait(timeout=left)
+            # late: the thread is abandoned (it returns after its call); the rest of the batch,
+            # and the next batch, get a fresh one
 
     # -- scoring
     def __call__(self, responses: Sequence[str], examples: Sequence[dict]) -> tuple[list[float], list[bool]]:
@@ -232,15 +278,7 @@ class RewardScorer:
             if timed_out:
                 self._drop("_pool")
         else:
-            for i, (r, e) in enumerate(zip(responses, examples)):
-                fut = self._thread_pool().submit(self.fn, r, e)
-                try:
-                    rewards[i], raised[i] = _classify(fut.result(timeout=self.timeout_s)), False
-                except FutureTimeout:
-                    errors.append(f"timed out after {self.timeout_s:g} s (reward.timeout_s)")
-                    self._drop("_thread")  # abandoned: the next call gets a fresh thread
-                except Exception as err:  # noqa: BLE001 - the sample's failure
-                    errors.append(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+            self._score_in_thread(responses, examples, rewards, raised, errors)
         n_bad = sum(raised)
         if n_bad:
             logger.warning("reward function %s failed on %d/%d samples (scored 0.0); first: %s",
