@@ -255,6 +255,12 @@ def run_arm(name: str, cmd: list[str], env: dict, log_path: str, timeout: float)
 def child_gspo(result: str, argv: list[str]) -> int:
     """Run gspo_megatron.train's main with `argv`; record (wall, cpu) at the end of every weight
     push (one before the first step, then one ending each step) and this rank's peak RSS."""
+    import torch
+
+    if not torch.cuda.is_available():  # as train/__main__.py does on CPU, before `loop` imports Megatron
+        from gspo_megatron.parallel.cpu_runtime import skip_compiled_fusions
+
+        skip_compiled_fusions()
     from gspo_megatron.train import loop
     from gspo_megatron.train.__main__ import main
 

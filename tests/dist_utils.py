@@ -34,6 +34,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_imports() -> None:
+    """What `python -m gspo_megatron.train` does on CPU before Megatron is imported: its fused
+    kernels without torch.compile (parallel/cpu_runtime.py skip_compiled_fusions; ~1 s and
+    ~110 MiB per process)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        from gspo_megatron.parallel.cpu_runtime import skip_compiled_fusions
+
+        skip_compiled_fusions()
+
+
 def _worker(fn, rank, world_size, port, args, queue):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -44,6 +56,7 @@ def _worker(fn, rank, world_size, port, args, queue):
         LOCAL_WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS="1",
     )
+    _cpu_imports()
     import torch
 
     torch.set_num_threads(1)
@@ -108,6 +121,7 @@ def _pool(world_size: int) -> "_Pool":
 
 def _serve(rank, world_size, tasks, results):
     """A pooled rank: run tasks until told to stop; each task sets its own rendezvous port."""
+    _cpu_imports()
     import torch
 
     torch.set_num_threads(1)

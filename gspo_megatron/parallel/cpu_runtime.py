@@ -627,6 +627,51 @@ def _activate_cpu() -> None:
     _set(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
 
 
+#: what megatron/core/jit.py defines (megatron-core 0.16.1); tests/test_cpu_runtime.py reads the
+#: real file and fails if it defines anything else, so the stand-in stays faithful
+JIT_MODULE_NAMES = ("jit_fuser", "noop_decorator", "enable_jit_fuser", "disable_jit_fuser")
+
+
+def skip_compiled_fusions() -> bool:
+    """CPU runs: Megatron's fused elementwise kernels without torch.compile. Call before Megatron
+    is first imported; returns whether it took effect (False once Megatron is imported).
+
+    megatron/core/jit.py sets ``jit_fuser = torch.compile`` (torch >= 2.2) and ~40 functions are
+    decorated with it when their modules load (fusions/*, moe/router.py, moe/experts.py, ...).
+    Decorating imports TorchDynamo and Inductor's compiler in every process that imports Megatron:
+    ~110 MiB resident and ~1 s, of which Dynamo (~70 MiB) comes back anyway with the first torch
+    optimizer (Optimizer.add_param_group is wrapped by torch._disable_dynamo) but Inductor's
+    compile_fx (~40 MiB) does not, nor Dynamo's tracing at run time. The CPU model calls one of
+    those functions, ``TopKRouter._apply_expert_bias`` (router.py:531: adds to a token counter
+    only when expert bias is on, never for Qwen3-MoE), which Dynamo then traces at the first
+    forward of every process; no other runs (no bias-activation fusion, output gate or flex
+    dispatcher; tests/test_cpu_runtime.py records the calls of a training step). So
+    ``megatron.core.jit`` is pre-registered as a module whose ``jit_fuser`` is the identity - what
+    jit.py itself falls back to where torch.compile is unavailable (its ``noop_decorator``): the
+    same functions, run eagerly. GPU runs never call this (train/__main__.py: only when the
+    resolved device is CPU)."""
+    import sys
+
+    if "megatron.core" in sys.modules or "megatron.core.jit" in sys.modules:
+        return False
+    jit = types.ModuleType("megatron.core.jit")
+    jit.__doc__ = "gspo_megatron.parallel.cpu_runtime.skip_compiled_fusions: jit_fuser is the identity"
+
+    def noop_decorator(func):
+        return func
+
+    def enable_jit_fuser():
+        jit.jit_fuser = noop_decorator
+
+    def disable_jit_fuser():
+        jit.jit_fuser = noop_decorator
+
+    jit.jit_fuser, jit.noop_decorator = noop_decorator, noop_decorator
+    jit.enable_jit_fuser, jit.disable_jit_fuser = enable_jit_fuser, disable_jit_fuser
+    sys.modules["megatron.core.jit"] = jit
+    return True
+
+
 def deactivate() -> None:
     """Undo activate() (tests use it to show each patch is needed)."""
     while _STATE.saved:

@@ -57,7 +57,10 @@ def main(argv=None) -> int:
         from gspo_megatron.train.setup import check_inputs
 
         inputs = check_inputs(cfg, world_size=world)
-        resolve_device(cfg.parallel.device)
+        if resolve_device(cfg.parallel.device).type == "cpu":  # before Megatron is imported (its docstring)
+            from gspo_megatron.parallel.cpu_runtime import skip_compiled_fusions
+
+            skip_compiled_fusions()
         if args.smoke:  # writes nothing to out_dir: no run lock, no config.yaml
             from gspo_megatron.train.smoke import DEFAULT_TOL, run_smoke
 
