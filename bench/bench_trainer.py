@@ -5,6 +5,7 @@ with importance_sampling_level="sequence" (TRL's GSPO), side by side in one run,
     python bench/bench_trainer.py --steps 6 --warmup 1 --arms gspo_tp1,trl    # quicker
     python bench/bench_trainer.py --rounds 2              # arms interleaved twice (shared machines)
     python bench/bench_trainer.py --smoke                 # 2 steps, TP1 + TRL (skipped if absent): seconds
+    python bench/bench_trainer.py --guard [--record]      # the suite's step-cost regression guard (below)
 
 TRL is optional (it is not a project dependency, and it is not installed into .venv: its
 requirements must not move the trainer's torch/transformers). Give it its own venv with the same
@@ -18,6 +19,14 @@ CPU torch wheel and transformers as .venv, and point the TRL arm at that interpr
 (The TRL child imports the project from this checkout through PYTHONPATH: only the config, task
 and chat-template code, which need pyyaml and transformers.) Without TRL the TRL arm is skipped
 with one line saying so (its row shows the reason, no numbers).
+
+Regression guard (--guard; tests/test_bench_smoke.py runs it)
+  A fourth arm, torch_ref (child_ref), does the same work as a plain loop over transformers and
+  torch in one process - no framework - so it exists wherever the suite runs (TRL does not). The
+  guard runs TP1 and torch_ref interleaved twice and compares ours/torch_ref tokens per CPU-second
+  (a same-run ratio: the machine's speed cancels; CPU seconds: other jobs' load mostly does) with
+  the ratio recorded in bench/baselines.json: below 0.8x of it, exit 1. Record a new ratio with
+  --guard --record on a quiet machine when the trainer gets faster (or knowingly slower).
 
 Same work on both sides
   model    the demo's tiny Qwen3-MoE (launch/configs/tiny_cpu.yaml model.hf_config), random init
@@ -123,7 +132,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from common import MiB, format_table, proc_status  # noqa: E402
 
 DEMO_CONFIG = os.path.join(ROOT, "launch", "configs", "tiny_cpu.yaml")
-ARMS = ("gspo_tp2", "gspo_tp1", "trl")
+ARMS = ("gspo_tp2", "gspo_tp1", "trl", "torch_ref")
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,6 +416,96 @@ def child_trl(result: str, hf_dir: str, config_path: str, steps: int, micro_batc
 
 
 # --------------------------------------------------------------------------------------------
+# child: a plain-PyTorch reference (the regression guard's yardstick, always available)
+
+
+def child_ref(result: str, hf_dir: str, config_path: str, steps: int, out_dir: str) -> int:
+    """The same work as the other arms, written directly against transformers and torch in one
+    process: HF generate (P prompts x G samples, left-padded), the task's reward, group
+    advantages, pi_old by one no-grad forward per minibatch, then per minibatch a forward, the
+    GSPO sequence-ratio loss (eps 3e-4/4e-4, per-sequence mean), backward, grad-norm clip and
+    torch AdamW (the HF Trainer's default). No framework: what a ratio against it measures is our
+    trainer's own overhead, on any machine, without TRL installed (tests/test_bench_smoke.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gspo_megatron.rollout.data import render_prompt
+    from gspo_megatron.rollout.tasks import SyntheticTask
+
+    cfg = load_demo_cfg(config_path, 2048)
+    r, o = cfg.rollout, cfg.optimizer
+    G, P, M = r.samples_per_prompt, r.prompts_per_step, cfg.train.minibatches_per_step
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                            weight_decay=o.weight_decay)
+    task = SyntheticTask(cfg.data.task, seed=cfg.data.seed)
+    torch.manual_seed(cfg.train.seed)
+    pad = tok.pad_token_id
+    rows: list[dict] = []
+
+    def token_logprobs(ids, attn, n_prompt):  # [B, L] -> log p of every response token [B, L - n_prompt]
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, n_prompt - 1:-1].float() / r.temperature
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, n_prompt:, None]).squeeze(-1)
+
+    for examples in step_prompts(cfg, steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        prompts = [render_prompt(tok, [{"role": "user", "content": ex["prompt"]}]) for ex in examples]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts for _ in range(G)])
+        attn = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts for _ in range(G)])[:, None]).long()
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=r.temperature,
+                                 top_k=0, top_p=1.0, max_new_tokens=r.max_new_tokens, pad_token_id=pad,
+                                 eos_token_id=tok.eos_token_id)
+        resp = out[:, width:]
+        is_eos = resp == tok.eos_token_id
+        after = torch.cumsum(is_eos.long(), 1) - is_eos.long()  # tokens after the first eos
+        mask = (after == 0).float()
+        texts = [tok.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(resp, mask)]
+        rewards = torch.tensor([task.reward(t, examples[i // G]) for i, t in enumerate(texts)])
+        g = rewards.view(P, G)
+        adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(-1)
+        full_attn = torch.cat([attn, mask.long()], 1)
+        t_roll = time.perf_counter() - t0
+        parts = torch.randperm(P * G).chunk(M)
+        with torch.no_grad():
+            old = torch.cat([token_logprobs(out[i], full_attn[i], width) for i in parts])
+        order = torch.cat(parts)
+        old_of = {int(i): k for k, i in enumerate(order)}
+        t_old = time.perf_counter() - t0 - t_roll
+        model.train()
+        for i in parts:
+            lp = token_logprobs(out[i], full_attn[i], width)
+            o_lp = old[[old_of[int(j)] for j in i]]
+            m = mask[i]
+            n = m.sum(1).clamp(min=1)
+            ratio = torch.exp(((lp - o_lp) * m).sum(1) / n)  # GSPO: exp of the mean token log-ratio
+            a = adv[i]
+            loss = -torch.minimum(ratio * a, ratio.clamp(1 - 3e-4, 1 + 4e-4) * a).mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+            opt.step()
+        rows.append({"t_step": time.perf_counter() - t0, "cpu": time.process_time() - c0,
+                     "tokens": int(full_attn.sum()), "resp_len": float(mask.sum(1).mean()), "t_rollout": t_roll,
+                     "t_old": t_old, "t_train": time.perf_counter() - t0 - t_roll - t_old, "t_sync": 0.0})
+    _write_mem(f"{result}.rank0.json", {"rank": 0, "steps": rows, "torch_threads": torch.get_num_threads()})
+    return 0
+
+
+def summarize_ref(rec: dict, warmup: int) -> dict:
+    rows = rec["steps"][warmup:]
+    if not rows:
+        raise RuntimeError("torch reference: no steps after the warm-up")
+    out = {k: [row[k] for row in rows] for k in ("t_step", "tokens", "resp_len", "t_rollout", "t_old", "t_train",
+                                                "t_sync", "cpu")}
+    out["peak_rss_ranks"] = [rec["vmhwm"]]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # results
 
 
@@ -505,6 +604,10 @@ def arm_command(arm: str, args, hf_dir: str, out_dir: str, result: str) -> tuple
                "train.sft_warmup_steps=0", f"train.micro_batch_tokens={args.micro_batch_tokens}",
                "checkpoint.interval=0", "checkpoint.resume=never", "checkpoint.export_hf=false",
                "logging.progress_bar=false", "logging.plot=false"]
+    elif arm == "torch_ref":
+        env["OMP_NUM_THREADS"] = str(args.threads)
+        cmd = [py, me, "--_child", "torch_ref", "--_result", result, "--_hf_dir", hf_dir, "--_out", out_dir,
+               "--config", args.config, "--steps", str(args.steps)]
     else:
         env["OMP_NUM_THREADS"] = str(args.threads)
         cmd = [args.trl_python or py, me, "--_child", "trl", "--_result", result, "--_hf_dir", hf_dir,
@@ -536,10 +639,15 @@ def main(argv=None) -> int:
     p.add_argument("--profile", metavar="PREFIX", default=None,
                    help="cProfile our arms' measured steps (after --warmup) into PREFIX.<arm>.r<round>.rank<r> "
                         "(pstats files; python -m pstats to read; the timings include the profiler's overhead)")
+    p.add_argument("--guard", action="store_true",
+                   help="the step-cost regression guard (the suite runs it): --steps 4 --warmup 1 --rounds 2 --arms "
+                        "gspo_tp1,trl,torch_ref; exit 1 when ours/torch_ref tokens per CPU-second falls below "
+                        f"{GUARD_FLOOR:g}x the ratio in bench/baselines.json")
+    p.add_argument("--record", action="store_true", help="with --guard: write the measured ratio to bench/baselines.json")
     p.add_argument("--summarize", metavar="WORKDIR", default=None,
                    help="only print the table of a kept workdir (same --warmup/--config/--threads)")
     # internal
-    p.add_argument("--_child", choices=("gspo", "trl"), help=argparse.SUPPRESS)
+    p.add_argument("--_child", choices=("gspo", "trl", "torch_ref"), help=argparse.SUPPRESS)
     p.add_argument("--_result", help=argparse.SUPPRESS)
     p.add_argument("--_hf_dir", help=argparse.SUPPRESS)
     p.add_argument("--_out", help=argparse.SUPPRESS)
@@ -547,6 +655,8 @@ def main(argv=None) -> int:
 
     if args._child == "gspo":
         return child_gspo(args._result, rest[1:] if rest[:1] == ["--"] else rest)
+    if args._child == "torch_ref":
+        return child_ref(args._result, args._hf_dir, args.config, args.steps, args._out)
     if args._child == "trl":
         return child_trl(args._result, args._hf_dir, args.config, args.steps, args.micro_batch_tokens, args._out)
     if rest:
@@ -555,6 +665,10 @@ def main(argv=None) -> int:
         # one trainer process (TP1) is the fewest that runs the gspo child's code (TP2 only adds a
         # second rank of the same code); 2 steps so that one is measured after the warm-up
         args.steps, args.warmup, args.rounds, args.arms = 2, 1, 1, "gspo_tp1,trl"
+    if args.guard:  # arms interleaved twice: a burst of load hits both
+        args.steps, args.warmup, args.rounds, args.arms = 4, 1, 2, "gspo_tp1,trl,torch_ref"
+    elif args.record:
+        p.error("--record needs --guard")
     if args.summarize:  # re-render the table of a kept --workdir without running anything
         cfg = load_demo_cfg(args.config, args.micro_batch_tokens)
         names = {d.rsplit(".r", 1)[0] for d in os.listdir(args.summarize) if ".r" in d}
@@ -630,6 +744,8 @@ def collect(workdir: str, arms: list[str], warmup: int) -> dict:
                     info["trl_version"] = ranks[0].get("trl_version")
                     info["trl_python"] = ranks[0].get("python")
                     info["prompt_ids_match"] = runs[-1]["prompt_ids_match"]
+                elif arm == "torch_ref":
+                    runs.append(summarize_ref(ranks[0], warmup))
                 else:
                     runs.append(summarize_gspo(out_dir, ranks, warmup))
             except Exception as e:
@@ -646,6 +762,9 @@ def report(workdir: str, arms: list[str], cfg, args, cleanup: bool = False) -> i
     results = collect(workdir, arms, args.warmup)
     print()
     print(render(results, cfg, args))
+    rc = 0 if not any("error" in r for r in results.values()) else 1
+    if args.guard and rc == 0:
+        rc = guard(results, record=args.record)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": settings(cfg, args), "results": results}, f, indent=1, default=str)
@@ -653,7 +772,42 @@ def report(workdir: str, arms: list[str], cfg, args, cleanup: bool = False) -> i
         shutil.rmtree(workdir, ignore_errors=True)
     else:
         print(f"\nkept {workdir}")
-    return 0 if not any("error" in r for r in results.values()) else 1
+    return rc
+
+
+BASELINES = os.path.join(ROOT, "bench", "baselines.json")
+GUARD_KEY = "trainer_tp1_vs_torch_ref_tokens_per_cpu_s"
+GUARD_FLOOR = 0.8  # fail below this fraction of the recorded ratio
+
+
+def guard(results: dict, record: bool = False) -> int:
+    """The step-cost regression guard: our TP1 arm's tokens per CPU-second over the plain
+    PyTorch+HF loop's, both measured in this run (a ratio, so the machine's speed cancels; CPU
+    seconds, so other jobs' load mostly does too). Fails (exit 1, one line) below GUARD_FLOOR x the
+    ratio recorded in bench/baselines.json; --record writes the measured one there instead."""
+    ratio = results["gspo_tp1"]["tokens_per_cpu_s"] / results["torch_ref"]["tokens_per_cpu_s"]
+    try:
+        with open(BASELINES) as f:
+            base = json.load(f)
+    except FileNotFoundError:
+        base = {}
+    if record:
+        base[GUARD_KEY] = round(ratio, 3)
+        tmp = f"{BASELINES}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(base, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, BASELINES)
+        print(f"[bench_trainer] guard: recorded {GUARD_KEY} = {ratio:.3f} in {BASELINES}")
+        return 0
+    if GUARD_KEY not in base:
+        print(f"[bench_trainer] guard: FAIL - {BASELINES} has no {GUARD_KEY} (run --guard --record)")
+        return 1
+    floor = GUARD_FLOOR * base[GUARD_KEY]
+    verdict = "PASS" if ratio >= floor else "FAIL"
+    print(f"[bench_trainer] guard: {verdict} - tokens per CPU-second, ours TP1 / plain PyTorch loop = {ratio:.3f} "
+          f"(recorded {base[GUARD_KEY]:.3f}, floor {GUARD_FLOOR:g}x = {floor:.3f})")
+    return 0 if verdict == "PASS" else 1
 
 
 def settings(cfg, args) -> dict:
@@ -666,7 +820,7 @@ def settings(cfg, args) -> dict:
 
 
 LABELS = {"gspo_tp2": "gspo-megatron TP2+SP, 2 proc", "gspo_tp1": "gspo-megatron TP1, 1 proc",
-          "trl": "TRL GRPOTrainer GSPO, 1 proc"}
+          "trl": "TRL GRPOTrainer GSPO, 1 proc", "torch_ref": "plain PyTorch+HF loop, 1 proc"}
 
 
 def render(results: dict, cfg, args) -> str:

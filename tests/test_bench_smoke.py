@@ -9,7 +9,8 @@ bench_checkpoint and bench_data run one after the other (their own tests below).
 start-up (torch + Megatron imports, ~7 s of CPU per process) and waits, which overlap; each bench
 then has its own test on the fixture's output. Elsewhere: bench_dataplane --smoke runs in
 tests/test_dataplane.py, bench_convert and gpu_check in their own tests; bench_vllm --smoke needs a
-vLLM server and runs against the one tests/test_vllm.py starts (--url)."""
+vLLM server and runs against the one tests/test_vllm.py starts (--url). bench_trainer runs as the
+step-cost regression guard (--guard), alone: it compares CPU time with a reference arm."""
 from __future__ import annotations
 
 import os
@@ -104,7 +105,6 @@ def test_bench_data_smoke(tmp_path):
 # script -> extra arguments; longest first, so the pool's lanes end together
 SMOKES = {
     "bench_async.py": [],  # 2 trainer runs (sync, async + partial) against the SGLang double
-    "bench_trainer.py": [],  # our TP1 arm; the TRL arm too where TRL is installed, else one skip line
     "bench_weight_sync.py": [],
     "bench_packing.py": [],
     "bench_load.py": ["--workdir", "{tmp}/load"],
@@ -155,7 +155,7 @@ def _close(printed: float, value: float, decimals: int, rel: float = 0.0) -> boo
 def test_smokes_all_ran():
     """Every script in bench/ has a smoke run somewhere (here, or the test named in the docstring)."""
     elsewhere = {"bench_checkpoint.py", "bench_data.py", "bench_dataplane.py", "bench_convert.py", "gpu_check.py",
-                 "bench_vllm.py", "common.py"}
+                 "bench_vllm.py", "bench_trainer.py", "common.py"}
     scripts = {f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
     assert scripts - elsewhere == set(SMOKES), scripts - elsewhere ^ set(SMOKES)
 
@@ -189,30 +189,42 @@ def test_bench_async_smoke(smokes):
 
 
 @pytest.mark.timeout(1200)
-def test_bench_trainer_smoke(smokes):
-    out = _ok(smokes, "bench_trainer.py")
-    skipped = re.search(r"^\[bench_trainer\] TRL arm skipped: (.+)$", out, re.M)
+def test_bench_trainer_guard():
+    """bench_trainer --guard: the trainer's step-cost regression guard (issue: a 30% slide landed
+    unseen). Run alone, not in the smoke pool: its ratio of our TP1 arm to the plain PyTorch loop
+    (tokens per CPU-second, both measured now) must stay above 0.8x of bench/baselines.json's."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_trainer.py"), "--guard"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=1100)
+    out = p.stdout
+    m = re.search(rf"^\[bench_trainer\] guard: (PASS|FAIL) - tokens per CPU-second, ours TP1 / plain PyTorch loop = "
+                  rf"({NUM}) \(recorded ({NUM}), floor 0.8x = ({NUM})\)$", out, re.M)
+    assert m, f"exit {p.returncode}:\n{out[-4000:]}\n{p.stderr[-4000:]}"
+    assert m[1] == "PASS" and p.returncode == 0, m[0]
     lines = out.splitlines()
-    header = next((ln for ln in lines if ln.startswith("arm ") and "tokens/s" in ln), None)
-    assert header is not None and header.split()[-1] == "TRL", out
+    skipped = re.search(r"^\[bench_trainer\] TRL arm skipped: (.+)$", out, re.M)
     cells = {}
-    for label in ("gspo-megatron TP1, 1 proc", "TRL GRPOTrainer GSPO, 1 proc"):
+    for label in ("gspo-megatron TP1, 1 proc", "TRL GRPOTrainer GSPO, 1 proc", "plain PyTorch+HF loop, 1 proc"):
         rows = [ln[len(label):].split() for ln in lines if ln.startswith(label)]
         assert len(rows) == 1, (label, out)
         cells[label] = rows[0]
-    assert not any(ln.startswith("gspo-megatron TP2") for ln in lines), out  # the smoke runs TP1 only
-    ours = cells["gspo-megatron TP1, 1 proc"]
-    assert len(ours) == 16, ours  # threads + 15 measurements
-    s_step, best, tok, tok_s = (_num(x) for x in ours[1:5])
-    assert 0 < best <= s_step + 0.005 and tok > 0, ours  # best step <= the mean (printed with 2 decimals)
-    # one measured step: tokens/s = tokens of that step / its time (printed to 2 decimals)
-    assert abs(tok_s - tok / s_step) <= tok_s * (0.006 / s_step + 0.002) + 1, ours
-    rollout, old, train, sync, cpu, tok_cpu = (_num(x) for x in ours[6:12])
-    assert min(rollout, old, train, sync) >= 0 and cpu > 0 and tok_cpu > 0, ours
-    assert rollout + old + train + sync <= s_step + 0.05, ours  # the phases are parts of the step
-    assert 0 < _num(ours[13]) <= 8, ours  # response length <= max_new_tokens of tiny_cpu.yaml
-    assert _num(ours[14]) > 0, ours  # peak RSS MiB
-    assert re.search(r"^gspo_tp1: 1 run\(s\), 1 measured steps; run wall \d+s;", out, re.M), out
+    assert not any(ln.startswith("gspo-megatron TP2") for ln in lines), out  # the guard runs TP1 only
+    for label in ("gspo-megatron TP1, 1 proc", "plain PyTorch+HF loop, 1 proc"):
+        row = cells[label]
+        assert len(row) == 16, row  # threads + 15 measurements
+        s_step, best, tok, tok_s = (_num(x) for x in row[1:5])
+        assert 0 < best <= s_step + 0.005 and tok > 0, row  # best step <= the mean (2 decimals)
+        rollout, old, train, sync, cpu, tok_cpu = (_num(x) for x in row[6:12])
+        assert min(rollout, old, train, sync) >= 0 and cpu > 0 and tok_cpu > 0, row
+        assert rollout + old + train + sync <= s_step + 0.05, row  # the phases are parts of the step
+        assert 0 < _num(row[13]) <= 8, row  # response length <= max_new_tokens of tiny_cpu.yaml
+        assert _num(row[14]) > 0, row  # peak RSS MiB
+    ours, ref = cells["gspo-megatron TP1, 1 proc"], cells["plain PyTorch+HF loop, 1 proc"]
+    # the guard's ratio is the printed tokens per CPU-second columns' (each rounded to integers)
+    assert _close(_num(m[2]), _num(ours[11]) / _num(ref[11]), 3, rel=0.002), (m[0], ours[11], ref[11])
+    assert _close(_num(m[4]), 0.8 * _num(m[3]), 3), m[0]
+    for arm in ("gspo_tp1", "torch_ref"):  # 2 interleaved rounds of 4 steps, the first of each skipped
+        assert re.search(rf"^{arm}: 2 run\(s\), 6 measured steps; run wall \d+s, \d+s;", out, re.M), out
     trl = cells["TRL GRPOTrainer GSPO, 1 proc"]
     if skipped:  # no TRL: its row names no numbers, ours none relative to it
         assert trl[1] == "skipped" and set(trl[2:]) == {"-"}, trl
@@ -313,3 +325,17 @@ def test_bench_launch_smoke(smokes):
         med, lo, hi = (_num(x) for x in row[4:7])
         assert 0 < lo == med == hi, row  # one run: its time is the median, min and max
     assert re.search(r"^dry-run-bad-key: gspo_megatron\.train: error: unknown config key 'trian'", out, re.M), out
+
+
+def test_trainer_guard_fails_a_thirty_percent_slide(capsys):
+    """The guard's verdict on made-up results: our tokens per CPU-second 30% below what the
+    recorded ratio says fails with one line; 10% below passes."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_trainer
+
+    recorded = bench_trainer.json.load(open(bench_trainer.BASELINES))[bench_trainer.GUARD_KEY]
+    ref = {"tokens_per_cpu_s": 1000.0}
+    for factor, rc in ((0.7, 1), (0.9, 0)):
+        ours = {"tokens_per_cpu_s": 1000.0 * recorded * factor}
+        assert bench_trainer.guard({"gspo_tp1": ours, "torch_ref": ref}) == rc, factor
+        assert ("guard: FAIL" if rc else "guard: PASS") in capsys.readouterr().out
