@@ -748,8 +748,8 @@ def test_dry_run_checks_data_tokenizer_and_warm_start(tmp_path):
     line = _dry_run_fails(tmp_path, "model.hf_config.vocab_size=50")
     assert "98 tokens" in line and "vocab_size is 50" in line, line
     data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
-    line = _dry_run_fails(tmp_path, *file_data)  # tiny_cpu.yaml warms up for 30 steps
-    assert "train.sft_warmup_steps=30" in line and "synthetic" in line, line
+    line = _dry_run_fails(tmp_path, *file_data)  # tiny_cpu.yaml warms up for 60 steps
+    assert "train.sft_warmup_steps=60" in line and "synthetic" in line, line
     ok = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", preset("tiny_cpu"), "--dry-run",
                          *file_data, "train.sft_warmup_steps=0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr[-2000:]
