@@ -472,14 +472,11 @@ def child_ref(result: str, hf_dir: str, config_path: str, steps: int, out_dir: s
         t_roll = time.perf_counter() - t0
         parts = torch.randperm(P * G).chunk(M)
         with torch.no_grad():
-            old = torch.cat([token_logprobs(out[i], full_attn[i], width) for i in parts])
-        order = torch.cat(parts)
-        old_of = {int(i): k for k, i in enumerate(order)}
+            olds = [token_logprobs(out[i], full_attn[i], width) for i in parts]  # pi_old per minibatch
         t_old = time.perf_counter() - t0 - t_roll
         model.train()
-        for i in parts:
+        for i, o_lp in zip(parts, olds):
             lp = token_logprobs(out[i], full_attn[i], width)
-            o_lp = old[[old_of[int(j)] for j in i]]
             m = mask[i]
             n = m.sum(1).clamp(min=1)
             ratio = torch.exp(((lp - o_lp) * m).sum(1) / n)  # GSPO: exp of the mean token log-ratio

@@ -196,7 +196,6 @@ class RewardScorer:
         call is waited for at most timeout_s from its start (or, until the thread reaches it, from
         the handoff or the previous call's end). A late call is scored 0 and abandoned with its
         thread; the rest of the batch goes on in a fresh one."""
-        import threading
         import time
 
         n, i = len(responses), 0
