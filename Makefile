@@ -8,7 +8,7 @@ TORCH_VERSION := 2.13.0
 # Where a CPU torch wheel may already lie (CI and dev machines keep one there).
 TORCH_WHEEL_DIR ?= /opt/wheels
 
-.PHONY: demo test install clean gpu-check gpu-wheels image
+.PHONY: demo demo-agent test install clean gpu-check gpu-wheels image
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -28,6 +28,10 @@ DEMO_EVAL = eval.interval=25 eval.num_prompts=64 eval.samples_per_prompt=4
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 NPROC=2 PYTHON=$(VPY) launch/torchrun.sh launch/configs/tiny_cpu.yaml out_dir=runs/demo $(DEMO_EVAL) $(ARGS)
+
+# The calculator-tool agent (multi-turn, docs/agents.md): the tiny model learns two-digit addition with a tool.
+demo-agent: $(STAMP)
+	OMP_NUM_THREADS=1 NPROC=2 PYTHON=$(VPY) launch/torchrun.sh launch/configs/tiny_cpu_agent.yaml out_dir=runs/demo-agent $(DEMO_EVAL) $(ARGS)
 
 # Two pytest workers, one test file each at a time (--dist loadfile: a file's module fixtures are
 # built once): most waits are process start-up, servers and installs, which overlap.

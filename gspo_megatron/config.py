@@ -529,6 +529,19 @@ class RolloutConfig:
     # The engine returns the experts it routed every token to (SGLang: --enable-return-routed-experts);
     # the trainer then reports routing_agreement every step. Implied by train.routing_replay=rollout.
     return_routing: bool = False
+    # Multi-turn / agentic rollouts: "package.module:function" called once per sample with the
+    # prompt's record and a session (rollout/agent.py: session.generate() continues the session's
+    # token ids, session.append() adds environment tokens that are never trained on); it returns
+    # the reward, or None to score the session's text with reward.fn. null = single-turn.
+    agent: Optional[str] = None
+    # An agent session's total response budget in tokens (policy + environment tokens); reaching it
+    # ends the session with finish_reason "length". null = max_new_tokens. Each session.generate()
+    # call samples at most max_new_tokens.
+    max_response_tokens: Optional[int] = None
+    # Agent sessions running at once (each in its own thread; their engine requests are batched).
+    agent_concurrency: int = 64
+    # A session running longer than this (agent or tool hung) gets reward 0, counted in agent_errors.
+    agent_timeout_s: float = 600.0
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -548,6 +561,12 @@ class RolloutConfig:
         _positive("rollout.max_oversample_rounds", self.max_oversample_rounds, allow_zero=True)
         _positive("rollout.async_steps", self.async_steps, allow_zero=True)
         _positive("rollout.async_timeout_s", self.async_timeout_s)
+        if self.agent is not None and (not isinstance(self.agent, str) or self.agent.count(":") != 1):
+            raise ConfigError(f"rollout.agent must look like 'package.module:function', got {self.agent!r}")
+        if self.max_response_tokens is not None:
+            _positive("rollout.max_response_tokens", self.max_response_tokens)
+        _positive("rollout.agent_concurrency", self.agent_concurrency)
+        _positive("rollout.agent_timeout_s", self.agent_timeout_s)
         if self.partial and not self.async_steps:
             raise ConfigError("rollout.partial needs rollout.async_steps >= 1 (weight pushes interrupt the "
                               "generations of the rollout thread; the synchronous loop never pushes mid-generation)")
@@ -555,6 +574,13 @@ class RolloutConfig:
             self._check_sglang()
         if self.backend == "vllm":
             self._check_vllm()
+
+    @property
+    def response_budget(self) -> int:
+        """Longest response in tokens: max_new_tokens, or an agent session's max_response_tokens."""
+        if self.agent and self.max_response_tokens is not None:
+            return self.max_response_tokens
+        return self.max_new_tokens
 
     def _check_vllm(self):
         v = self.vllm
@@ -905,12 +931,17 @@ class Config:
                 f" * {self.rollout.samples_per_prompt} = {samples} is not divisible by "
                 f"train.minibatches_per_step = {self.train.minibatches_per_step}"
             )
-        if self.train.micro_batch_tokens <= self.rollout.max_new_tokens:
+        if self.train.micro_batch_tokens <= self.rollout.response_budget:
+            key = "max_response_tokens" if self.rollout.agent else "max_new_tokens"
             raise ConfigError(
                 f"train.micro_batch_tokens={self.train.micro_batch_tokens} must exceed "
-                f"rollout.max_new_tokens={self.rollout.max_new_tokens} (a whole sample, prompt "
+                f"rollout.{key}={self.rollout.response_budget} (a whole sample, prompt "
                 "included, must fit in one microbatch)"
             )
+        if self.rollout.agent and (self.train.routing_replay == "rollout" or self.rollout.return_routing):
+            raise ConfigError("rollout.agent with train.routing_replay=rollout (or rollout.return_routing) is not supported: a multi-turn sample's "
+                              "routing would come from several engine calls and its environment tokens should take "
+                              "the trainer's own; use train.routing_replay=old (routing recorded by the π_old pass)")
         if self.loss.max_token_age is not None and not self.rollout.async_steps:
             raise ConfigError("loss.max_token_age needs rollout.async_steps >= 1 (synchronous rollouts are never stale)")
         if self.rollout.async_steps and self.rollout.backend == "sglang" and self.rollout.sglang.launch:

@@ -110,6 +110,7 @@ SMOKES = {
     "bench_load.py": ["--workdir", "{tmp}/load"],
     "bench_logprobs.py": [],
     "bench_launch.py": [],
+    "bench_agents.py": [],
 }
 SMOKE_WORKERS = 3  # concurrent smokes: more only oversubscribes the CPUs further
 SMOKE_TIMEOUT_S = 600  # per smoke, a hang bound (on a quiet 2-core machine all of them take ~1 min)
@@ -338,3 +339,16 @@ def test_trainer_guard_fails_a_thirty_percent_slide(capsys):
         ours = {"best_tokens_per_cpu_s": 1000.0 * recorded * factor}
         assert bench_trainer.guard({"gspo_tp1": ours, "torch_ref": ref}) == rc, factor
         assert ("guard: FAIL" if rc else "guard: PASS") in capsys.readouterr().out
+
+
+def test_bench_agents_smoke(smokes):
+    out = _ok(smokes, "bench_agents.py")
+    _row(out, r"^arm\s+sessions\s+concurrency\s+best s\s+mean s\s+engine calls\s+sessions/s\s+vs one alone"
+              r"\s+vs one after another$")
+    alone = _row(out, r"^one session alone\s")
+    conc = _row(out, r"^4 concurrent\s")
+    seq = _row(out, r"^4 one after another\s")
+    # every turn of the concurrent sessions went to the engine as one batched call; one after
+    # another is one call per session per turn (3 turns); no bound on how long anything took
+    assert int(alone[-4]) == 3 and int(conc[-4]) == 3 and int(seq[-4]) == 12, (alone, conc, seq)
+    assert re.search(rf"^4 concurrent sessions / one alone: {NUM}x \(target <= 2x\)", out, re.M), out

@@ -48,6 +48,11 @@ class Sample:
     # of them: a partial rollout carried over a weight push (rollout/partial.py). weight_version
     # is then the oldest of them.
     token_versions: list[int] | None = None
+    # Which response tokens the policy sampled (trained on) and which an agent appended as
+    # environment tokens (tool output: in the context, never in the loss, the KL, the entropy or
+    # GSPO's |y|; their response_logprobs entries are 0.0). None: every token is the policy's.
+    # Multi-turn rollouts (rollout/agent.py) set it.
+    loss_mask: list[bool] | None = None
 
     def versions(self) -> list[int]:
         """The weight version of every response token."""

@@ -5,6 +5,7 @@ turn's content (render it with `data.render_prompt`, which applies the chat temp
 exactly the text a correct completion contains before the eos token.
 
     add      "7+5="        -> "12"      two non-negative integers below 10**digits (default digits=1)
+    add2     "47+85="      -> "132"     add with digits=2 (the calculator-agent example's task)
     reverse  "reverse 307" -> "703"     a digit string of min_len..max_len digits
     sort     "sort 5129"   -> "1259"    a digit string of min_len..max_len digits, sorted ascending
 
@@ -70,6 +71,9 @@ class TaskSpec:
 
 TASKS: dict[str, TaskSpec] = {
     "add": TaskSpec(_gen_add, align_right=True),
+    # two-digit sums: hard for the tiny model alone (5% after 400 SFT steps), easy with a
+    # calculator tool (gspo_megatron/examples/calculator_agent.py)
+    "add2": TaskSpec(lambda rng: _gen_add(rng, digits=2), align_right=True),
     "reverse": TaskSpec(_gen_reverse, align_right=False),
     "sort": TaskSpec(_gen_sort, align_right=False),
 }

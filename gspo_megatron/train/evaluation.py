@@ -25,8 +25,8 @@ from gspo_megatron.rollout.base import SamplingParams
 class HeldOut:
     """The held-out prompt sets of one run: `eval:` itself, then eval.extra_sets."""
 
-    def __init__(self, cfg, prompts):
-        self.cfg, self.prompts = cfg, prompts
+    def __init__(self, cfg, prompts, agent=None):
+        self.cfg, self.prompts, self.agent = cfg, prompts, agent  # agent: rollout/agent.py AgentRunner
         self.sets = [_Set(spec, cfg, prompts, key) for spec, key in
                      [(cfg.eval, "eval")] + [(x, f"eval.extra_sets[{i}]") for i, x in enumerate(cfg.eval.extra_sets)]]
 
@@ -39,7 +39,7 @@ class HeldOut:
         """Generate, score, and the eval/<name>/... metrics of every set (rank 0)."""
         out = {}
         for s in self.sets:
-            out.update(s.run(self.cfg, engine, score, tokenizer, stop_ids))
+            out.update(s.run(self.cfg, engine, score, tokenizer, stop_ids, self.agent))
         return out
 
 
@@ -66,14 +66,20 @@ class _Set:
             self.examples = list(examples[: spec.num_prompts])
         self.prompt_ids = [prompts.encode(ex) for ex in self.examples]
 
-    def run(self, cfg, engine, score, tokenizer, stop_ids) -> dict:
+    def run(self, cfg, engine, score, tokenizer, stop_ids, agent=None) -> dict:
         e, r = cfg.eval, cfg.rollout
         sp = SamplingParams(temperature=e.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                             stop_token_ids=tuple(stop_ids))
         n = e.samples_per_prompt
-        samples = engine.generate(self.prompt_ids, n, sp, seed=self.seed)
-        texts = [tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in samples]
-        rewards, _ = score(texts, [self.examples[s.prompt_index] for s in samples])
+        if agent is not None:  # the run's agent drives every held-out session too
+            from gspo_megatron.rollout.agent import run_and_score
+
+            samples, rewards, _, _ = run_and_score(agent, engine.generate, self.examples, self.prompt_ids, n, sp,
+                                                   score, seed=self.seed, version=engine.weight_version)
+        else:
+            samples = engine.generate(self.prompt_ids, n, sp, seed=self.seed)
+            texts = [tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in samples]
+            rewards, _ = score(texts, [self.examples[s.prompt_index] for s in samples])
         correct = [[] for _ in self.examples]
         for s, rew in zip(samples, rewards):
             correct[s.prompt_index].append(rew >= e.correct_threshold)

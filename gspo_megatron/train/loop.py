@@ -192,12 +192,23 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
     lengths: list[int] = []
     rounds = 0
     groups_needed = P
+    agent_stats = dict.fromkeys(("agent_errors", "env_tokens", "turns"), 0)
     while groups_needed > 0:
         examples = parts.prompts.batch(step, rounds, groups_needed if rounds else P)
         prompt_ids = [parts.prompts.encode(ex) for ex in examples]
-        samples = generate(prompt_ids, G, sampling, seed=parts.cfg.train.seed * 100003 + step * 101 + rounds)
-        texts = [parts.tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in samples]
-        rewards, flags = parts.score(texts, [examples[s.prompt_index] for s in samples])
+        seed = parts.cfg.train.seed * 100003 + step * 101 + rounds
+        if parts.agent is not None:  # multi-turn sessions (rollout/agent.py)
+            from gspo_megatron.rollout.agent import run_and_score
+
+            samples, rewards, flags, st = run_and_score(parts.agent, generate, examples, prompt_ids, G, sampling,
+                                                        parts.score, seed=seed, version=parts.engine.weight_version)
+            agent_stats["agent_errors"] += st["agent_errors"]
+            agent_stats["env_tokens"] += st["env_tokens"]
+            agent_stats["turns"] += st["turns_mean"] * len(samples)
+        else:
+            samples = generate(prompt_ids, G, sampling, seed=seed)
+            texts = [parts.tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in samples]
+            rewards, flags = parts.score(texts, [examples[s.prompt_index] for s in samples])
         raised += sum(flags)
         all_rewards += rewards
         lengths += [len(s.response_ids) for s in samples]
@@ -224,6 +235,10 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
         # records the prompt stream skipped (malformed, unrenderable, too long) and engine requests retried
         "data_skipped": parts.prompts.take_skipped(), "rollout_retries": _engine_retries(parts) - retries_before,
     }
+    if parts.agent is not None:  # env_tokens: in the samples that train; the rest over every session of the step
+        stats.update(agent_errors=agent_stats["agent_errors"], turns_mean=agent_stats["turns"] / max(len(lengths), 1),
+                     env_tokens_all=agent_stats["env_tokens"],
+                     env_tokens=sum(s.meta.get("env_tokens", 0) for s in kept))
     if parts.cfg.logging.prompts:
         stats["prompts"] = [parts.prompts.text(ex) for ex in kept_prompts[:P]]
     return kept, kept_rewards, stats
@@ -361,10 +376,11 @@ def to_train_samples(samples: list[Sample], rewards: list[float], group_size: in
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size)
     out = []
     for s, a in zip(samples, adv.tolist()):
-        mask = None
+        mask = s.loss_mask  # environment tokens of an agent's sample (rollout/agent.py): never trained on
         if max_token_age is not None:
-            mask = [step - v <= max_token_age for v in s.versions()]
-            mask = None if all(mask) else mask
+            fresh = [step - v <= max_token_age for v in s.versions()]
+            mask = fresh if mask is None else [m and f for m, f in zip(mask, fresh)]
+        mask = None if mask is None or all(mask) else list(mask)
         out.append(TrainSample(s.prompt_ids, s.response_ids, float(a), list(s.response_logprobs), s.routed_experts,
                                token_mask=mask))
     return out
@@ -459,6 +475,9 @@ def train(cfg, *, world_size: int, inputs=None) -> dict:
                 kept, rewards, rstats, data_state = _take_rollout(parts, producer, step)
                 samples = to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt, step=step,
                                            max_token_age=cfg.loss.max_token_age)
+                # response tokens in the loss (policy tokens: not an agent's environment tokens, not too old)
+                rstats["loss_tokens"] = sum(len(x.response_ids) if x.token_mask is None else sum(x.token_mask)
+                                            for x in samples)
                 # the training order, before the DP split is decided on it
                 random.Random(cfg.train.seed * 7 + step).shuffle(samples)
             data_state = _broadcast(data_state)  # every rank saves it; rstats stay on rank 0 (it writes the rows)

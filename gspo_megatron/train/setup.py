@@ -43,6 +43,8 @@ class PromptSource:
         self.max_prompt_tokens = max_prompt_tokens
         self.long_prompts = data_cfg.long_prompts
         self.skipped = 0  # since the last take_skipped()
+        # an agent's `demonstration(example) -> [(text, trained on), ...]` (rollout.agent), for the warm start
+        self.agent_demonstration = None
         self._ids: dict[int, list[int]] = {}  # id(record) -> its checked token ids
         self._reported = 0
         if data_cfg.source == "synthetic":
@@ -153,8 +155,16 @@ class PromptSource:
         eos = self.tokenizer.eos_token_id
         out = []
         for ex in self.task.sample_prompts(n, rng):
-            answer = self.tokenizer.encode(self.task.demonstration(ex), add_special_tokens=False) + [eos]
-            out.append(TrainSample(self.encode(ex), answer, 0.0))
+            if self.agent_demonstration is None:
+                answer = self.tokenizer.encode(self.task.demonstration(ex), add_special_tokens=False) + [eos]
+                out.append(TrainSample(self.encode(ex), answer, 0.0))
+                continue
+            ids, mask = [], []  # an agent's worked trajectory: its environment segments are not trained on
+            for text, trained in self.agent_demonstration(ex):
+                seg = self.tokenizer.encode(text, add_special_tokens=False)
+                ids += seg
+                mask += [bool(trained)] * len(seg)
+            out.append(TrainSample(self.encode(ex), ids + [eos], 0.0, token_mask=mask + [True]))
         return out
 
     def state_dict(self) -> dict:
@@ -238,6 +248,7 @@ class RunParts:
     stop_ids: list[int]
     routing_replay: bool = False  # the policy's routers carry Megatron's RouterReplay
     heldout: Any = None  # train/evaluation.py HeldOut (eval.interval > 0)
+    agent: Any = None  # rollout/agent.py AgentRunner (rollout.agent), rank 0 uses it
 
     def plan(self, samples: list) -> tuple[list, int]:
         """This rank's microbatches of one minibatch (DP, CP, packing as configured) and the
@@ -409,6 +420,7 @@ class Inputs:
     score: Callable
     heldout: Any = None  # train/evaluation.py HeldOut when eval.interval > 0
     load: Any = None  # config.py LoadSource of model.load (read_load_source), None without it
+    agent: Any = None  # rollout/agent.py AgentRunner when rollout.agent is set
 
 
 def check_inputs(cfg, *, world_size: int) -> Inputs:
@@ -431,7 +443,7 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     if len(tokenizer) > arch.vocab_size:
         raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {arch.vocab_size} "
                          "(model.tokenizer and the model's checkpoint must belong together)")
-    limit = cfg.data.max_prompt_tokens or max(1, arch.max_position_embeddings - cfg.rollout.max_new_tokens)
+    limit = cfg.data.max_prompt_tokens or max(1, arch.max_position_embeddings - cfg.rollout.response_budget)
     prompts = PromptSource(cfg.data, tokenizer, cfg.train.seed, max_prompt_tokens=limit)
     if cfg.train.sft_warmup_steps > 0 and prompts.task is None:
         raise InputError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} needs demonstrations, which only "
@@ -449,12 +461,25 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
 
         # one CheckpointError line naming the path (a root resolves to the iteration its tracker names)
         read_trainer_state(resolve_resume(cfg.checkpoint.resume, cfg.out_dir))
+    agent = None
+    if cfg.rollout.agent:  # a bad module:function fails here, in seconds
+        from gspo_megatron.rollout.agent import AgentRunner, load_agent_fn
+        from gspo_megatron.rollout.rewards import RewardSpecError
+
+        try:
+            fn = load_agent_fn(cfg.rollout.agent)
+        except RewardSpecError as e:
+            raise InputError(str(e)) from None
+        r = cfg.rollout
+        agent = AgentRunner(fn, tokenizer, max_response_tokens=r.response_budget, concurrency=r.agent_concurrency,
+                            timeout_s=r.agent_timeout_s)
+        prompts.agent_demonstration = getattr(fn, "demonstration", None)
     heldout = None
     if cfg.eval.interval:
         from gspo_megatron.train.evaluation import HeldOut
 
-        heldout = HeldOut(cfg, prompts)
-    return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout, load)
+        heldout = HeldOut(cfg, prompts, agent=agent)
+    return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout, load, agent)
 
 
 def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts:
@@ -531,7 +556,7 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
         scheduler=scheduler, tokenizer=tokenizer, prompts=prompts, score=score, engine=engine, reference=None,
         colocation=colocation,
         seq_multiple=pad_multiple(cfg.parallel), pad_id=tokenizer.pad_token_id or 0, stop_ids=stop_ids,
-        routing_replay=routing_replay, heldout=inputs.heldout,
+        routing_replay=routing_replay, heldout=inputs.heldout, agent=inputs.agent,
     )
     if cfg.loss.kl_coef > 0:
         parts.reference = ReferencePolicy(parts, ref_chunks)

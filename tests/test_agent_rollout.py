@@ -1,0 +1,276 @@
+"""Multi-turn agent rollouts (rollout/agent.py): sessions continue exactly their token ids,
+environment tokens are masked, budgets, failures and concurrency; then the trainer: every step's
+engine-vs-trainer log-prob mismatch stays at fp32 rounding (the trainer scores exactly the sampled
+tokens) with the in-process engine and the SGLang double, and a re-tokenizing agent fails that."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+from gspo_megatron.rollout.agent import AgentRunner, AgentSession, run_and_score
+from gspo_megatron.rollout.base import Sample, SamplingParams
+from gspo_megatron.rollout.tokenizer import build_tokenizer
+
+TOK = build_tokenizer()
+
+
+class FakeEngine:
+    """Deterministic: answers a prompt of length L with tokens 10 + (L + i) % 50, log-prob -0.1*(i+1).
+    Records every call (prompts, sampling)."""
+
+    def __init__(self, fail: bool = False):
+        self.calls: list[tuple[list[list[int]], SamplingParams]] = []
+        self.fail = fail
+        self.weight_version = 3
+
+    def generate(self, prompts, n, sampling, *, seed=None):
+        assert n == 1
+        if self.fail:
+            raise ConnectionError("engine down")
+        self.calls.append(([list(p) for p in prompts], sampling))
+        out = []
+        for i, p in enumerate(prompts):
+            ids = [10 + (len(p) + j) % 50 for j in range(sampling.max_new_tokens)]
+            out.append(Sample(i, list(p), ids, [-0.1 * (j + 1) for j in range(len(ids))], "length",
+                              self.weight_version, meta={"matched_stop": None}))
+        return out
+
+
+SP = SamplingParams(max_new_tokens=8, stop_token_ids=(TOK.eos_token_id,))
+EXAMPLES = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4+4=", "answer": "8"}]
+PROMPTS = [[1, 20, 21, 22], [1, 23, 24]]
+
+
+def _run(fn, n=2, engine=None, **kw):
+    engine = engine or FakeEngine()
+    runner = AgentRunner(fn, TOK, max_response_tokens=kw.pop("budget", 32), **kw)
+    return engine, runner.run(engine.generate, EXAMPLES, PROMPTS, n, SP, seed=5, version=3)
+
+
+def test_sessions_continue_exactly_their_token_ids_and_mask_environment_tokens():
+    seen = {}
+
+    def agent(example, s):
+        a = s.generate(max_new_tokens=3)
+        env = s.append([60, 61])
+        b = s.generate(max_new_tokens=2)
+        seen.setdefault(example["prompt"], []).append((a, env, b))
+        return 0.5
+
+    engine, res = _run(agent)
+    assert res.errors == [None] * 4 and res.rewards == [0.5] * 4
+    # first turn: the prompts; second turn: prompt + the first turn + the environment tokens, as ids
+    first, second = engine.calls
+    assert first[0] == [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    for s in res.samples:
+        p = PROMPTS[s.prompt_index]
+        a = [10 + (len(p) + j) % 50 for j in range(3)]
+        assert s.response_ids[:5] == a + [60, 61]
+        assert p + a + [60, 61] in second[0]
+        assert s.loss_mask == [True] * 3 + [False] * 2 + [True] * 2
+        assert s.response_logprobs[3:5] == [0.0, 0.0] and s.response_logprobs[:3] == pytest.approx([-0.1, -0.2, -0.3])
+        assert s.meta["turns"] == 2 and s.meta["env_tokens"] == 2 and s.meta["policy_tokens"] == 5
+    assert [s.prompt_index for s in res.samples] == [0, 0, 1, 1]
+    assert res.stats["env_tokens"] == 8 and res.stats["turns_mean"] == 2.0 and res.stats["engine_calls"] == 2
+    assert second[1].max_new_tokens == 2 and first[1].max_new_tokens == 3
+
+
+def test_append_text_encodes_without_special_tokens_and_refuses_foreign_ids():
+    def agent(example, s):
+        s.generate(max_new_tokens=1)
+        assert s.append("=7\n") == TOK.encode("=7\n", add_special_tokens=False)
+        assert s.text().endswith("=7\n")
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            s.append([len(TOK) + 5])
+
+    _, res = _run(agent, n=1)
+    assert res.errors == [None, None], res.errors
+
+
+def test_the_response_budget_ends_the_session_with_length():
+    def agent(example, s):
+        assert len(s.generate(max_new_tokens=4)) == 4
+        assert s.append([60, 61, 62, 63, 64]) == [60, 61]  # cut at the budget of 6
+        assert s.done and s.finish_reason == "length"
+        assert s.generate() == [] and s.append([60]) == []  # nothing reaches the engine any more
+
+    engine, res = _run(agent, n=1, budget=6)
+    assert len(engine.calls) == 1
+    assert all(len(s.response_ids) == 6 and s.finish_reason == "length" for s in res.samples)
+    # a generate() asks for no more than what is left
+    _, res = _run(lambda ex, s: s.generate(max_new_tokens=50), n=1, budget=6)
+    assert all(len(s.response_ids) == 6 and s.finish_reason == "length" for s in res.samples)
+
+
+def test_a_failing_agent_scores_zero_and_is_counted_and_the_batch_goes_on():
+    def agent(example, s):
+        s.generate(max_new_tokens=2)
+        if example["answer"] == "3":
+            raise RuntimeError("tool failed")
+        return None  # scored by the reward function
+
+    score = lambda texts, exs: ([0.75] * len(texts), [False] * len(texts))  # noqa: E731
+    samples, rewards, flags, stats = run_and_score(AgentRunner(agent, TOK, max_response_tokens=8), FakeEngine().generate,
+                                                   EXAMPLES, PROMPTS, 2, SP, score)
+    assert rewards == [0.0, 0.0, 0.75, 0.75] and stats["agent_errors"] == 2
+    assert all(len(s.response_ids) == 2 and s.text is not None for s in samples)
+
+
+def test_a_hung_agent_is_bounded_by_the_timeout():
+    release = threading.Event()
+
+    def agent(example, s):
+        s.generate(max_new_tokens=1)
+        if example["answer"] == "8":
+            release.wait(30)  # a tool that hangs
+        return 1.0
+
+    try:
+        _, res = _run(agent, timeout_s=0.5)
+    finally:
+        release.set()
+    assert res.rewards[:2] == [1.0, 1.0] and res.rewards[2:] == [0.0, 0.0]
+    assert all(e and e.startswith("AgentTimeout") for e in res.errors[2:]) and res.stats["agent_errors"] == 2
+
+
+def test_an_engine_failure_fails_the_rollout():
+    with pytest.raises(ConnectionError, match="engine down"):
+        _run(lambda ex, s: s.generate(), engine=FakeEngine(fail=True))
+
+
+def test_concurrent_sessions_overlap_their_tools_and_share_engine_calls():
+    """16 sessions whose tool sleeps 0.2 s: the tools run at the same time (16 at once, not one
+    after another) and each turn of all sessions goes to the engine as one batched call."""
+    active, peak, lock = [0], [0], threading.Lock()
+
+    def agent(example, s):
+        for _ in range(2):
+            s.generate(max_new_tokens=2)
+            with lock:
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            time.sleep(0.2)
+            with lock:
+                active[0] -= 1
+            s.append([60])
+        s.generate(max_new_tokens=2)
+        return 1.0
+
+    engine, res = _run(agent, n=8, linger_s=0.1)
+    assert peak[0] == 16
+    assert len(engine.calls) <= 6 and max(len(c[0]) for c in engine.calls) == 16, [len(c[0]) for c in engine.calls]
+    # a bounded pool: never more sessions at once than asked
+    active[0] = peak[0] = 0
+    engine, res = _run(agent, n=8, concurrency=4)
+    assert peak[0] == 4 and res.errors == [None] * 16
+
+
+def test_the_session_api():
+    def agent(example, s):
+        assert isinstance(s, AgentSession) and s.example is example and s.tokenizer is TOK
+        assert s.prompt_ids == PROMPTS[EXAMPLES.index(example)]
+        s.generate()
+        assert s.text() == TOK.decode(s.response_ids, skip_special_tokens=False)
+
+    _, res = _run(agent, n=1)
+    assert res.errors == [None, None]
+
+
+def test_rollout_agent_spec_and_config_checks():
+    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.rollout.agent import load_agent_fn
+    from gspo_megatron.rollout.rewards import RewardSpecError
+
+    with pytest.raises(RewardSpecError, match="rollout.agent 'no_such_module_x:f'"):
+        load_agent_fn("no_such_module_x:f")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tiny = os.path.join(repo, "launch", "configs", "tiny_cpu.yaml")
+    with pytest.raises(ConfigError, match="rollout.agent must look like"):
+        load_config(tiny, ["rollout.agent=nocolon"])
+    with pytest.raises(ConfigError, match="routing_replay=rollout"):
+        load_config(tiny, ["rollout.agent=tests.agent_fns:two_turn", "train.routing_replay=rollout"])
+    with pytest.raises(ConfigError, match="rollout.max_response_tokens=600"):
+        load_config(tiny, ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=600"])
+    cfg = load_config(tiny, ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=20"])
+    assert cfg.rollout.response_budget == 20
+    assert load_config(tiny, ["rollout.max_response_tokens=20"]).rollout.response_budget == 8  # no agent: unused
+
+
+# ------------------------------------------------------------------------------------------
+# The trainer
+
+
+AGENT_RUN = ["train.max_steps=3", "train.sft_warmup_steps=0", "rollout.prompts_per_step=4",
+             "rollout.samples_per_prompt=4", "rollout.max_response_tokens=16", "checkpoint.interval=0",
+             "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
+             "loss.old_logprobs=recompute", "reward.fn=tests.reward_fns:response_length"]
+
+
+def _agent_train(tmp_path, name, agent, *extra):
+    from test_train_loop import REPO, TINY, _env, gspo_rows, torchrun_cmd
+
+    out, log = tmp_path / name, tmp_path / f"{name}.agent.jsonl"
+    env = dict(_env(), AGENT_LOG=str(log))
+    r = subprocess.run(torchrun_cmd(2, "--config", TINY, f"out_dir={out}", f"rollout.agent=tests.agent_fns:{agent}",
+                                    *AGENT_RUN, *extra), capture_output=True, text=True, timeout=560, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    sessions = [json.loads(x) for x in open(log)]
+    return gspo_rows(out), sessions
+
+
+def _check_exact(rows, sessions):
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    worst = [x["mismatch_logprob_max"] for x in rows]
+    print("mismatch_logprob_max per step:", worst)
+    assert all(w <= 1e-5 for w in worst), worst
+    assert len(sessions) == 3 * 16
+    # env_tokens: the tokens the agent appended; loss_tokens: the tokens the policy generated
+    assert sum(x["env_tokens"] for x in rows) == sum(len(s["appended"]) for s in sessions) > 0
+    assert sum(x["loss_tokens"] for x in rows) == sum(len(s["generated"]) for s in sessions)
+    assert all(x["turns_mean"] == 2.0 and x["agent_errors"] == 0 for x in rows)
+
+
+@pytest.mark.timeout(600)
+def test_two_turn_agent_trains_on_exactly_the_sampled_tokens_in_process(tmp_path):
+    rows, sessions = _agent_train(tmp_path, "exact", "two_turn")
+    _check_exact(rows, sessions)
+    # the negative control: rebuilding the conversation from text between turns (special tokens
+    # dropped by decode) makes the trainer score tokens the engine never sampled
+    rows, _ = _agent_train(tmp_path, "retok", "two_turn_retokenized")
+    worst = max(x["mismatch_logprob_max"] for x in rows)
+    print("re-tokenizing agent, worst mismatch:", worst)
+    assert worst > 1e-2, worst
+
+
+@pytest.mark.timeout(600)
+def test_two_turn_agent_trains_on_exactly_the_sampled_tokens_with_sglang(tmp_path):
+    from sglang_double import SGLangDouble, sglang_overrides
+    from test_train_sglang import _tiny_hf_dir
+
+    hf_dir = _tiny_hf_dir(tmp_path / "hf0")
+    with SGLangDouble(hf_dir) as server:
+        rows, sessions = _agent_train(tmp_path, "sglang", "two_turn", f"model.hf_dir={hf_dir}", "model.hf_config=null",
+                                      *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync")))
+        gens = [x.body for x in server.records if x.path == "/generate"]
+    _check_exact(rows, sessions)
+    # the second turns continued token ids (input_ids), never text
+    assert gens and all("input_ids" in g and "text" not in g for g in gens)
+
+
+@pytest.mark.timeout(600)
+def test_agent_with_async_partial_rollouts_dynamic_sampling_and_routing_replay(tmp_path):
+    """The agent path under rollout.async_steps=1 with partial rollouts (a push may interrupt a
+    session's generation; it resumes with the new weights), dynamic sampling and R2 routing
+    replay (the π_old pass records every token's routing, environment tokens included)."""
+    rows, sessions = _agent_train(tmp_path, "async", "two_turn", "rollout.async_steps=1", "rollout.partial=true",
+                                  "rollout.dynamic_sampling=true", "train.routing_replay=old")
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert all(x["agent_errors"] == 0 and x["staleness_max"] <= 1 and x["samples_dropped_stale"] == 0 for x in rows)
+    # every session the agent ran was generated for a step (dynamic sampling may run extra rounds)
+    assert sum(x["env_tokens_all"] for x in rows) == sum(len(s["appended"]) for s in sessions)
+    assert all(0 < x["env_tokens"] <= x["env_tokens_all"] and x["loss_tokens"] > 0 for x in rows)
