@@ -274,3 +274,27 @@ def test_agent_with_async_partial_rollouts_dynamic_sampling_and_routing_replay(t
     # every session the agent ran was generated for a step (dynamic sampling may run extra rounds)
     assert sum(x["env_tokens_all"] for x in rows) == sum(len(s["appended"]) for s in sessions)
     assert all(0 < x["env_tokens"] <= x["env_tokens_all"] and x["loss_tokens"] > 0 for x in rows)
+
+
+def test_engines_without_stop_string_matching_cut_at_the_first_stop_string():
+    """vLLM's token route does not detokenize: VLLMEngine cuts each sample at its first stop string
+    (rollout/base.py cut_at_stop_string), as the in-process engine matches them while generating."""
+    from gspo_megatron.rollout.base import cut_at_stop_string
+
+    ids = TOK.encode("ab]cd]e", add_special_tokens=False)
+    s = Sample(0, [1], ids, [-0.1 * i for i in range(len(ids))], "length", 4, token_versions=[4, 4, 5, 5, 5, 6, 6])
+    cut = cut_at_stop_string(s, TOK, ("]",))
+    assert TOK.decode(cut.response_ids) == "ab]" and cut.response_logprobs == s.response_logprobs[:3]
+    assert cut.finish_reason == "stop" and cut.token_versions == [4, 4, 5] and cut.weight_version == 4
+    assert cut_at_stop_string(s, TOK, ("zz",)) is s  # no stop string: unchanged
+    multi = cut_at_stop_string(s, TOK, ("d]", "c"))  # the shortest prefix containing any of them
+    assert TOK.decode(multi.response_ids) == "ab]c"
+
+
+def test_vllm_engine_refuses_stop_strings_without_a_tokenizer():
+    from gspo_megatron.rollout.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine.__new__(VLLMEngine)  # no servers: the check comes before any request
+    eng.tokenizer, eng._closed, eng._inconsistent = None, False, None
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, stop=("]",)))

@@ -75,6 +75,32 @@ def check_generate_args(prompts: list[list[int]], n: int, sampling: SamplingPara
             raise ValueError(f"prompt {i} is empty")
 
 
+def stop_string_end(tokenizer, toks: list[int], stops: tuple[str, ...]) -> int | None:
+    """Length of the shortest prefix of `toks` whose decoded text contains one of `stops`."""
+    if not stops or not any(s in tokenizer.decode(toks, skip_special_tokens=False) for s in stops):
+        return None
+    for t in range(1, len(toks) + 1):
+        if any(s in tokenizer.decode(toks[:t], skip_special_tokens=False) for s in stops):
+            return t
+    return None
+
+
+def cut_at_stop_string(sample: Sample, tokenizer, stops: tuple[str, ...]) -> Sample:
+    """`sample` ending at its first stop string (included), finish_reason "stop", for engines that
+    cannot match stop strings themselves (vLLM's token-in/token-out route does not detokenize).
+    The kept tokens' log-probs are unchanged: tokens after a prefix do not condition it."""
+    end = stop_string_end(tokenizer, sample.response_ids, stops)
+    if end is None or (end == len(sample.response_ids) and sample.finish_reason == "stop"):
+        return sample
+    from dataclasses import replace
+
+    tv = sample.token_versions[:end] if sample.token_versions is not None else None
+    versions = tv if tv is not None else [sample.weight_version]
+    return replace(sample, response_ids=sample.response_ids[:end], response_logprobs=sample.response_logprobs[:end],
+                   finish_reason="stop", token_versions=tv, weight_version=min(versions, default=sample.weight_version),
+                   meta=dict(sample.meta, matched_stop="stop_string"))
+
+
 class RolloutEngine(abc.ABC):
     """Generates samples and receives policy weights (HF names, full unsharded tensors)."""
 

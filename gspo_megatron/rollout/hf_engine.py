@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from .base import NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
+from .base import NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args, stop_string_end
 
 
 class WeightUpdateError(ValueError):
@@ -379,14 +379,7 @@ class HFEngine(RolloutEngine):
 
     def _stop_string_end(self, toks: list[int], stops: tuple[str, ...]) -> int | None:
         """Length of the shortest prefix of `toks` whose decoded text contains a stop string."""
-        text = self.tokenizer.decode(toks, skip_special_tokens=False)
-        if not any(s in text for s in stops):
-            return None
-        for t in range(1, len(toks) + 1):
-            text = self.tokenizer.decode(toks[:t], skip_special_tokens=False)
-            if any(s in text for s in stops):
-                return t
-        return None
+        return stop_string_end(self.tokenizer, toks, stops)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .base import NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
+from .base import NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args, cut_at_stop_string
 from .http_servers import EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError, parse_json
 from .vllm_api import GENERATE, RELOAD_METHOD, VLLM_VERSION
 from .vllm_server import ServerClient, VLLMLaunchSpec, launch
@@ -88,7 +88,7 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, cfg: Any = None, *, hf_config: dict | None = None, sync_dtype: torch.dtype | None = None,
                  server_env: dict[str, str] | None = None, log_dir: str | None = None, weight_version: int = 0,
                  retry_backoff_s: float = 0.5, wait_ready: bool = True, nccl_backend=None,
-                 sync_device: torch.device | str | None = None, **overrides):
+                 sync_device: torch.device | str | None = None, tokenizer=None, **overrides):
         c = _defaults()
         c.update(_cfg_dict(cfg))
         unknown = sorted(set(overrides) - set(c))
@@ -98,6 +98,7 @@ class VLLMEngine(RolloutEngine):
         if bool(c["urls"]) == bool(c["launch"]):
             raise ValueError("VLLMEngine: give either urls (running servers) or launch=true, not both/neither")
         self.cfg = c
+        self.tokenizer = tokenizer  # for stop strings (agents' session.generate(stop=...)), matched here
         self.hf_config = dict(hf_config) if hf_config else None
         self.sync_dtype = sync_dtype
         self.concurrency = int(c["concurrency"])
@@ -238,6 +239,8 @@ class VLLMEngine(RolloutEngine):
         if sampling.top_p != 1.0 or sampling.top_k != -1:
             raise ValueError("VLLMEngine: top_p must be 1 and top_k -1 (vLLM reports log-probs renormalised "
                              "over the truncated distribution)")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("VLLMEngine: stop strings need a tokenizer (pass tokenizer=)")
         if not prompts:
             return []
         sp = {"n": n, "temperature": sampling.temperature, "top_p": 1.0, "top_k": -1,
@@ -247,7 +250,10 @@ class VLLMEngine(RolloutEngine):
             futs = [pool.submit(self._run_group, gi, [int(t) for t in p], n,
                                 dict(sp, seed=None if seed is None else (seed * 1000003 + gi) % (2 ** 31)))
                     for gi, p in enumerate(prompts)]
-            return [s for f in futs for s in f.result()]
+            out = [s for f in futs for s in f.result()]
+        if sampling.stop:  # the route generates token ids without detokenizing: stop strings are cut here
+            out = [cut_at_stop_string(s, self.tokenizer, tuple(sampling.stop)) for s in out]
+        return out
 
     def _empty_rows(self, gi: int, prompt: list[int], n: int) -> list[Sample]:
         self._inc("interrupted_rows", n)

@@ -400,9 +400,9 @@ def _make_vllm_engine(cfg, hf_config, tokenizer, dtype):
                 json.dump(arch, f, indent=2)
             tokenizer.save_pretrained(tmp)
             publish(tmp, start, overwrite=True)
-        return VLLMEngine.from_config(cfg, hf_config=arch, model_path=start,
+        return VLLMEngine.from_config(cfg, hf_config=arch, model_path=start, tokenizer=tokenizer,
                                       extra_args=[*v.extra_args, "--load-format", "dummy"])
-    return VLLMEngine.from_config(cfg, hf_config=arch)
+    return VLLMEngine.from_config(cfg, hf_config=arch, tokenizer=tokenizer)
 
 
 ENGINES = {"hf": _make_hf_engine, "sglang": _make_sglang_engine, "vllm": _make_vllm_engine}
