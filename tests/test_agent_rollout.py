@@ -298,3 +298,102 @@ def test_vllm_engine_refuses_stop_strings_without_a_tokenizer():
     eng.tokenizer, eng._closed, eng._inconsistent = None, False, None
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, stop=("]",)))
+
+
+class SlowEngine(FakeEngine):
+    def generate(self, prompts, n, sampling, *, seed=None):
+        time.sleep(0.8)
+        return super().generate(prompts, n, sampling, seed=seed)
+
+
+def test_the_timeout_counts_the_sessions_own_time_not_the_engine_wait():
+    """An engine call longer than agent_timeout_s does not abandon sessions that wait for it."""
+    _, res = _run(lambda ex, s: s.generate(max_new_tokens=2) and 1.0, engine=SlowEngine(), timeout_s=0.5)
+    assert res.errors == [None] * 4 and res.rewards == [1.0] * 4
+
+
+def test_an_abandoned_session_keeps_the_sample_it_had():
+    go_on = threading.Event()
+    after: list = []
+
+    def agent(example, s):
+        s.generate(max_new_tokens=2)
+        go_on.wait(20)  # past the timeout, then tries to go on
+        try:
+            s.append([60, 61, 62])
+        except Exception as e:  # noqa: BLE001
+            after.append(type(e).__name__)
+        return 1.0
+
+    try:
+        _, res = _run(agent, n=1, timeout_s=0.3)
+    finally:
+        go_on.set()
+    time.sleep(0.3)
+    assert res.stats["agent_errors"] == 2 and after == ["AgentTimeout"] * 2
+    assert all(len(s.response_ids) == len(s.response_logprobs) == 2 and s.loss_mask is None for s in res.samples)
+
+
+@pytest.mark.parametrize("bad", ["0.5", float("nan"), float("inf"), [1.0]])
+def test_an_agent_returning_a_non_number_is_a_failure(bad):
+    _, res = _run(lambda ex, s: bad, n=1)
+    assert res.rewards == [0.0, 0.0] and res.stats["agent_errors"] == 2
+
+
+def test_too_many_failed_sessions_fail_the_step_like_reward_errors():
+    from gspo_megatron.rollout.rewards import RewardError
+
+    class Scorer:
+        max_error_frac = 0.25
+
+        def __call__(self, texts, exs):
+            return [1.0] * len(texts), [False] * len(texts)
+
+    def agent(example, s):
+        if example["answer"] == "3":
+            raise RuntimeError("tool failed")
+
+    with pytest.raises(RewardError, match=r"failed on 2 of 4 sessions, more than reward.max_error_frac=0.25"):
+        run_and_score(AgentRunner(agent, TOK, max_response_tokens=8), FakeEngine().generate, EXAMPLES, PROMPTS, 2, SP,
+                      Scorer())
+    Scorer.max_error_frac = 0.5
+    _, rewards, _, stats = run_and_score(AgentRunner(agent, TOK, max_response_tokens=8), FakeEngine().generate,
+                                         EXAMPLES, PROMPTS, 2, SP, Scorer())
+    assert rewards == [0.0, 0.0, 1.0, 1.0] and stats["agent_errors"] == 2
+
+
+def test_stop_as_a_string_and_environment_tokens_before_the_first_turn():
+    def agent(example, s):
+        s.append([60, 61])
+        s.generate(max_new_tokens=2, stop="</tool>")
+
+    engine, res = _run(agent, n=1)
+    assert engine.calls[0][1].stop == ("</tool>",)
+    # the run's weight version (3) on the environment tokens too: one version, the oldest token's
+    assert all(s.token_versions is None and s.weight_version == 3 for s in res.samples)
+    assert all(s.loss_mask == [False, False, True, True] for s in res.samples)
+
+
+def test_in_process_engine_matches_stop_strings_in_the_output_only(tmp_path):
+    """A stop string spanning the prompt's last token and the first sampled one must not end the
+    turn (transformers' stop_strings match across the prompt: the row came back as 'abort' with one
+    token, or padded with pad tokens inside a batch); SGLang matches the output only."""
+    import torch
+    import yaml
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from gspo_megatron.rollout.hf_engine import HFEngine
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "launch", "configs", "tiny_cpu.yaml")) as f:
+        hf = yaml.safe_load(f)["model"]["hf_config"]
+    torch.manual_seed(0)
+    eng = HFEngine(Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf)).eval(), tokenizer=TOK, eos_token_ids=[])
+    last = "~"
+    stops = tuple(last + TOK.decode([i]) for i in range(4, len(TOK)))  # any first token completes one
+    prompts = [TOK.encode("ab" + last, add_special_tokens=False), TOK.encode("xyz" + last, add_special_tokens=False)]
+    out = eng.generate(prompts, 2, SamplingParams(max_new_tokens=5, stop=stops), seed=1)
+    for s in out:
+        text = TOK.decode(s.response_ids, skip_special_tokens=False)
+        assert s.finish_reason in ("length", "stop") and 0 not in s.response_ids, (s.finish_reason, s.response_ids)
+        assert (s.finish_reason == "length" and len(s.response_ids) == 5) or any(x in text for x in stops)

@@ -267,6 +267,19 @@ class HFEngine(RolloutEngine):
             def __call__(self, input_ids, scores, **kwargs):
                 return torch.full((input_ids.shape[0],), flag.is_set(), dtype=torch.bool, device=input_ids.device)
 
+        tok, stops = self.tokenizer, tuple(sp.stop)
+
+        class _StopStrings(StoppingCriteria):
+            """A row is done once its generated tokens' text contains a stop string. Not
+            transformers' stop_strings, which match across the prompt's tail as well: a prompt
+            ending in an agent's environment tokens would stop its first token (SGLang matches
+            the output only)."""
+
+            def __call__(self, input_ids, scores, **kwargs):
+                rows = input_ids[:, width:].tolist()
+                done = [any(x in tok.decode(r, skip_special_tokens=False) for x in stops) for r in rows]
+                return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
         greedy = sp.temperature <= 0 or sp.top_k == 1
         lp_temp = 1.0 if greedy else float(sp.temperature)
         stop_ids = tuple(dict.fromkeys(self.eos_token_ids + tuple(int(i) for i in sp.stop_token_ids)))
@@ -288,11 +301,9 @@ class HFEngine(RolloutEngine):
             top_p=None if greedy else float(sp.top_p),
             eos_token_id=list(stop_ids) or None,
             pad_token_id=self.pad_token_id,
-            stop_strings=list(sp.stop) or None,
             return_dict_in_generate=True,
             output_logits=True,
         )
-        kwargs = {"tokenizer": self.tokenizer} if sp.stop else {}
         # every forward of generate (the prefill, then one decode step per new token but the last)
         # records each layer's top-k (transformers' Qwen3MoeTopKRouter returns (logits, scores,
         # indices))
@@ -305,8 +316,7 @@ class HFEngine(RolloutEngine):
                     input_ids=input_ids.to(self.device),
                     attention_mask=attention_mask.to(self.device),
                     generation_config=gen_cfg,
-                    stopping_criteria=StoppingCriteriaList([_Interrupted()]),
-                    **kwargs,
+                    stopping_criteria=StoppingCriteriaList([_Interrupted()] + ([_StopStrings()] if stops else [])),
                 )
         finally:
             for h in hooks:

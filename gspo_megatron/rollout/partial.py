@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from .base import RolloutEngine, Sample, SamplingParams
+from .base import RolloutEngine, Sample, SamplingParams, cut_at_stop_string
 
 
 class PartialGenerator:
@@ -71,7 +71,12 @@ class PartialGenerator:
                     rows[i].append(s)
                     if s.finish_reason == "abort":
                         pending.append(i)
-        return [self._join(out[i], rows[i]) for i in range(len(out))]
+        joined = [self._join(out[i], rows[i]) for i in range(len(out))]
+        tok = getattr(self.engine, "tokenizer", None)
+        if sampling.stop and tok is not None:  # a stop string may span the interrupt: match on the whole response
+            joined = [cut_at_stop_string(s, tok, tuple(sampling.stop)) if len(rows[i]) > 1 else s
+                      for i, s in enumerate(joined)]
+        return joined
 
     @staticmethod
     def _left(segments: list[Sample], sampling: SamplingParams) -> int:
