@@ -1,5 +1,5 @@
 """The calculator-agent example learns on CPU: launch/configs/tiny_cpu_agent.yaml as shipped
-(2 processes, TP2+SP, ~2 minutes), held-out pass@1 after the warm start and at the end."""
+(2 processes, TP2+SP, ~2.5 minutes), held-out pass@1 after the warm start and at the end."""
 from __future__ import annotations
 
 import json
@@ -23,16 +23,18 @@ def test_calculator_agent_learns_the_tool(tmp_path):
                        capture_output=True, text=True, timeout=880, env=_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = gspo_rows(out)
-    assert len(rows) == 100
+    assert len(rows) == 150
     evals = [json.loads(x) for x in open(out / "metrics.jsonl") if '"eval"' in x]
-    assert [e["step"] for e in evals] == [0, 25, 50, 75, 100]
+    assert [e["step"] for e in evals] == [0, 25, 50, 75, 100, 125, 150]
     p1 = [e["eval/heldout/pass@1"] for e in evals]
     print("held-out pass@1:", p1)
     # the warm start teaches the format; GSPO teaches the tool (call it with the question, copy
-    # its answer): >= 0.5 at the end, from at most half of that (measured 0.23 -> 0.66 at step 75)
+    # its answer): >= 0.5 at the end, from at most half of that (measured 0.07 -> 0.43 at step
+    # 100 -> 0.77 at step 150)
     assert p1[-1] >= 0.5 and p1[0] <= p1[-1] / 2, p1
     # every session called the tool: two policy turns around it, no agent failed
     assert all(x["agent_errors"] == 0 and x["env_tokens"] > 0 for x in rows)
     assert sum(x["turns_mean"] for x in rows[-10:]) / 10 > 1.9
-    # the trainer scored exactly what the engine sampled (fp32 rounding)
-    assert max(x["mismatch_logprob_max"] for x in rows) < 1e-4
+    # one update per batch with the engine's log-probs as π_old: the sequence ratio stays at 1
+    # (fp32 rounding), nothing is clipped
+    assert all(abs(x["ratio_mean"] - 1) < 1e-4 and x["clip_frac"] == 0 for x in rows)
