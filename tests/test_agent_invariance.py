@@ -19,7 +19,7 @@ import torch
 
 from dist_utils import run_distributed
 from megatron_utils import hf_token_logprobs, hub_named_grads, make_tiny_hf
-from test_train_invariance import RTOL, _rank_train
+from test_train_invariance import RTOL, _rank_train, assert_step_matches
 
 VOCAB = 300
 PAPER_EPS = (3e-4, 4e-4)
@@ -166,21 +166,8 @@ def setup(tmp_path_factory):
 
 def _check(setup, world, layout, budget, eps, packed):
     hf_dir, samples, ref = setup
-    ref_loss, ref_clip, ref_grads = ref("orig", eps)
-    tot, grads, n_micro = run_distributed(_rank_train, world, hf_dir, layout, samples, budget, eps, False, False,
-                                          "none", packed, timeout=280)[0]
-    if budget < 100:
-        assert n_micro >= 2  # the microbatch split is really exercised
-    n = tot["sequences"]
-    assert n == len(samples)
-    assert tot["loss"] / n == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
-    assert tot["clip_frac"] / n == pytest.approx(ref_clip, abs=1e-6)
-    worst = rel_worst(grads, ref_grads)
-    print(f"\n{layout} packed={packed} eps={eps}: loss {tot['loss'] / n:.8f} vs float64 {ref_loss:.8f}, "
-          f"worst relative gradient difference {worst[0]:.2e} at {worst[1]}")
-    assert worst[0] <= RTOL, f"relative gradient difference {worst[0]:.2e} at {worst[1]}"
-    if eps[0] < 0.01:
-        assert 0 < ref_clip < 1  # tight clipping is active on some sequences, not all
+    worst = assert_step_matches(hf_dir, samples, ref("orig", eps), world, layout, budget, eps, packed)
+    print(f"\n{layout} packed={packed} eps={eps}: worst relative gradient difference {worst[0]:.2e} at {worst[1]}")
 
 
 def test_masking_env_tokens_matters(setup):

@@ -156,7 +156,15 @@ def test_gspo_step_matches_single_process_reference(setup, world, layout, budget
 
 def _check_against_reference(setup, world, layout, budget, eps, packed=False):
     hf_dir, model, samples = setup
-    ref_loss, ref_clip, ref_grads = reference_loss_and_grads(model, samples, *eps)
+    ref = reference_loss_and_grads(model, samples, *eps)
+    assert_step_matches(hf_dir, samples, ref, world, layout, budget, eps, packed)
+
+
+def assert_step_matches(hf_dir, samples, ref, world, layout, budget, eps, packed) -> tuple[float, str]:
+    """One trainer step at `layout` (_rank_train) against `ref` = (loss, clip_frac, Hub-named
+    grads): loss, clip fraction and every gradient within the tolerances. Returns the worst
+    relative gradient difference and where."""
+    ref_loss, ref_clip, ref_grads = ref
     tot, grads, n_micro = run_distributed(_rank_train, world, hf_dir, layout, samples, budget, eps, False, False,
                                           "none", packed, timeout=280)[0]
     if budget < 100:
@@ -170,6 +178,7 @@ def _check_against_reference(setup, world, layout, budget, eps, packed=False):
     assert worst[0] <= RTOL, f"relative gradient difference {worst[0]:.2e} at {worst[1]}"
     if eps[0] < 0.01:
         assert 0 < ref_clip < 1  # tight clipping is active on some sequences, not all
+    return worst
 
 
 @pytest.mark.timeout(300)
