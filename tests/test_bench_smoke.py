@@ -346,7 +346,7 @@ def test_bench_agents_smoke(smokes):
     _row(out, r"^arm\s+sessions\s+concurrency\s+best s\s+mean s\s+engine calls\s+sessions/s\s+vs one alone"
               r"\s+vs one after another$")
     alone = _row(out, r"^one session alone\s")
-    conc = _row(out, r"^4 concurrent\s")
+    conc = _row(out, r"^4 concurrent\s+4\s")
     seq = _row(out, r"^4 one after another\s")
     # every turn of the concurrent sessions went to the engine as one batched call; one after
     # another is one call per session per turn (3 turns); no bound on how long anything took
