@@ -299,7 +299,7 @@ def test_launch_and_distributed_sync_over_gloo(model_dir, prompts, model_a, mode
         assert re.fullmatch(r"(bu+e){2}", pushes), pushes
         with open(eng.procs.log_paths[0]) as f:
             log = f.read()
-        assert "--tp-size 1" in log and "--api-key k3y" in log and "--dtype float32" in log
+        assert "--tp-size 1" in log and "--api-key=k3y" in log and "--dtype float32" in log
     finally:
         eng.close()
     assert proc.poll() is not None  # stopped by close()
@@ -546,12 +546,26 @@ def test_launch_command_line():
     assert spec.argv(1) == [
         sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
         "--port", "31001", "--tp-size", "2", "--dp-size", "1", "--ep-size", "2",
-        "--mem-fraction-static", "0.6", "--base-gpu-id", "2", "--api-key", "k", "--enable-memory-saver",
+        "--mem-fraction-static", "0.6", "--base-gpu-id", "2", "--api-key=k", "--enable-memory-saver",
     ]
     assert spec.url(1) == "http://127.0.0.1:31001"
     one = LaunchSpec(model_path="/m", command=["python", "x.py"])
     assert one.argv(0)[:2] == ["python", "x.py"] and "--base-gpu-id" not in one.argv(0)
     assert LaunchSpec(model_path="/m", host="0.0.0.0").url(0) == "http://127.0.0.1:30000"
+
+
+def test_api_key_beginning_with_a_dash_reaches_the_server(capsys):
+    """SGLang parses its command line with plain argparse (sglang/srt/server_args.py:679,696 in
+    0.5.23): `--api-key -Xy..` reads the key as an option and the server exits with code 2 before
+    it is ready. secrets.token_urlsafe starts a key with '-' one time in 64: the key must travel
+    as `--api-key=<key>`. The double's parser is argparse too (checked by its own tests)."""
+    import sglang_double
+
+    key = "-Zk3y_from_token_urlsafe"
+    spec = LaunchSpec(model_path="/m", api_key=key, command=["python", "x.py"])
+    rc = sglang_double.main(spec.argv(0)[2:] + ["--double-exit-code", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"'api_key': '{key}'" in out, out
 
 
 def test_stop_kills_a_server_that_ignores_sigterm(tmp_path):
@@ -579,8 +593,10 @@ def test_launched_server_that_dies_or_never_gets_ready(tmp_path, monkeypatch):
     dying = ServerProcesses(LaunchSpec(port=_free_port(), extra_args=["--double-exit-code", "3"], **base))
     dying.start()
     # the death is reported as such (not "not ready after 60 s"): noticed, not waited out
-    with pytest.raises(SGLangNotReadyError, match=r"exited with code 3 before becoming ready(.|\n)*exiting as asked"):
+    with pytest.raises(SGLangNotReadyError, match=r"exited with code 3 before becoming ready(.|\n)*exiting as asked") as e:
         dying.wait_ready([ServerClient(u) for u in dying.urls], timeout_s=60)
+    # the log's last line is on the message's first line: the trainer's CLI prints only that one
+    assert "its log ends: '[sglang test double] exiting as asked'" in str(e.value).splitlines()[0]
     assert dying.procs[0].returncode == 3
     dying.stop()
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB=None" in open(dying.log_paths[0]).read()

@@ -164,7 +164,7 @@ def test_colocated_engines_release_train_resume_push_every_step(tmp_path):
         assert "--enable-memory-saver" in argv and f"--base-gpu-id {i}" in argv and f"--port {port + i}" in argv
         # bound beyond loopback without rollout.sglang.api_key: a generated key, which the double
         # (like SGLang) then demands of every request but the health checks
-        assert re.search(r"--api-key \S{20,}", argv), argv
+        assert re.search(r"--api-key=\S{20,}", argv), argv
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
     assert all(x["mismatch_logprob_max"] < 1e-5 for x in rows), [x["mismatch_logprob_max"] for x in rows]

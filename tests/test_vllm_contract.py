@@ -951,7 +951,10 @@ def options(src) -> dict[str, Option]:
 def split_argv(argv: list[str]) -> list[tuple[str, str | None]]:
     out: list[tuple[str, str | None]] = []
     for a in argv:
-        if a.startswith("--"):
+        if a.startswith("--") and "=" in a:
+            flag, value = a.split("=", 1)
+            out.append((flag, value))
+        elif a.startswith("--"):
             out.append((a, None))
         else:
             assert out and out[-1][1] is None, f"stray argument {a!r} in {argv}"

@@ -142,7 +142,7 @@ def start_colocated(cfg, ctx, *, make_engine) -> tuple[object | None, NodeServer
         import dataclasses
         import secrets
 
-        box = [secrets.token_urlsafe(24) if ctx.rank == 0 else None]
+        box = [secrets.token_hex(24) if ctx.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         sg = dataclasses.replace(sg, api_key=box[0])
         log.info("colocated SGLang servers bind %s: they require a generated API key", sg.host)

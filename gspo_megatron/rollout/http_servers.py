@@ -356,9 +356,13 @@ class ServerProcesses:
         rc = self.procs[i].poll()
         if rc is None:
             return None
+        tail = self.log_tail(i)
+        last = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), "")
+        # the last log line goes on the first line too: CLIs print only that one (cli_util.user_errors)
         return (
-            f"(pid {self.procs[i].pid}) exited with code {rc} before becoming ready; "
-            f"log {self.log_paths[i]}:\n{self.log_tail(i)}"
+            f"(pid {self.procs[i].pid}) exited with code {rc} before becoming ready"
+            + (f" (its log ends: {last[-300:]!r})" if last else "")
+            + f"; log {self.log_paths[i]}:\n{tail}"
         )
 
     def wait_ready(self, clients: Sequence[ServerClient], timeout_s: float) -> float:

@@ -129,7 +129,9 @@ class LaunchSpec:
         if self.num_servers > 1 or self.base_gpu_id:
             args += ["--base-gpu-id", str(self.base_gpu_id + i * self.tp * self.dp)]
         if self.api_key:
-            args += ["--api-key", self.api_key]
+            # one token: SGLang's plain argparse (sglang/srt/server_args.py:679,696 in 0.5.23)
+            # reads a key beginning with '-' as an option and exits with code 2
+            args.append(f"--api-key={self.api_key}")
         extra = [str(a) for a in self.extra_args]
         if self.return_routed_experts and ROUTED_EXPERTS_FLAG not in extra:
             args.append(ROUTED_EXPERTS_FLAG)

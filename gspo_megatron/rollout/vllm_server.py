@@ -69,7 +69,7 @@ class VLLMLaunchSpec:
         if self.cpu_kv_cache_mb:
             args += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(self.cpu_kv_cache_mb) << 20)]
         if self.api_key:
-            args += ["--api-key", self.api_key]
+            args.append(f"--api-key={self.api_key}")  # one token: a key may begin with '-' (see sglang_server)
         if self.weight_transfer:
             args += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         return prefix + args + [str(a) for a in self.extra_args]
