@@ -604,7 +604,7 @@ def arm_command(arm: str, args, hf_dir: str, out_dir: str, result: str) -> tuple
                *layout, "parallel.ep=1", "parallel.pp=1", f"train.max_steps={args.steps}",
                "train.sft_warmup_steps=0", f"train.micro_batch_tokens={args.micro_batch_tokens}",
                "checkpoint.interval=0", "checkpoint.resume=never", "checkpoint.export_hf=false",
-               "logging.progress_bar=false", "logging.plot=false"]
+               "logging.progress_bar=false", "logging.plot=false", *args.gspo_set]
     elif arm == "torch_ref":
         env["OMP_NUM_THREADS"] = str(args.threads)
         cmd = [py, me, "--_child", "torch_ref", "--_result", result, "--_hf_dir", hf_dir, "--_out", out_dir,
@@ -640,6 +640,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", metavar="PREFIX", default=None,
                    help="cProfile our arms' measured steps (after --warmup) into PREFIX.<arm>.r<round>.rank<r> "
                         "(pstats files; python -m pstats to read; the timings include the profiler's overhead)")
+    p.add_argument("--gspo-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra config override for our arms (repeatable), e.g. train.packing=false")
     p.add_argument("--guard", action="store_true",
                    help="the step-cost regression guard (the suite runs it): --steps 4 --warmup 1 --rounds 2 --arms "
                         "gspo_tp1,trl,torch_ref; exit 1 when ours/torch_ref tokens per CPU-second (best step) falls below "

@@ -9,6 +9,7 @@ reference at the positions each rank holds. Every job is started once per module
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -166,6 +167,22 @@ def _single_rank(rank, world_size):
                               max_seqlen_q=8, max_seqlen_kv=8)
         out["thd_padded"] = _run_local(m, q, k, v, g, packed_seq_params=psp)
 
+        # the index plan is built once per PackedSeqParams (one per microbatch, passed to every
+        # layer) and again for a new one; the second layer's answer is the first's
+        from gspo_megatron.parallel import cp_attention as cpa
+
+        builds, real_build = [], cpa._build_thd_plan
+        cpa._build_thd_plan = lambda *a: builds.append(1) or real_build(*a)
+        try:
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(real), cu_seqlens_kv=_cu(real),
+                                  cu_seqlens_q_padded=_cu(padded), cu_seqlens_kv_padded=_cu(padded))
+            layers = [m(q, k, v, None, packed_seq_params=psp) for _ in range(3)]
+            first = len(builds)
+            m(q, k, v, None, packed_seq_params=dataclasses.replace(psp))
+            out["plan_builds"] = (first, len(builds), all(torch.equal(x, layers[0]) for x in layers))
+        finally:
+            cpa._build_thd_plan = real_build
+
         # dropout: active in training only, through the model-parallel RNG tracker
         md = CpuCoreAttention(_config(attention_dropout=0.5), 1, AttnMaskType.causal, "self")
         q, k, v, _ = _qkvg((6, 1), seed=4)
@@ -226,6 +243,11 @@ def test_cp1_thd_uses_padded_cu_seqlens(single):
     want = ref_with_grads(lambda q, k, v: ref_attention(q, k, v, padded, 1 / math.sqrt(HN)), q, k, v, g)
     for a, b in zip(single["thd_padded"], want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.timeout(180)
+def test_thd_index_plan_built_once_per_microbatch(single):
+    assert single["plan_builds"] == (1, 2, True)
 
 
 @pytest.mark.timeout(180)

@@ -319,6 +319,9 @@ def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.fl
     model/factory.py build_policy (mark_expert_params reads the HF <-> Megatron map, which
     imports this module: marking here made an import circle).
     """
+    from gspo_megatron.model import rope
+
+    rope.install()  # packed RoPE's cos/sin once per microbatch where TE's fused kernel is not used
     use_te = ctx.device.type == "cuda" and te_available()
     if arch.tie_word_embeddings and ctx.parallel.pp > 1 and ctx.device.type == "cpu":
         # Megatron moves the last stage's copy of the shared embedding with `.cuda()`.

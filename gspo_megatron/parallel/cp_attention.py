@@ -311,68 +311,109 @@ class CpuCoreAttention(MegatronModule):
                 f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
             )
         self._check_heads(query, key, value, head_dim=1)
-        cu_q = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q
-        cu_kv = psp.cu_seqlens_kv_padded if psp.cu_seqlens_kv_padded is not None else psp.cu_seqlens_kv
-        if cu_q is None:
-            raise ValueError("thd attention needs packed_seq_params.cu_seqlens_q (or cu_seqlens_q_padded)")
-        if cu_kv is not None and not torch.equal(cu_kv.cpu().long(), cu_q.cpu().long()):
-            raise ValueError("self-attention: cu_seqlens_kv(_padded) must equal cu_seqlens_q(_padded)")
-        cu = [int(x) for x in cu_q.tolist()]
-        lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        if not cu or cu[0] != 0 or any(n < 0 for n in lengths):
-            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu}")
         t, np_, hn = query.shape
         if key.size(0) != t:
             raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} differ in t")
-        if cu[-1] != t * cp:
-            raise ValueError(
-                f"cu_seqlens[-1]={cu[-1]} must be the full packed length = local tokens ({t}) x CP ({cp})"
-            )
-        if cp > 1:
-            bad = [n for n in lengths if n % (2 * cp)]
-            if bad:
-                raise ValueError(
-                    f"with CP={cp} every (padded) sequence length must be a multiple of {2 * cp}, got {lengths}"
-                )
-
-        dev = query.device
+        plan = _thd_plan(psp, t, cp, cp_rank, query.device, np_ * cp, self.BATCH_ELEMENTS)
         k_all, v_all = self._gather_kv(key, value, group, cp)  # [T, ng, hn], CP-rank order
         q_h, k_h, v_h = query.permute(1, 0, 2), k_all.permute(1, 0, 2), v_all.permute(1, 0, 2)
-        # Sequences of similar length are attended together, padded to a batch [B, heads, Lq, Lk]
-        # of (local queries) x (their keys from every CP rank: rank j's tokens of sequence i sit at
-        # j*t + [its local offset, + n_i/cp) of the gathered tensors), with a mask keeping each
-        # query to its own sequence's real keys at global positions <= its own. The work stays
-        # close to TE's per-sequence sum_i n_i^2 / cp (a batch only takes sequences at least half
-        # as long as its longest) in a few calls instead of one small call per sequence, which
-        # cost more in Python and dispatch than in arithmetic (the demo packs 16 x ~38 tokens).
-        local = [n // cp for n in lengths]
-        starts = [0]
-        for n in local[:-1]:
-            starts.append(starts[-1] + n)
-        outs, order = [], []
-        for batch in _thd_batches(local, np_ * cp, self.BATCH_ELEMENTS):
-            qi, valid, pos_q, ki, valid_k, pos_k = _thd_batch_index([local[i] for i in batch],
-                                                                   [starts[i] for i in batch],
-                                                                   [lengths[i] for i in batch], t, cp, cp_rank, dev)
-            allowed = valid_k[:, None, :] & (pos_k[:, None, :] <= pos_q[:, :, None])  # [B, Lq, Lk]
-            # a padding query row sees one key: its softmax stays finite (NaN would reach the
-            # real rows' gradients through the matmuls) and its output is dropped below
-            allowed[:, :, 0] |= ~valid
+        outs = []
+        for qi, ki, allowed, keep in plan.batches:
             B, lq = qi.shape
             q = q_h[:, qi.reshape(-1)].view(np_, B, lq, hn).transpose(0, 1)
             k = k_h[:, ki.reshape(-1)].view(-1, B, ki.shape[1], hn).transpose(0, 1)
             v = v_h[:, ki.reshape(-1)].view(-1, B, ki.shape[1], hn).transpose(0, 1)
-            o = self._attend(q, k, v, allowed[:, None])  # [B, np, Lq, hn]
-            keep = valid.reshape(-1).nonzero().squeeze(1)
+            o = self._attend(q, k, v, allowed)  # [B, np, Lq, hn]
             outs.append(o.transpose(0, 1).reshape(np_, B * lq, hn).index_select(1, keep))
-            order.append(qi.reshape(-1)[keep])
         if not outs:
             return query.new_zeros(t, np_ * hn)
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [np, t, hn] in batch order
-        perm = torch.cat(order) if len(order) > 1 else order[0]
-        if not bool((perm[1:] > perm[:-1]).all()):
-            out = out.index_select(1, torch.argsort(perm))
+        if plan.unsort is not None:
+            out = out.index_select(1, plan.unsort)
         return out.permute(1, 0, 2).reshape(t, np_ * hn).to(query.dtype)
+
+
+class _ThdPlan:
+    """The index work of one packed microbatch's attention: per batch of similar-length sequences
+    (qi [B, Lq] local query index, ki [B, cp*Lq] key index into the CP-gathered tokens, allowed
+    [B, 1, Lq, cp*Lq], keep: the real rows of the flattened batch), and the permutation back to
+    token order (None when the batches already are in it)."""
+
+    __slots__ = ("batches", "unsort")
+
+    def __init__(self, batches, unsort):
+        self.batches, self.unsort = batches, unsort
+
+
+def _thd_plan(psp: PackedSeqParams, t: int, cp: int, cp_rank: int, device, heads_cp: int, budget: int) -> _ThdPlan:
+    """The attention plan of a packed microbatch, computed once per PackedSeqParams object and
+    kept on it: Megatron passes the same object to every layer of a forward (gpt_model.py ->
+    transformer_block.py -> attention.py), so the Python index work and the host read of
+    cu_seqlens happen once per microbatch instead of once per layer (it cost more than the
+    attention arithmetic of a 2-layer model at 16 x ~38 tokens). The plan depends on nothing
+    but the boundaries and these arguments, which key it."""
+    key = (t, cp, cp_rank, str(device), heads_cp, budget)
+    cache = getattr(psp, "_gspo_thd_plans", None)
+    if cache is None:
+        cache = {}
+        psp._gspo_thd_plans = cache  # a plain dataclass: the attribute lives and dies with it
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache[key] = _build_thd_plan(psp, t, cp, cp_rank, device, heads_cp, budget)
+    return plan
+
+
+def _build_thd_plan(psp: PackedSeqParams, t: int, cp: int, cp_rank: int, device, heads_cp: int,
+                    budget: int) -> _ThdPlan:
+    cu_q = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else psp.cu_seqlens_q
+    cu_kv = psp.cu_seqlens_kv_padded if psp.cu_seqlens_kv_padded is not None else psp.cu_seqlens_kv
+    if cu_q is None:
+        raise ValueError("thd attention needs packed_seq_params.cu_seqlens_q (or cu_seqlens_q_padded)")
+    if cu_kv is not None and not torch.equal(cu_kv.cpu().long(), cu_q.cpu().long()):
+        raise ValueError("self-attention: cu_seqlens_kv(_padded) must equal cu_seqlens_q(_padded)")
+    cu = [int(x) for x in cu_q.tolist()]
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    if not cu or cu[0] != 0 or any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu}")
+    if cu[-1] != t * cp:
+        raise ValueError(
+            f"cu_seqlens[-1]={cu[-1]} must be the full packed length = local tokens ({t}) x CP ({cp})"
+        )
+    if cp > 1:
+        bad = [n for n in lengths if n % (2 * cp)]
+        if bad:
+            raise ValueError(
+                f"with CP={cp} every (padded) sequence length must be a multiple of {2 * cp}, got {lengths}"
+            )
+    # Sequences of similar length are attended together, padded to a batch [B, heads, Lq, Lk]
+    # of (local queries) x (their keys from every CP rank: rank j's tokens of sequence i sit at
+    # j*t + [its local offset, + n_i/cp) of the gathered tensors), with a mask keeping each
+    # query to its own sequence's real keys at global positions <= its own. The work stays
+    # close to TE's per-sequence sum_i n_i^2 / cp (a batch only takes sequences at least half
+    # as long as its longest) in a few calls instead of one small call per sequence, which
+    # cost more in Python and dispatch than in arithmetic (the demo packs 16 x ~38 tokens).
+    local = [n // cp for n in lengths]
+    starts = [0]
+    for n in local[:-1]:
+        starts.append(starts[-1] + n)
+    batches, order = [], []
+    for batch in _thd_batches(local, heads_cp, budget):
+        qi, valid, pos_q, ki, valid_k, pos_k = _thd_batch_index([local[i] for i in batch],
+                                                               [starts[i] for i in batch],
+                                                               [lengths[i] for i in batch], t, cp, cp_rank, device)
+        allowed = valid_k[:, None, :] & (pos_k[:, None, :] <= pos_q[:, :, None])  # [B, Lq, Lk]
+        # a padding query row sees one key: its softmax stays finite (NaN would reach the
+        # real rows' gradients through the matmuls) and its output is dropped
+        allowed[:, :, 0] |= ~valid
+        keep = valid.reshape(-1).nonzero().squeeze(1)
+        batches.append((qi, ki, allowed[:, None], keep))
+        order.append(qi.reshape(-1)[keep])
+    unsort = None
+    if len(order) > 1:
+        perm = torch.cat(order)
+        if not bool((perm[1:] > perm[:-1]).all()):
+            unsort = torch.argsort(perm)
+    return _ThdPlan(batches, unsort)
 
 
 def _thd_batches(local: list[int], heads_cp: int, budget: int) -> list[list[int]]:
