@@ -82,6 +82,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 LAYOUTS = [
+    pytest.param(1, dict(), id="dp1"),  # one-rank buffers: parallel/ddp.py's collective shortcuts
     pytest.param(2, dict(), id="dp2"),
     pytest.param(4, dict(ep=2), id="ep2xdp2"),
     pytest.param(4, dict(tp=2, sequence_parallel=True), id="tp2xdp2"),
@@ -113,3 +114,64 @@ def test_distributed_optimizer_matches_plain_optimizer(world, layout, dtype, cli
     assert out["dist_norms"] == pytest.approx(out["norms"], rel=1e-5)
     if clip:
         assert out["norms"][0] > clip  # the clipping branch ran
+
+
+def _shortcut_rank(rank, world_size):
+    """The one-rank shortcuts of parallel/ddp.py around stand-ins for torch's collectives that
+    record their calls: on a one-rank group nothing is called and the buffers hold what the
+    collectives would have left; on two ranks every call goes through."""
+    import torch.distributed as dist
+
+    from gspo_megatron.config import ParallelConfig
+    from gspo_megatron.parallel import ddp
+    from gspo_megatron.parallel.state import destroy_parallel, init_parallel
+
+    init_parallel(ParallelConfig(device="cpu"))
+    try:
+        return _shortcuts(rank, world_size)
+    finally:
+        destroy_parallel()
+
+
+def _shortcuts(rank, world_size):
+    import torch.distributed as dist
+
+    from gspo_megatron.parallel import ddp
+
+    calls = []
+
+    def all_gather(out, inp, group=None, async_op=False):
+        calls.append("all_gather")
+        return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+
+    def reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append("reduce_scatter")
+        return dist.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
+
+    ag, rs = ddp._single_rank_all_gather(all_gather), ddp._single_rank_reduce_scatter(reduce_scatter)
+    cm = ddp._single_rank_coalescing(dist.distributed_c10d._coalescing_manager)
+    group = dist.group.WORLD
+    params = torch.zeros(4 * world_size)
+    shard = params.view(world_size, 4)[rank]  # the distributed optimizer's layout: a view of the bucket
+    shard.copy_(torch.arange(4.0) + 10 * rank)
+    grads = torch.full((4 * world_size,), float(rank + 1))
+    with cm(group, async_ops=False) as h:
+        ag(params, shard, group=group)
+    h.wait()
+    with cm(group, async_ops=False) as h:
+        rs(grads.view(world_size, 4)[rank], grads, op=dist.ReduceOp.SUM, group=group)
+    h.wait()
+    # a separate output (not a view of the input) is still filled
+    out = torch.zeros(4 * world_size)
+    ag(out, shard, group=group)
+    return calls, params, grads.view(world_size, 4)[rank].clone(), out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2])
+def test_single_rank_collective_shortcuts(world):
+    calls, params, reduced, out = run_distributed(_shortcut_rank, world, timeout=100)[0]
+    want = torch.cat([torch.arange(4.0) + 10 * r for r in range(world)])
+    assert torch.equal(params, want) and torch.equal(out, want)
+    assert torch.equal(reduced, torch.full((4,), float(sum(range(1, world + 1)))))
+    assert calls == ([] if world == 1 else ["all_gather", "reduce_scatter", "all_gather"])
