@@ -98,25 +98,35 @@ def _target_index(targets: torch.Tensor, vocab_start: int, valid: int):
 
 
 def _combine(m_loc, s_loc, a_loc, tgt, group, want_entropy: bool):
-    """Per-rank (max, sum exp(x-m_r), sum exp(x-m_r)(x-m_r), target logit) -> (logZ, logp, H)."""
-    m = m_loc.clone()
+    """Per-rank (max, sum exp(x-m_r), sum exp(x-m_r)(x-m_r), target logit) -> (logZ, logp, H).
+
+    One collective: every rank's statistics are all-gathered ([tp, k, n], a few floats a token)
+    and each rank combines them in rank order, instead of an all-reduce MAX of the maxima and
+    then an all-reduce SUM of the rescaled sums: the forward of every microbatch waited on two
+    round trips (at TP2 on gloo, ~30 ms of a 0.66 s CPU demo step). Each rank sums the same
+    gathered values in the same order, so every rank gets the same bits."""
     tp = group_size(group)
+    local = torch.stack([m_loc, s_loc, tgt] + ([a_loc] if want_entropy else []), dim=0)  # [k, n]
     if tp > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    has = s_loc > 0  # a shard with no valid column has m_r = -inf and S_r = 0
+        stats = torch.empty((tp * local.shape[0], local.shape[1]), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(stats, local, group=group)  # concatenated along dim 0 (gloo: 2-d)
+        stats = stats.view(tp, *local.shape)
+    else:
+        stats = local.unsqueeze(0)
+    m_r, s_r = stats[:, 0], stats[:, 1]
+    m = m_r.amax(dim=0)
+    has = s_r > 0  # a shard with no valid column has m_r = -inf and S_r = 0
     zero = torch.zeros((), dtype=m.dtype, device=m.device)
-    diff = torch.where(has, m_loc - m, zero)
+    diff = torch.where(has, m_r - m, zero)
     scale = torch.where(has, torch.exp(diff), zero)
-    cols = [s_loc * scale, tgt]
-    if want_entropy:
-        cols.append(torch.where(has, (a_loc + diff * s_loc) * scale, zero))
-    stacked = torch.stack(cols, dim=-1)
-    if tp > 1:
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
-    log_s = torch.log(stacked[:, 0])
+    s = (s_r * scale).sum(dim=0)
+    log_s = torch.log(s)
     log_z = m + log_s
-    logp = stacked[:, 1] - log_z
-    ent = (log_s - stacked[:, 2] / stacked[:, 0]) if want_entropy else None
+    logp = stats[:, 2].sum(dim=0) - log_z
+    ent = None
+    if want_entropy:
+        a = torch.where(has, (stats[:, 3] + diff * s_r) * scale, zero).sum(dim=0)
+        ent = log_s - a / s
     return log_z, logp, ent
 
 
