@@ -84,3 +84,16 @@ def dcp_tensors(d, part: str = "") -> dict[str, torch.Tensor]:
         return {k: r.read(k, [0] * len(r.shape(k)), list(r.shape(k))) for k in sorted(r.keys()) if part in k}
     finally:
         r.close()
+
+
+class GroupStandIn:
+    """What Megatron's RoPE code asks of a process group (size and rank), without one."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from megatron_utils import GroupStandIn as _Group
 
 
 def pins(*keys: str):
@@ -502,17 +503,6 @@ def test_checkpoint_without_output_asks_te_for_fp8(device):
     finally:
         cpu_runtime.deactivate()
     assert not hasattr(mrandom, "FP8GlobalStateManager")
-
-
-class _Group:
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 @pins("rope-cp-slice")

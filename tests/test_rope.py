@@ -10,17 +10,7 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 
 from gspo_megatron.model import rope
-
-
-class _Group:  # what the RoPE code asks of a CP group
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
+from megatron_utils import GroupStandIn as _Group
 
 
 def _config(**kw):
