@@ -26,7 +26,8 @@ def reduce_report(reports: list[dict], reporter: bool, keys: tuple[str, ...],
             for i, k in enumerate(keys):
                 if k in r:
                     vec[i] += float(r[k])
-    dist.all_reduce(vec)
+    if dist.get_world_size() > 1:  # one rank: nothing to add (a gloo round trip saved, 5 a step)
+        dist.all_reduce(vec)
     return dict(zip(keys, vec.tolist()))
 
 
@@ -40,7 +41,8 @@ def reduce_max(reports: list[dict], reporter: bool, keys: tuple[str, ...],
             for i, k in enumerate(keys):
                 if k in r:
                     vec[i] = max(vec[i], float(r[k]))
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
     return dict(zip(keys, vec.tolist()))
 
 

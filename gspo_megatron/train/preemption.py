@@ -50,7 +50,8 @@ class StopFlag:
     def requested(self, device) -> bool:
         """Collective: whether any rank received one of the signals."""
         flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if int(flag) and self.received is None:
             self.received = "a signal on another rank"
         return bool(int(flag))
