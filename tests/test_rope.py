@@ -77,3 +77,15 @@ def test_install_rebinds_megatron_attention():
     rope.install()
     rope.install()  # idempotent
     assert attention.apply_rotary_pos_emb is rope.apply_rotary_pos_emb
+
+
+def test_no_group_given_uses_megatrons_cp_group(monkeypatch):
+    """cp_group=None (no caller in Megatron 0.16.1 does this) falls back to parallel_state's CP
+    group, as rope_utils.apply_rotary_pos_emb itself does."""
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda *a, **k: _Group(2, 1))
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    t, freqs, cfg = torch.randn(6, 2, 8), _freqs(8, 8), _config()
+    want = rope_utils.apply_rotary_pos_emb(t, freqs, cfg, cu_seqlens=cu, cp_group=_Group(2, 1))
+    assert torch.equal(rope.apply_rotary_pos_emb(t, freqs, cfg, cu_seqlens=cu), want)
