@@ -16,10 +16,11 @@ queries against all of them with an explicit mask; memory is O(local_tokens x fu
 [s, b] inputs and, for packed THD inputs, per sequence: sequences of similar lengths are padded
 into batches of at most ``BATCH_ELEMENTS`` scores (one masked call per batch; no work across
 sequence boundaries, as TE's THD kernels). The index work of a packed microbatch is done once and
-kept on its ``PackedSeqParams`` (every layer gets the same object). torch's fused
-``scaled_dot_product_attention`` would halve the attention's time here but is not used: the same
-math summed in another order moved the calculator-agent demo (tests/test_agent_demo.py, which
-sits on a sharp edge after its warm start) from held-out pass@1 0.61-0.77 to 0.30-0.34.
+kept on its ``PackedSeqParams`` (every layer gets the same object); without dropout the masked
+call is torch's ``scaled_dot_product_attention`` (about half the time of matmul + softmax here).
+It once looked as if SDPA's summation order moved the calculator-agent demo (held-out pass@1
+0.30-0.34 against 0.61-0.77); that was the demo's run-to-run spread at 150 steps, which the
+matmul path shows too (0.25-0.68 over twelve runs): the demo now runs 300 steps.
 
 Conventions copied from ``DotProductAttention`` (dot_product_attention.py)
 -------------------------------------------------------------------------
@@ -36,7 +37,8 @@ Conventions copied from ``DotProductAttention`` (dot_product_attention.py)
   applied to the probabilities in training inside the model-parallel RNG tracker unless sequence
   parallel is on (:216-220). With p == 0 the tracker is not touched (dropout is the identity).
 * scores, softmax and the probability-value product run in fp32 (fp64 for fp64 inputs); the
-  output is cast back to the input dtype.
+  output is cast back to the input dtype. (Without dropout through torch's fused SDPA on inputs
+  cast to that dtype: the same math, summed in another order.)
 * output ``[s, b, np*hn]`` (sbhd) like DotProductAttention (:248-249); ``[t, np*hn]`` for thd,
   which attention.py:1189-1194 reshapes to ``[t, 1, np*hn]``.
 
@@ -240,10 +242,18 @@ class CpuCoreAttention(MegatronModule):
         """q [B, np, sq, hn], k/v [B, ng, sk, hn], allowed bool broadcastable to [B, np, sq, sk]
         -> [B, np, sq, hn]."""
         rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if not (self.training and self.attention_dropout.p > 0):
+            # torch's fused attention (on CPU its flash kernel, GQA without copying k/v): forward
+            # plus backward in about half the time of the matmul/softmax below at the demo's sizes
+            # (16 x 4 heads x 40 x 40: 1.8 ms against 3.5). Every query row allows >= 1 key, so no
+            # row is all -inf. Dropout stays below: it must draw from Megatron's RNG tracker.
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.to(compute), k.to(compute), v.to(compute), attn_mask=allowed, scale=self.softmax_scale,
+                enable_gqa=rep > 1)
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         scores = torch.matmul(q.to(compute), k.to(compute).transpose(-1, -2)) * self.softmax_scale
         scores = scores.masked_fill(~allowed, float("-inf"))  # every row keeps its own token
         probs = torch.softmax(scores, dim=-1)
