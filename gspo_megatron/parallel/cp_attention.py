@@ -37,8 +37,8 @@ Conventions copied from ``DotProductAttention`` (dot_product_attention.py)
   applied to the probabilities in training inside the model-parallel RNG tracker unless sequence
   parallel is on (:216-220). With p == 0 the tracker is not touched (dropout is the identity).
 * scores, softmax and the probability-value product run in fp32 (fp64 for fp64 inputs); the
-  output is cast back to the input dtype. (Without dropout through torch's fused SDPA on inputs
-  cast to that dtype: the same math, summed in another order.)
+  output is cast back to the input dtype. (Without dropout these steps run inside torch's fused
+  SDPA, in the same fp32/fp64 compute dtype: the same math, summed in another order.)
 * output ``[s, b, np*hn]`` (sbhd) like DotProductAttention (:248-249); ``[t, np*hn]`` for thd,
   which attention.py:1189-1194 reshapes to ``[t, 1, np*hn]``.
 
