@@ -4,10 +4,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 
 from gspo_megatron.config import ConfigError
 
 EXIT_BAD_INPUT = 2
+# How long a rank other than 0 waits before printing its bad-input line (user_errors).
+PEER_GRACE_S = 5.0
 
 
 class InputError(ValueError):
@@ -19,13 +22,21 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InputError, FileNot
 
 @contextlib.contextmanager
 def user_errors(prog: str):
-    """Turn user-input errors into `prog: error: <message>` and exit 2 (printed by rank 0 only)."""
+    """Turn user-input errors into `prog: error: <message>` and exit 2.
+
+    Under torchrun every rank runs the same input checks, and torchrun stops all ranks as soon as
+    one exits. Rank 0 says it at once. Any other rank first waits PEER_GRACE_S: had it exited
+    at once, a rank 0 still on its way to the same error would be stopped before printing it (CI
+    saw torchrun.sh end with no line). A rank still alive after the wait (rank 0 did not fail:
+    the input is bad on that rank only) says it itself. So the operator gets the line once in
+    the usual case, and always at least once."""
     try:
         yield
     except USER_ERRORS as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) != 0:
+            time.sleep(PEER_GRACE_S)  # torchrun's SIGTERM ends this when rank 0 has failed
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_INPUT)
 
 

@@ -772,3 +772,37 @@ def test_torchrun_sh_ends_with_the_failing_ranks_line(tmp_path):
 def test_planner_nnodes_needs_nproc_per_node(capsys):
     assert planner.main(["--config", preset("qwen3_30b_a3b"), "--nnodes", "2", "--no-inputs"]) == 2
     assert "--nproc-per-node" in capsys.readouterr().err
+
+
+_BAD_INPUT_PROBE = """
+import os, sys, time
+from gspo_megatron.cli_util import InputError, user_errors
+
+who = os.environ["PROBE_FAILS"]  # "all": every rank, rank 0 the slowest; "1": rank 1 only
+with user_errors("probe"):
+    rank = int(os.environ["RANK"])
+    if who == "all":
+        if rank == 0:
+            time.sleep(2)  # rank 0 reaches the check last (a loaded machine)
+        raise InputError("bad input seen by every rank")
+    if rank == 1:
+        raise InputError("bad input seen by rank 1 only")
+    time.sleep(60)  # rank 0 waits (a collective, in the trainer) until torchrun stops it
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fails", ["all", "1"])
+def test_a_bad_input_line_survives_torchrun_stopping_the_ranks(tmp_path, fails):
+    """torchrun stops every rank as soon as one exits. The CLI's one line about bad input must
+    still reach the operator: when rank 0 is the slowest to fail (CI saw torchrun.sh end with
+    "the first traceback above is the cause" and no line), and when only another rank fails."""
+    script = tmp_path / "probe.py"
+    script.write_text(_BAD_INPUT_PROBE)
+    env = dict(os.environ, PROBE_FAILS=fails, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+                        str(script)], capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path)
+    assert r.returncode != 0
+    want = "probe: error: bad input seen by every rank" if fails == "all" else "probe: error: bad input seen by rank 1 only"
+    assert want in r.stderr.splitlines(), r.stderr[-3000:]
