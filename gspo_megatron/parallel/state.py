@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.config import ParallelConfig
-from gspo_megatron.parallel import cpu_runtime
+from gspo_megatron.parallel import cpu_runtime, shm_collectives
 
 # Every collective wait is bounded: a rank that died must not hang the others forever. Runs pass
 # the config's bound (Config.collective_timeout_s: it outlasts rank 0's engine waits).
@@ -94,7 +94,7 @@ def init_parallel(
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
             os.environ["MASTER_ADDR"] = "127.0.0.1"
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "nccl" if device.type == "cuda" else _cpu_backend(parallel.cpu_collectives, rank)
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
@@ -141,6 +141,19 @@ def init_parallel(
     )
     seed_rng(ctx, seed)
     return ctx
+
+
+def _cpu_backend(choice: str, rank: int) -> str:
+    """The default backend of a CPU run: shared-memory collectives where they work, else gloo.
+    (CUDA runs take NCCL and never get here; the gloo groups Megatron's optimizer asks for stay gloo.)"""
+    if choice != "shm":
+        return "gloo"
+    ok, why = shm_collectives.available()
+    if not ok:
+        if rank == 0:
+            print(f"[parallel] parallel.cpu_collectives=shm: {why}; using gloo", flush=True)
+        return "gloo"
+    return shm_collectives.register()
 
 
 def seed_rng(ctx: ParallelContext, seed: int) -> None:
