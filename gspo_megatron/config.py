@@ -324,7 +324,8 @@ class LossConfig:
     # Entropy bonus coefficient (added as -coef * entropy to the loss).
     entropy_coef: float = 0.0
     # Where π_old comes from: "engine" = the rollout engine's log-probs (GSPO paper §5.4);
-    # "recompute" = one forward-only Megatron pass before the step's first update. null =
+    # "recompute" = one forward-only Megatron pass before the step's first update (the first
+    # minibatch takes it from its own update's forward: the same weights, bit for bit). null =
     # recompute for the synchronous loop, engine with rollout.async_steps > 0 (there the engine's
     # log-probs are the behaviour policy's, which a recompute with newer weights is not).
     old_logprobs: Optional[Literal["engine", "recompute"]] = None

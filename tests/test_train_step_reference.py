@@ -224,3 +224,65 @@ def _tiny_arch():
     with open(TINY) as f:
         hf = yaml.safe_load(f)["model"]["hf_config"]
     return {k: v for k, v in hf.items()}
+
+
+def _rank_first_minibatch_pi_old(rank, world, hf_dir, out_dir, minibatches, full_pass):
+    """One GSPO step from the checkpoint; `full_pass` forces the forward-only π_old pass over every
+    minibatch (what the loop did before the first minibatch took π_old from its own forward)."""
+    from gspo_megatron.config import load_config
+    from gspo_megatron.model.export import iter_hf_tensors
+    from gspo_megatron.train import loop
+    from gspo_megatron.train.setup import setup_run
+
+    cfg = load_config(TINY, [f"out_dir={out_dir}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
+                             f"train.minibatches_per_step={minibatches}", "rollout.prompts_per_step=4",
+                             "rollout.samples_per_prompt=4", "train.micro_batch_tokens=128"])
+    parts = setup_run(cfg, world_size=world)
+    real = loop._routing_controlled
+    calls = []
+    real_pass = loop.old_logprobs_pass
+
+    def counted_pass(parts_, samples_, flat):
+        calls.append(len(flat))
+        return real_pass(parts_, samples_, flat)
+
+    if full_pass:
+        loop._routing_controlled = lambda *a: True
+    loop.old_logprobs_pass = counted_pass
+    try:
+        loop.push_weights(parts, 0)
+        payload = None
+        if rank == 0:
+            kept, rewards, _ = loop.rollout(parts, 0)
+            payload = loop.to_train_samples(kept, rewards, 4)
+        samples = loop._broadcast(payload)
+        metrics = loop.gspo_step(parts, samples)
+        weights = {k: t.clone() for k, t in iter_hf_tensors(parts.model, parts.ctx, parts.arch)}
+    finally:
+        loop._routing_controlled = real
+        loop.old_logprobs_pass = real_pass
+        parts.close()
+    return (metrics, weights, calls) if rank == 0 else None
+
+
+@pytest.mark.parametrize("minibatches", [4, 1])
+def test_first_minibatch_takes_pi_old_from_its_own_forward_bitwise(tmp_path, minibatches):
+    """π_old of the step's first minibatch comes from its update's forward (same weights, same
+    microbatches, no dropout), so the π_old pass covers the other minibatches only (none with
+    one minibatch a step). The step must be bit for bit the one with the full π_old pass: the
+    same loss, clip fraction, mismatch metrics, and weights after the updates, at TP2+SP with
+    several microbatches per minibatch."""
+    hf_dir = str(tmp_path / "hf")
+    make_tiny_hf(hf_dir)
+    out = {}
+    for full in (False, True):
+        out[full] = run_distributed(_rank_first_minibatch_pi_old, 2, hf_dir, str(tmp_path / f"run{int(full)}"),
+                                    minibatches, full)[0]
+    (m_new, w_new, calls_new), (m_old, w_old, calls_old) = out[False], out[True]
+    per_mb = calls_old[0] // minibatches
+    assert calls_old == [minibatches * per_mb] and per_mb >= 2, calls_old  # several microbatches each
+    assert calls_new == ([calls_old[0] - per_mb] if minibatches > 1 else []), calls_new
+    keys = [k for k in m_old if not k.startswith("t_")]
+    assert "mismatch_logprob_abs" in keys and "clip_frac" in keys
+    assert {k: m_new[k] for k in keys} == {k: m_old[k] for k in keys}
+    assert w_new.keys() == w_old.keys() and all(torch.equal(w_new[k], w_old[k]) for k in w_old)

@@ -33,7 +33,8 @@ from gspo_megatron.rollout.base import Sample, SamplingParams
 from gspo_megatron.train import checkpoint
 from gspo_megatron.train.batch import (RemoteSample, TrainSample, decode_share, dp_owners, encode_shares,
                                        split_minibatches)
-from gspo_megatron.train.loss import WEIGHTED_METRICS, LossSettings, fill_logprobs_step, policy_loss_step, sft_loss_step
+from gspo_megatron.train.loss import (PI_OLD_IS_CURRENT, WEIGHTED_METRICS, LossSettings, fill_logprobs_step,
+                                      policy_loss_step, sft_loss_step)
 from gspo_megatron.train.metrics import MetricsWriter, plot, reduce_max, reduce_report
 from gspo_megatron.train.preemption import Preempted, StopFlag
 from gspo_megatron.train.setup import RunParts, setup_run
@@ -284,8 +285,20 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
     temperature = cfg.rollout.temperature
     mismatch = {}
     replay = cfg.train.routing_replay
+    # π_old of the first minibatch is the policy its own update forward runs (no update yet): that
+    # forward provides it, and the π_old pass covers the other minibatches only (none at all with
+    # one minibatch a step, the on-policy case). Not when the routers are recorded or replayed:
+    # that pass is where the routing is recorded / compared with the engine's.
+    first_is_current = cfg.loss.old_logprobs == "recompute" and not _routing_controlled(parts, samples)
+    pi_old_reports: list[dict] = []
     if cfg.loss.old_logprobs == "recompute":
-        mismatch = old_logprobs_pass(parts, samples, flat)
+        if first_is_current:
+            for mb in minibatches[0]:
+                mb.extras[PI_OLD_IS_CURRENT] = True
+            rest = flat[len(minibatches[0]):]
+            pi_old_reports = old_logprobs_pass(parts, samples, rest)[1] if rest else []
+        else:
+            mismatch = old_logprobs_pass(parts, samples, flat)[0]
     else:
         for mb in flat:  # paper §5.4: the engine's likelihoods serve as π_old directly
             mb.old_logprobs = mb.engine_logprobs
@@ -302,8 +315,10 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
     totals = dict.fromkeys(keys, 0.0)
     grad_norms = []
     t1 = time.perf_counter()
-    for mbs in minibatches:
+    for i, mbs in enumerate(minibatches):
         reports, gn = _optimizer_step(parts, parts.optimizer, parts.scheduler, step_fn, mbs)
+        if i == 0 and first_is_current:  # its π_old came from this forward, with its mismatch sums
+            mismatch = _mismatch(parts, pi_old_reports + reports)
         grad_norms.append(float(gn))
         tot = reduce_report(reports, _reporter(parts), keys, ctx.device)
         n = max(tot["sequences"], 1.0)
@@ -333,11 +348,25 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
     return out
 
 
-def old_logprobs_pass(parts: RunParts, samples: list[TrainSample | RemoteSample], flat: list) -> dict:
-    """Collective. One forward-only pass over the step's microbatches `flat` before the first
-    update: fills their old_logprobs (π_old is the policy that generated), measures how far the
-    engine's log-probs of the same tokens are (mismatch_* metrics, returned) and records (R2) or
-    replays (R3) the routing (routing_agreement when the engine reported its experts)."""
+def _routing_controlled(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> bool:
+    """Whether the π_old pass records or replays the routers (train.routing_replay, engine routing)."""
+    engine_routing = any(x.has_routing for x in samples)
+    return bool(parts.routing_replay) and (parts.cfg.train.routing_replay != "none" or engine_routing)
+
+
+def _mismatch(parts: RunParts, reports: list[dict]) -> dict:
+    """Collective. The mismatch_* metrics from the microbatch reports of the π_old forwards."""
+    ctx = parts.ctx
+    return mismatch_metrics(reduce_report(reports, _reporter(parts), MISMATCH_SUMS, ctx.device),
+                            reduce_max(reports, _reporter(parts), MISMATCH_MAXES, ctx.device))
+
+
+def old_logprobs_pass(parts: RunParts, samples: list[TrainSample | RemoteSample], flat: list) -> tuple[dict, list]:
+    """Collective. One forward-only pass over the microbatches `flat` before the first update:
+    fills their old_logprobs (π_old is the policy that generated), measures how far the engine's
+    log-probs of the same tokens are (mismatch_* metrics) and records (R2) or replays (R3) the
+    routing (routing_agreement when the engine reported its experts). Returns (the metrics, the
+    microbatch reports they came from)."""
     ctx = parts.ctx
     engine_routing = any(x.has_routing for x in samples)  # the same on every rank (RemoteSamples say it too)
     mode = {"none": "record" if engine_routing else "off", "old": "record",
@@ -346,13 +375,12 @@ def old_logprobs_pass(parts: RunParts, samples: list[TrainSample | RemoteSample]
     step_fn = fill_logprobs_step(ctx, parts.arch.vocab_size, parts.cfg.rollout.temperature, "old_logprobs",
                                  compare_engine=True, routing=routing)
     reports = _run_schedule(parts, step_fn, flat, forward_only=True)
-    mismatch = mismatch_metrics(reduce_report(reports, _reporter(parts), MISMATCH_SUMS, ctx.device),
-                                reduce_max(reports, _reporter(parts), MISMATCH_MAXES, ctx.device))
+    mismatch = _mismatch(parts, reports)
     if routing is not None:
         routing.close(parts.model)
         if engine_routing:
             mismatch["routing_agreement"] = _agreement(parts, routing)
-    return mismatch
+    return mismatch, reports
 
 
 def _routing_pass(parts: RunParts, mode: str):

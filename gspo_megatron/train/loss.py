@@ -128,6 +128,12 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings, routing=None)
             lp, ent = token_logprobs(ctx, model, output, mb.targets, vocab_size, settings.temperature, entropy=True)
             lp, ent = mb.to_rows(lp), mb.to_rows(ent)
             ent = ent if settings.entropy_coef else ent.detach()
+            pi_old_report = {}
+            if mb.extras.get(PI_OLD_IS_CURRENT):
+                # the forward-only π_old pass would compute exactly these numbers (same weights,
+                # same microbatch, no dropout): take them and skip that forward
+                mb.old_logprobs = lp.detach().float()
+                pi_old_report = _engine_mismatch(ctx, mb, mb.old_logprobs)
             batch, masked = mb, None
             if settings.mis is not None:
                 batch, masked = _mask_mismatched(ctx, mb, settings.mis)
@@ -148,6 +154,7 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings, routing=None)
             report["metric_weight"] = w
             if masked is not None:
                 report["mis_masked"] = masked
+            report.update(pi_old_report)
             report["loss"] = reported
             report["sequences"] = torch.tensor(float(n), device=ctx.device)
             count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int, device=ctx.device)
@@ -219,22 +226,31 @@ def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str, *, c
             lp = token_logprobs(ctx, model, output, mb.targets, vocab_size, temperature)
             rows = mb.to_rows(lp.detach().float())
             setattr(mb, attr, rows)
-            report = {}
-            if compare_engine:
-                sums = mismatch_row_sums(rows, mb.engine_logprobs, mb.loss_mask)
-                if ctx.parallel.cp > 1:
-                    import torch.distributed as dist
-
-                    part, top = sums[:, :4].contiguous(), sums[:, 4].contiguous()
-                    dist.all_reduce(part, group=ctx.cp_group)
-                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ctx.cp_group)
-                    sums = torch.cat([part, top[:, None]], -1)
-                report = mismatch_report(sums)
+            report = _engine_mismatch(ctx, mb, rows) if compare_engine else {}
             return torch.zeros((), device=ctx.device), report
 
         return output, loss_func
 
     return forward_step
+
+
+def _engine_mismatch(ctx, mb: MicroBatch, rows: torch.Tensor) -> dict:
+    """The microbatch's train-inference mismatch report for π_old log-probs `rows` (rows layout)
+    against the engine's; under CP the per-sequence sums are reduced over the CP group."""
+    sums = mismatch_row_sums(rows, mb.engine_logprobs, mb.loss_mask)
+    if ctx.parallel.cp > 1:
+        import torch.distributed as dist
+
+        part, top = sums[:, :4].contiguous(), sums[:, 4].contiguous()
+        dist.all_reduce(part, group=ctx.cp_group)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ctx.cp_group)
+        sums = torch.cat([part, top[:, None]], -1)
+    return mismatch_report(sums)
+
+
+# MicroBatch.extras key: this microbatch's π_old is the policy of this very forward (the step's
+# first minibatch, before any update: loop.gspo_step), so the loss takes it from here
+PI_OLD_IS_CURRENT = "pi_old_is_current"
 
 
 def sft_loss_step(ctx, vocab_size: int):

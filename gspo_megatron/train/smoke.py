@@ -117,7 +117,7 @@ def run_smoke(cfg, *, world_size: int, tol: float = DEFAULT_TOL, inputs=None) ->
         if go:
             samples = distribute(DataPlane(ctx), samples, 1)
             mbs, _ = parts.plan(samples)
-            mm = old_logprobs_pass(parts, samples, mbs)
+            mm, _ = old_logprobs_pass(parts, samples, mbs)
             if ctx.rank == 0:
                 mean = mm["mismatch_logprob_abs"]
                 checks.append(Check("log-probs", math.isfinite(mean) and mean <= tol,
