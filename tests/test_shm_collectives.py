@@ -2,7 +2,8 @@
 
 Each case runs the same collective with the same per-rank inputs on a gloo group and on a
 gspo_shm group of the same ranks and asserts bitwise-equal results; sizes include empty tensors
-and payloads several slots long (several rounds); 3 ranks check a group size other than 2.
+and payloads several slots long (several rounds); 3 ranks check a group size other than 2, and
+1 rank the one-rank shortcut.
 The rest: the fallbacks that stay on gloo (send/recv, all-to-all, object collectives) in a loop
 that deadlocked when they went through ProcessGroup's pybind trampoline; a peer that exits is
 reported within seconds instead of hanging; no file is left in /dev/shm and the mapping goes with
@@ -112,11 +113,15 @@ def _ops_equal_gloo(rank, world_size):
     return checked, _mappings()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_shared_memory_collective_equals_gloo_bitwise(world_size):
+    """world_size 1: the one-rank shortcut (no arena, no gloo) against gloo's one-rank results."""
     out = run_distributed(_ops_equal_gloo, world_size)
     assert all(checked == 4 * 4 * 6 + 3 for checked, _ in out)
-    assert all(m >= 1 for _, m in out), "the shm group never mapped its arena: the fast path did not run"
+    if world_size > 1:
+        assert all(m >= 1 for _, m in out), "the shm group never mapped its arena: the fast path did not run"
+    else:
+        assert out[0][1] == 0, "a one-rank group mapped an arena"
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("gspo-shm-")], "an arena file was left in /dev/shm"
 
 

@@ -25,6 +25,11 @@ class SPRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # torch's rms_norm: the same operations in the same order (bitwise equal in fp32,
+            # tests/test_megatron_parity.py), ~10% cheaper on CPU. In 16 bits HF casts back before
+            # the weight multiply and rms_norm does not, so those keep the formula below.
+            return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
