@@ -218,6 +218,37 @@ def test_a_peer_that_exits_is_reported_not_waited_for():
     assert waited < 30, waited
 
 
+def _arena_refused(rank, world_size):
+    """/dev/shm full on rank 0 (posix_fallocate fails): the group says so and runs on gloo."""
+    import torch
+    import torch.distributed as dist
+
+    real = os.posix_fallocate
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:
+        os.posix_fallocate = full
+    try:
+        _, shm = _init(world_size, timeout_s=60)
+        x = torch.full((5,), float(rank + 1))
+        dist.all_reduce(x, group=shm)
+        out = torch.empty(5 * world_size)
+        dist.all_gather_into_tensor(out, x, group=shm)
+        return x.tolist(), out.tolist(), shm._arena is None, _mappings()
+    finally:
+        os.posix_fallocate = real
+
+
+def test_a_refused_arena_falls_back_to_gloo_on_every_rank(capfd):
+    out = run_distributed(_arena_refused, 2, fresh=True)
+    for summed, gathered, no_arena, maps in out:
+        assert summed == [3.0] * 5 and gathered == [3.0] * 10
+        assert no_arena and maps == 0
+    assert "shared memory unavailable" in capfd.readouterr().err
+
+
 def _init_parallel_backend(rank, world_size, choice):
     import torch.distributed as dist
 

@@ -143,18 +143,24 @@ class _Arena:
         self.nbytes = header + 2 * size * SLOT_BYTES
         path = ""
         if rank == 0:
-            fd, path = tempfile.mkstemp(prefix="gspo-shm-", dir="/dev/shm")
             try:
-                # reserve the pages now: a full tmpfs fails here (one line) instead of SIGBUS later
-                os.posix_fallocate(fd, 0, self.nbytes)
+                fd, path = tempfile.mkstemp(prefix="gspo-shm-", dir="/dev/shm")
+                try:
+                    # reserve the pages now: a full tmpfs fails here (one line) instead of SIGBUS later
+                    os.posix_fallocate(fd, 0, self.nbytes)
+                except OSError:
+                    os.unlink(path)
+                    raise
+                finally:
+                    os.close(fd)
             except OSError:
-                os.close(fd)
-                os.unlink(path)
+                store.set("gspo_shm/path", "")  # the other ranks must not wait for a path
                 raise
-            os.close(fd)
             store.set("gspo_shm/path", path)
         else:
             path = store.get("gspo_shm/path").decode()
+            if not path:
+                raise OSError("group rank 0 could not create the shared file")
         self.path = path
         with open(path, "r+b") as f:
             self.mm = mmap.mmap(f.fileno(), self.nbytes)
