@@ -266,12 +266,13 @@ def _rank_first_minibatch_pi_old(rank, world, hf_dir, out_dir, minibatches, full
 
 
 @pytest.mark.parametrize("minibatches", [4, 1])
-def test_first_minibatch_takes_pi_old_from_its_own_forward_bitwise(tmp_path, minibatches):
+def test_first_minibatch_takes_pi_old_from_its_own_forward(tmp_path, minibatches):
     """π_old of the step's first minibatch comes from its update's forward (same weights, same
     microbatches, no dropout), so the π_old pass covers the other minibatches only (none with
-    one minibatch a step). The step must be bit for bit the one with the full π_old pass: the
-    same loss, clip fraction, mismatch metrics, and weights after the updates, at TP2+SP with
-    several microbatches per minibatch."""
+    one minibatch a step), packed together into fewer microbatches and copied back row by row.
+    At TP2+SP with several microbatches per minibatch, against the full per-minibatch π_old
+    pass: with one minibatch, bit for bit the same loss, clip fraction, mismatch metrics and
+    weights after the update; with four, the same to last-bit GEMM differences."""
     hf_dir = str(tmp_path / "hf")
     make_tiny_hf(hf_dir)
     out = {}
@@ -281,8 +282,20 @@ def test_first_minibatch_takes_pi_old_from_its_own_forward_bitwise(tmp_path, min
     (m_new, w_new, calls_new), (m_old, w_old, calls_old) = out[False], out[True]
     per_mb = calls_old[0] // minibatches
     assert calls_old == [minibatches * per_mb] and per_mb >= 2, calls_old  # several microbatches each
-    assert calls_new == ([calls_old[0] - per_mb] if minibatches > 1 else []), calls_new
+    if minibatches > 1:  # the other minibatches in one pass, packed into fewer microbatches (one DP rank)
+        assert len(calls_new) == 1 and calls_new[0] < calls_old[0] - per_mb, (calls_new, calls_old)
+    else:
+        assert calls_new == [], calls_new
     keys = [k for k in m_old if not k.startswith("t_")]
     assert "mismatch_logprob_abs" in keys and "clip_frac" in keys
-    assert {k: m_new[k] for k in keys} == {k: m_old[k] for k in keys}
-    assert w_new.keys() == w_old.keys() and all(torch.equal(w_new[k], w_old[k]) for k in w_old)
+    assert w_new.keys() == w_old.keys()
+    if minibatches == 1:  # the first minibatch only: bit for bit
+        assert {k: m_new[k] for k in keys} == {k: m_old[k] for k in keys}
+        assert all(torch.equal(w_new[k], w_old[k]) for k in w_old)
+        return
+    # the later minibatches' π_old from other microbatch shapes: the same math, GEMMs of other
+    # sizes (last-bit differences, ~1e-7 in a log-prob); a 1e-4 error in π_old moves these by ~1e-4
+    for k in keys:
+        assert m_new[k] == pytest.approx(m_old[k], rel=1e-5, abs=1e-6), (k, m_new[k], m_old[k])
+    for k in w_old:
+        torch.testing.assert_close(w_new[k], w_old[k], rtol=1e-5, atol=1e-6, msg=k)

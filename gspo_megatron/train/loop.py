@@ -276,10 +276,12 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
     `samples`: the step's samples in training order on every rank; the ones another DP rank trains
     on may be RemoteSamples (`distribute` with train.minibatches_per_step minibatches)."""
     cfg, ctx = parts.cfg, parts.ctx
-    minibatches = []
-    for idx in split_minibatches(len(samples), cfg.train.minibatches_per_step):
-        mbs, n_seq = parts.plan([samples[i] for i in idx])
+    splits = split_minibatches(len(samples), cfg.train.minibatches_per_step)
+    minibatches, rows = [], []  # rows: the sample index of each row of each microbatch
+    for idx in splits:
+        groups, mbs = parts.plan_rows([samples[i] for i in idx])
         minibatches.append(mbs)
+        rows.append([[idx[j] for j in g] for g in groups])
     flat = [mb for mbs in minibatches for mb in mbs]
     t0 = time.perf_counter()
     temperature = cfg.rollout.temperature
@@ -296,7 +298,18 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
             for mb in minibatches[0]:
                 mb.extras[PI_OLD_IS_CURRENT] = True
             rest = flat[len(minibatches[0]):]
-            pi_old_reports = old_logprobs_pass(parts, samples, rest)[1] if rest else []
+            if len(minibatches) > 2 and ctx.dp == 1 and cfg.train.packing:
+                # the other minibatches' π_old in one pass over fewer, fuller microbatches (a
+                # forward-only pass keeps no activations; each microbatch forward has a fixed
+                # per-layer cost), copied back row by row: a packed row's values depend only on
+                # its own sequence. One DP rank only (every rank then holds all its samples).
+                later = [i for idx in splits[1:] for i in idx]
+                groups, merged = parts.plan_rows([samples[i] for i in later])
+                pi_old_reports = old_logprobs_pass(parts, samples, merged)[1]
+                _copy_old_logprobs(merged, [[later[j] for j in g] for g in groups], rest,
+                                   [g for rs in rows[1:] for g in rs])
+            else:
+                pi_old_reports = old_logprobs_pass(parts, samples, rest)[1] if rest else []
         else:
             mismatch = old_logprobs_pass(parts, samples, flat)[0]
     else:
@@ -346,6 +359,28 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
     out["t_train"] = t_train
     out["train_tokens"] = sum(x.length for x in samples)
     return out
+
+
+def _copy_old_logprobs(src_mbs: list, src_rows: list[list[int]], dst_mbs: list, dst_rows: list[list[int]]) -> None:
+    """Each sample's π_old row from the microbatches it was computed in to the ones it trains in
+    (rows layout; the same positions in both: a packed row holds its own sequence's, this CP
+    rank's part). Not on pipeline stages before the last, which never have them."""
+    src = {}
+    for mb, grp in zip(src_mbs, src_rows):
+        if mb.old_logprobs is None:
+            return
+        counts = (mb.index >= 0).sum(-1).tolist()
+        for j, g in enumerate(grp):
+            src[g] = mb.old_logprobs[j, :counts[j]]
+    if not src:
+        return
+    device = next(iter(src.values())).device
+    for mb, grp in zip(dst_mbs, dst_rows):
+        old = torch.zeros(mb.loss_mask.shape, dtype=torch.float32, device=device)
+        for j, g in enumerate(grp):
+            v = src[g]
+            old[j, :v.numel()] = v
+        mb.old_logprobs = old
 
 
 def _routing_controlled(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> bool:

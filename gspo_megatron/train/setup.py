@@ -250,6 +250,15 @@ class RunParts:
     heldout: Any = None  # train/evaluation.py HeldOut (eval.interval > 0)
     agent: Any = None  # rollout/agent.py AgentRunner (rollout.agent), rank 0 uses it
 
+    def plan_rows(self, samples: list) -> tuple[list[list[int]], list]:
+        """`plan`'s microbatches with, for each, the indices into `samples` of its rows."""
+        from gspo_megatron.train.batch import plan_microbatches
+
+        c = self.ctx
+        return plan_microbatches(samples, dp=c.dp, dp_rank=c.dp_rank, token_budget=self.cfg.train.micro_batch_tokens,
+                                 multiple=self.seq_multiple, pad_id=self.pad_id, cp=c.parallel.cp, cp_rank=c.cp_rank,
+                                 packed=self.cfg.train.packing)
+
     def plan(self, samples: list) -> tuple[list, int]:
         """This rank's microbatches of one minibatch (DP, CP, packing as configured) and the
         minibatch's global sequence count (train/batch.py plan_minibatch)."""
