@@ -47,7 +47,8 @@ Same work on both sides
            loss.old_logprobs=recompute; TRL computes old_per_token_logps whenever
            steps_per_generation > gradient_accumulation_steps).
   optim    Adam(W) lr from the config (demo 1e-3), betas (0.9, 0.98), eps 1e-8, weight decay 0,
-           grad-norm clip 1.0, constant LR.
+           grad-norm clip 1.0, constant LR (our arms: optimizer.lr_decay_style=constant; the
+           demo config decays it).
 
 Setting mapping (ours -> TRL GRPOConfig)
   rollout.prompts_per_step * samples_per_prompt     -> generation_batch_size (P*G, demo 64)
@@ -603,6 +604,7 @@ def arm_command(arm: str, args, hf_dir: str, out_dir: str, result: str) -> tuple
                "--config", args.config, f"out_dir={out_dir}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
                *layout, "parallel.ep=1", "parallel.pp=1", f"train.max_steps={args.steps}",
                "train.sft_warmup_steps=0", f"train.micro_batch_tokens={args.micro_batch_tokens}",
+               "optimizer.lr_decay_style=constant",  # as TRL's and torch_ref's (the demo decays)
                "checkpoint.interval=0", "checkpoint.resume=never", "checkpoint.export_hf=false",
                "logging.progress_bar=false", "logging.plot=false", *args.gspo_set]
     elif arm == "torch_ref":
