@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from gspo_megatron.parallel.seq_reduce import zigzag_positions
@@ -285,6 +286,12 @@ def collate(samples: list[TrainSample], multiple: int, pad_id: int = 0, rows: in
                       positions=pos.unsqueeze(0).expand(rows, -1).contiguous(), seq_length=s_len, routing=routing)
 
 
+def _list_tensor(values: list, dtype) -> torch.Tensor:
+    """A flat Python list as a tensor through numpy: ~3x faster than torch.tensor(list), which
+    converts element by element (the same values: both round a Python float to float32 to nearest)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
+
+
 def collate_packed(samples: list[TrainSample], shape: BatchShape, total: int | None = None) -> MicroBatch:
     """Packed (THD) microbatch: each sample padded to a multiple of 2*cp, then one filler segment
     up to `total` (default: the smallest multiple of shape.multiple that holds them); this CP
@@ -306,7 +313,7 @@ def collate_packed(samples: list[TrainSample], shape: BatchShape, total: int | N
     tok, tgt = [], []
     mask_rows, eng_rows, pos_rows = [], [], []
     for i, ln in enumerate(seg_len):
-        pos = zigzag_positions(ln, cp, rank)
+        pos = None if cp == 1 and dims is None else zigzag_positions(ln, cp, rank)
         where = range(ln) if cp == 1 else pos.tolist()
         if i < len(samples):
             x = samples[i]
@@ -342,26 +349,28 @@ def collate_packed(samples: list[TrainSample], shape: BatchShape, total: int | N
             tgt += [shape.pad_id] * len(where)
         if dims is not None:
             route_parts.append(_full_routing(samples[i] if i < len(samples) else None, ln, dims)[pos])
-    mask = torch.zeros(n, width, dtype=torch.bool)
-    eng = torch.zeros(n, width, dtype=torch.float32)
-    index = torch.full((n, width), -1, dtype=torch.long)
-    positions = torch.zeros(n, width, dtype=torch.long)
-    offset = 0
-    for i, row in enumerate(pos_rows):
-        k = len(row)
-        mask[i, :k] = torch.tensor(mask_rows[i], dtype=torch.bool)
-        eng[i, :k] = torch.tensor(eng_rows[i], dtype=torch.float32)
-        index[i, :k] = torch.arange(offset, offset + k)
-        positions[i, :k] = torch.tensor(row, dtype=torch.long)
-        offset += k
+    # rows layout, padded to `width` in Python: one tensor per field, not four per row
+    index_rows, offset = [], 0
+    for row in pos_rows:
+        index_rows.append(list(range(offset, offset + len(row))))
+        offset += len(row)
+
+    def rows_tensor(rows: list[list], fill, dtype) -> torch.Tensor:
+        flat = [v for r in rows for v in (*r, *[fill] * (width - len(r)))] + [fill] * (width * (n - len(rows)))
+        return _list_tensor(flat, dtype).view(n, width)
+
+    mask = rows_tensor(mask_rows, False, np.bool_)
+    eng = rows_tensor(eng_rows, 0.0, np.float32)
+    index = rows_tensor(index_rows, -1, np.int64)
+    positions = rows_tensor(pos_rows, 0, np.int64)
     adv = torch.zeros(n, dtype=torch.float32)
     if samples:
         adv[: len(samples)] = torch.as_tensor([x.advantage for x in samples], dtype=torch.float32)
     cu = torch.tensor([0] + seg_len, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cu_real = torch.tensor([0] + real_len, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     n_seq = sum(1 for x in samples if x.response_ids)  # on the whole sequences, not this CP rank's part
-    return MicroBatch(torch.tensor(tok, dtype=torch.long).unsqueeze(0), mask, adv, eng, n_seq,
-                      targets=torch.tensor(tgt, dtype=torch.long).unsqueeze(0), positions=positions, index=index, cu_seqlens=cu,
+    return MicroBatch(_list_tensor(tok, np.int64).unsqueeze(0), mask, adv, eng, n_seq,
+                      targets=_list_tensor(tgt, np.int64).unsqueeze(0), positions=positions, index=index, cu_seqlens=cu,
                       cu_seqlens_real=cu_real, padded_segments=seg_len != real_len, max_seqlen=max(seg_len),
                       seq_length=total,
                       routing=torch.cat(route_parts).unsqueeze(0) if dims is not None else None)
