@@ -47,12 +47,14 @@ def _engine(tok, seed=0):
 
 
 def _on_forward(model, at: int, action):
-    """Call action() once, during the model's `at`-th forward (1 = the prefill)."""
+    """Call action() once, during generate's `at`-th forward (1 = its prefill). The prompts here
+    repeat (n = 2), so the engine's shared prefill (hf_engine.py `_shared_prefill`: each distinct
+    prompt once, all but its last column) is one forward before generate's."""
     calls = [0]
 
     def hook(mod, args):
         calls[0] += 1
-        if calls[0] == at:
+        if calls[0] == at + 1:
             action()
 
     return model.model.register_forward_pre_hook(hook)

@@ -101,6 +101,43 @@ def test_logprobs_match_teacher_forcing_and_grouping(engine, prompts, sp):
     assert [s.response_ids for s in other] != [s.response_ids for s in samples]
 
 
+def test_samples_of_one_prompt_share_its_prefill(model_dir, prompts):
+    """The n samples of a prompt share one prefill (hf_engine.py `_shared_prefill`): the first
+    forward sees each distinct prompt once, all its columns but the last; generate's own prefill
+    then sees every row's last column only. Same tokens and log-probs as the unshared path."""
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    engine = HFEngine(model_dir, dtype="float32")
+    width = max(len(p) for p in prompts)
+    shapes = []
+    hook = engine.model.model.register_forward_pre_hook(
+        lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        shared = engine.generate(prompts, 4, sp, seed=3)
+        calls_shared = list(shapes)
+        shapes.clear()
+        engine._takes_cache = False  # the unshared path: generate prefills all 12 rows itself
+        alone = engine.generate(prompts, 4, sp, seed=3)
+        calls_alone = list(shapes)
+    finally:
+        hook.remove()
+    assert calls_shared[:2] == [(3, width - 1), (12, 1)], calls_shared[:3]
+    assert calls_alone[0] == (12, width), calls_alone[:2]
+    assert [s.response_ids for s in shared] == [s.response_ids for s in alone]
+    for a, b in zip(shared, alone):
+        torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs),
+                                   atol=1e-5, rtol=0)
+    # one distinct prompt per row: nothing to share
+    shapes.clear()
+    engine._takes_cache = True
+    hook = engine.model.model.register_forward_pre_hook(
+        lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        engine.generate(prompts, 1, sp, seed=3)
+    finally:
+        hook.remove()
+    assert shapes[0] == (3, width), shapes[:2]
+
+
 def test_seeded_sampling_leaves_global_rng_and_engine_seed(model_dir, prompts):
     sp = SamplingParams(temperature=1.0, max_new_tokens=6)
     e1 = HFEngine(model_dir, seed=5)

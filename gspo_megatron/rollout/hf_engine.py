@@ -31,6 +31,7 @@ its slice of the fused parameter, so no second full state dict is materialised.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from dataclasses import dataclass
@@ -201,6 +202,8 @@ class HFEngine(RolloutEngine):
         if return_routing and len(self._gates) != self.model.config.num_hidden_layers:
             raise ValueError("return_routing needs a MoE model whose every layer routes (mlp.gate): "
                              f"{len(self._gates)} of {self.model.config.num_hidden_layers} layers do")
+        params = inspect.signature(self.model.forward).parameters
+        self._takes_cache = "cache" in params and "logits_to_keep" in params  # _shared_prefill
         self._calls = 0
         self._interrupt = threading.Event()
         self._weight_version = weight_version
@@ -248,6 +251,40 @@ class HFEngine(RolloutEngine):
             for start in range(0, len(rows), self.max_batch_size):
                 out.extend(self._generate_rows(rows[start : start + self.max_batch_size], sampling))
         return out
+
+    def _shared_prefill(self, rows: list[tuple[int, list[int]]], input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor) -> dict:
+        """`generate`'s cache argument holding every row's prompt but its last column, computed once
+        per distinct prompt and copied to its rows: the n samples of a prompt share one prefill
+        (SGLang and vLLM share it through their prefix caches). `generate` then prefills only the
+        last column (transformers generation/utils.py `_prefill`: with a cache of length L and the
+        full attention mask, it feeds input_ids[:, L:]). {} (no sharing) when no prompt repeats,
+        when routing is recorded (the hooks see one prefill call), or for a model without a
+        DynamicCache-style `cache` argument.
+
+        Sampling draws the same random numbers (the prefill is deterministic); the prompt's keys
+        and values come from a forward over fewer rows, so they can differ from the unshared
+        path's in the last bits (GEMMs of another shape)."""
+        from transformers import DynamicCache
+
+        distinct = list(dict.fromkeys(tuple(p) for _, p in rows))
+        width = input_ids.shape[1]
+        if len(distinct) == len(rows) or width < 2 or self._gates or not self._takes_cache:
+            return {}
+        first: dict[tuple, int] = {}  # a row of each distinct prompt
+        for r, (_, p) in enumerate(rows):
+            first.setdefault(tuple(p), r)
+        src = torch.tensor([first[p] for p in distinct], device=input_ids.device)
+        where = {p: i for i, p in enumerate(distinct)}
+        expand = torch.tensor([where[tuple(p)] for _, p in rows], device=input_ids.device)
+        mask = attention_mask[src, : width - 1]
+        # the position ids generate derives from the attention mask (_prepare_position_ids_for_generation)
+        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=input_ids[src, : width - 1], attention_mask=mask, position_ids=pos, cache=cache,
+                   use_cache=True, logits_to_keep=1)
+        cache.batch_select_indices(expand)
+        return {"cache": cache}
 
     def _aborted_rows(self, rows: list[tuple[int, list[int]]]) -> list[Sample]:
         return [Sample(prompt_index=pi, prompt_ids=prompt, response_ids=[], response_logprobs=[],
@@ -312,11 +349,13 @@ class HFEngine(RolloutEngine):
                  for li, g in enumerate(self._gates)]
         try:
             with torch.no_grad():
+                input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
                 res = self.model.generate(
-                    input_ids=input_ids.to(self.device),
-                    attention_mask=attention_mask.to(self.device),
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
                     generation_config=gen_cfg,
                     stopping_criteria=StoppingCriteriaList([_Interrupted()] + ([_StopStrings()] if stops else [])),
+                    **self._shared_prefill(rows, input_ids, attention_mask),
                 )
         finally:
             for h in hooks:
