@@ -407,3 +407,40 @@ def test_no_silent_slicing_or_ignored_data(tmp_path):
     line, heavy = _train_fails(tmp_path, f"data.path={tmp_path / 'prompts.jsonl'}", "reward.fn=math")
     assert "data.source=file" in line and "prompts.jsonl" in line, line
     assert heavy == []
+
+
+_GC_PROBE = '''
+import gc, json, sys
+import gspo_megatron.train.loop as loop
+from gspo_megatron.train.__main__ import main
+
+seen, step = [], loop.gspo_step
+
+
+def gspo_step(*a, **k):
+    seen.append(gc.get_freeze_count())
+    return step(*a, **k)
+
+
+loop.gspo_step = gspo_step
+rc = main()
+print("GC_PROBE " + json.dumps({"during": seen, "after": gc.get_freeze_count()}))
+sys.exit(rc)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_the_run_freezes_what_setup_built_out_of_the_gc(tmp_path):
+    """What setup built (~400k objects) is frozen out of the cyclic GC during the steps (a full
+    collection scanning it took 0.3 s, the slowest step of a bench run), and unfrozen after."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(_GC_PROBE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone", str(probe),
+           "--config", TINY, f"out_dir={tmp_path / 'run'}", "parallel.tp=1", "parallel.sequence_parallel=false",
+           "train.max_steps=2", "train.sft_warmup_steps=0", "checkpoint.interval=0", "checkpoint.export_hf=false",
+           "logging.progress_bar=false", "logging.plot=false"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.split("GC_PROBE ", 1)[1].splitlines()[0])
+    assert len(got["during"]) == 2 and min(got["during"]) > 100_000, got
+    assert got["after"] == 0, got
