@@ -66,11 +66,11 @@ def test_demo_learns_and_exports_hf(tmp_path):
     last = sum(r["reward_mean"] for r in rows[-k:]) / k
     print(f"reward first 20%: {first:.3f}  last 20%: {last:.3f}")
     # the warm start (train.sft_warmup_steps=60) already earns ~0.5 mean reward; GSPO holds it and
-    # sharpens pass@1 (measured: 0.538 -> 0.601)
+    # sharpens pass@1 (measured: 0.523 -> 0.697)
     assert last > first, (first, last)
     assert os.path.isfile(out / "metrics.png")
     # held-out pass@1 (a task seed the training never sees) at steps 0, 25, ..., 100: the task is
-    # learned (>= 0.3 at the end; measured 0.387 after the warm start -> 0.434 at step 100)
+    # learned (>= 0.3 at the end; measured 0.387 after the warm start -> 0.582 at step 100, cosine LR)
     evals = [json.loads(x) for x in open(out / "metrics.jsonl") if '"eval"' in x]
     assert [r["step"] for r in evals] == [0, 25, 50, 75, 100]
     p1 = [r["eval/heldout/pass@1"] for r in evals]
