@@ -426,6 +426,9 @@ def main(argv=None) -> int:
         "train.recompute=selective",  # as the 30B-A3B preset (GPU: + moe_act with TE's grouped experts)
         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "checkpoint.interval=0",
         "checkpoint.keep_last=0", "checkpoint.resume=auto", "logging.progress_bar=false", "logging.plot=false",
+        # launch A stops at max_steps=2 and B resumes to 3: a decaying LR (the demo config's cosine)
+        # is a function of max_steps, so A's steps 1-2 would not be C's, and resume could not be exact
+        "optimizer.lr_decay_style=constant",
     ]
     chk = Check()
     logs: dict[str, str] = {}
