@@ -267,16 +267,16 @@ class HFEngine(RolloutEngine):
         path's in the last bits (GEMMs of another shape)."""
         from transformers import DynamicCache
 
-        distinct = list(dict.fromkeys(tuple(p) for _, p in rows))
+        keys = [tuple(p) for _, p in rows]
+        first: dict[tuple, int] = {}  # each distinct prompt -> its first row, in order
+        for r, k in enumerate(keys):
+            first.setdefault(k, r)
         width = input_ids.shape[1]
-        if len(distinct) == len(rows) or width < 2 or self._gates or not self._takes_cache:
+        if len(first) == len(rows) or width < 2 or self._gates or not self._takes_cache:
             return {}
-        first: dict[tuple, int] = {}  # a row of each distinct prompt
-        for r, (_, p) in enumerate(rows):
-            first.setdefault(tuple(p), r)
-        src = torch.tensor([first[p] for p in distinct], device=input_ids.device)
-        where = {p: i for i, p in enumerate(distinct)}
-        expand = torch.tensor([where[tuple(p)] for _, p in rows], device=input_ids.device)
+        slot = {k: i for i, k in enumerate(first)}
+        src = torch.tensor(list(first.values()), device=input_ids.device)
+        expand = torch.tensor([slot[k] for k in keys], device=input_ids.device)
         mask = attention_mask[src, : width - 1]
         # the position ids generate derives from the attention mask (_prepare_position_ids_for_generation)
         pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
