@@ -178,7 +178,8 @@ _REWARD_FN_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 def _positive(key: str, v, allow_zero: bool = False) -> None:
-    if v < 0 or (v == 0 and not allow_zero):
+    # written so that NaN fails too (every comparison with NaN is false)
+    if not (v > 0 or (allow_zero and v == 0)) or (isinstance(v, float) and not math.isfinite(v)):
         raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {v!r}")
 
 
@@ -550,6 +551,11 @@ class RolloutConfig:
     agent_concurrency: int = 64
     # A session running longer than this (agent or tool hung) gets reward 0, counted in agent_errors.
     agent_timeout_s: float = 600.0
+    # Engine responses are checked at the boundary (at most max_new_tokens tokens, ids in the
+    # vocabulary, one finite log-prob <= 0 per token); a violating one is dropped and counted in
+    # engine_rejected. A step that loses more than this fraction of its samples so stops the run
+    # with one line naming the server.
+    max_rejected_frac: float = 0.5
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -575,6 +581,8 @@ class RolloutConfig:
             _positive("rollout.max_response_tokens", self.max_response_tokens)
         _positive("rollout.agent_concurrency", self.agent_concurrency)
         _positive("rollout.agent_timeout_s", self.agent_timeout_s)
+        if not 0 <= self.max_rejected_frac <= 1:
+            raise ConfigError(f"rollout.max_rejected_frac must be in [0, 1], got {self.max_rejected_frac!r}")
         if self.partial and not self.async_steps:
             raise ConfigError("rollout.partial needs rollout.async_steps >= 1 (weight pushes interrupt the "
                               "generations of the rollout thread; the synchronous loop never pushes mid-generation)")
@@ -679,8 +687,12 @@ class DataConfig:
     # What happens to a longer prompt: "skip" it (counted in data_skipped) or "truncate" it to its
     # last max_prompt_tokens tokens (the chat template's generation prompt is at the end).
     long_prompts: Literal["skip", "truncate"] = "skip"
+    # A record whose raw size (its JSONL line, or its parquet row as JSON) exceeds this many bytes
+    # is skipped (counted in data_skipped) before it is parsed further or tokenized; --dry-run names it.
+    max_record_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self):
+        _positive("data.max_record_bytes", self.max_record_bytes)
         if self.max_prompt_tokens is not None:
             _positive("data.max_prompt_tokens", self.max_prompt_tokens)
         if self.source == "file" and not self.path:
@@ -780,9 +792,14 @@ class TrainConfig:
     # layer's top-k experts, the updates on the same samples replay them); rollout (R3: the
     # rollout engine's experts are replayed in the π_old pass and the updates).
     routing_replay: Literal["none", "old", "rollout"] = "none"
+    # An optimizer step whose loss or gradient norm is not finite is skipped (the weights and
+    # Adam's moments stay as they were; counted in skipped_steps). This many skipped in a row stop
+    # the run with one line (the last saved checkpoint is the one to resume from).
+    max_skipped_steps: int = 3
 
     def __post_init__(self):
         _positive("train.max_steps", self.max_steps, allow_zero=True)
+        _positive("train.max_skipped_steps", self.max_skipped_steps)
         _positive("train.minibatches_per_step", self.minibatches_per_step)
         _positive("train.micro_batch_tokens", self.micro_batch_tokens)
         _positive("train.sft_warmup_steps", self.sft_warmup_steps, allow_zero=True)
@@ -803,6 +820,10 @@ class CheckpointConfig:
     # with status 143 (preemption: Slurm sends them ahead of the kill; the launch scripts forward
     # them through torchrun); [] = die at once as before.
     save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # A checkpoint without checksums.json (saved by an earlier version, or by another tool) is
+    # loaded with a warning naming the folder; true = refused. Checksums are verified before any
+    # file of the folder is parsed, by every loader (resume, model.load, score --load, mcore-to-hf).
+    require_checksums: bool = False
 
     def __post_init__(self):
         _positive("checkpoint.interval", self.interval, allow_zero=True)
@@ -1252,14 +1273,18 @@ def _coerce(value, tp, key: str):
     if tp is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
         if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        if not isinstance(value, (int, float)):
+            raise bad
+        # .nan / .inf are YAML floats: an infinite LR saves NaN weights, a NaN timeout disables
+        # the timeout (every comparison with NaN is false). No config float means "unbounded".
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return float(value)
     if tp is str:
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise bad

@@ -526,3 +526,54 @@ def test_planner_reports_the_host_memory_colocated_engines_need():
         assert pl["colocated_host_gib_per_gpu"] == pytest.approx(want) and want > 1
     # 16 GPUs, bf16: 16.4 GiB of fp32 gradients + 21.3 GiB of sharded optimizer state
     assert planner.plan(load_config(path, []), 16)["colocated_host_gib_per_gpu"] == pytest.approx(37.7, abs=0.1)
+
+
+# ---- non-finite numbers (issue 40) ------------------------------------------------------------
+
+
+def _float_keys() -> list[str]:
+    """Every config key whose type holds a float (float, Optional[float], list[float]), from the
+    generated reference: a new float field joins this test by construction."""
+    from gspo_megatron.config_reference import entries
+
+    import re
+
+    return [e["key"] for e in entries() if re.search(r"\bfloat\b", e["type"])]
+
+
+def test_every_float_key_is_found():
+    keys = _float_keys()
+    assert {"optimizer.lr", "rollout.temperature", "reward.timeout_s", "loss.eps_low", "loss.mis"} <= set(keys)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan", "inf", "1e999"])
+def test_non_finite_floats_are_refused_for_every_float_key(tmp_path, value):
+    """`optimizer.lr=.inf` used to save NaN weights, `reward.timeout_s=.nan` disabled the timeout
+    (NaN compares false with everything), `rollout.temperature=.nan` was a traceback in step 1."""
+    p = minimal(tmp_path)
+    for key in _float_keys():
+        v = f"[{value}, 0.1]" if key == "loss.mis" else value
+        msg = err(p, [f"{key}={v}"])
+        assert key in msg and "finite" in msg, (key, msg)
+
+
+def test_nan_cannot_pass_a_range_check_built_directly():
+    """Dataclasses built in code (not through load_config) still refuse NaN: the range checks are
+    written so that a NaN comparison fails."""
+    nan = float("nan")
+    for build in (lambda: OptimizerConfig(lr=nan), lambda: RewardConfig(timeout_s=nan),
+                  lambda: RolloutConfig(temperature=nan), lambda: LossConfig(eps_high=nan),
+                  lambda: OptimizerConfig(clip_grad=nan)):
+        with pytest.raises(ConfigError):
+            build()
+
+
+def test_new_safety_keys_are_range_checked(tmp_path):
+    p = minimal(tmp_path)
+    assert "train.max_skipped_steps" in err(p, ["train.max_skipped_steps=0"])
+    assert "data.max_record_bytes" in err(p, ["data.max_record_bytes=0"])
+    assert "rollout.max_rejected_frac" in err(p, ["rollout.max_rejected_frac=1.5"])
+    assert "loss.eps_high" in err(p, ["loss.eps_high=-0.1"])
+    assert "rollout.temperature" in err(p, ["rollout.temperature=0"])
+    c = load_config(p, ["checkpoint.require_checksums=true"])
+    assert c.checkpoint.require_checksums and c.train.max_skipped_steps >= 1
