@@ -792,10 +792,11 @@ class TrainConfig:
     # layer's top-k experts, the updates on the same samples replay them); rollout (R3: the
     # rollout engine's experts are replayed in the π_old pass and the updates).
     routing_replay: Literal["none", "old", "rollout"] = "none"
-    # An optimizer step whose loss or gradient norm is not finite is skipped (the weights and
-    # Adam's moments stay as they were; counted in skipped_steps). This many skipped in a row stop
-    # the run with one line (the last saved checkpoint is the one to resume from).
-    max_skipped_steps: int = 3
+    # An optimizer step (update) whose loss or gradient norm is not finite is skipped: the weights,
+    # Adam's moments and the LR schedule stay as they were (counted per GSPO step in
+    # skipped_updates; a GSPO step makes minibatches_per_step updates). This many skipped in a row
+    # stop the run with one line; the last checkpoint holds nothing non-finite, resume from it.
+    max_skipped_steps: int = 10
 
     def __post_init__(self):
         _positive("train.max_steps", self.max_steps, allow_zero=True)

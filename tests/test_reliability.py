@@ -268,3 +268,94 @@ def test_a_save_over_the_file_size_limit_is_one_line_and_leaves_nothing(tmp_path
     line = one_line_error(r)
     assert f"cannot write checkpoint {out / 'checkpoints' / 'iter_0000001'}" in line and "ulimit -f" in line
     assert os.listdir(out / "checkpoints") == []
+
+
+# ---- non-finite steps (issue 40) ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_a_non_finite_step_is_skipped_and_nothing_non_finite_is_saved(tmp_path):
+    """Before: a NaN loss (here: NaN advantages at step 2) went through Megatron's bf16/fp32 step,
+    which clips by a NaN norm (a no-op) and writes NaN into every weight; the checkpoint was saved
+    and tracked with every tensor NaN. Now the step's updates are skipped: step 2's checkpoint holds
+    step 1's weights and Adam moments bit for bit, and the run goes on."""
+    from megatron_utils import dcp_tensors
+
+    out = tmp_path / "run"
+    env_nan = dict(os.environ, NAN_ADVANTAGE_STEPS="2")
+    r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE,
+                        "train.max_steps=3", "reward.fn=tests.nonfinite_fns:poisoned", "reward.workers=0"],
+                       capture_output=True, text=True, timeout=500, env={**_env(), **env_nan}, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = {json.loads(x)["step"]: json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+            if '"gspo"' in x}
+    assert [rows[s]["skipped_updates"] for s in (1, 2, 3)] == [0, 4, 0], rows
+    assert "loss or gradient norm not finite" in r.stderr
+    it = {s: dcp_tensors(str(out / "checkpoints" / f"iter_{s:07d}")) for s in (1, 2, 3)}
+    for s, tensors in it.items():
+        bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        assert not bad, (s, bad[:5])
+    assert set(it[1]) == set(it[2]) and all(torch.equal(it[1][k], it[2][k]) for k in it[1])  # nothing applied
+    assert any(not torch.equal(it[2][k], it[3][k]) for k in it[2])  # step 3 trained again
+
+
+@pytest.mark.timeout(600)
+def test_non_finite_steps_in_a_row_stop_the_run_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE,
+                        "train.max_steps=4", "train.max_skipped_steps=6", "reward.fn=tests.nonfinite_fns:poisoned",
+                        "reward.workers=0"],
+                       capture_output=True, text=True, timeout=500,
+                       env={**_env(), "NAN_ADVANTAGE_STEPS": "2,3"}, cwd=REPO)
+    assert r.returncode == 1, r.stderr[-3000:]
+    line = one_line_error(r)
+    assert "train.max_skipped_steps=6" in line and "non-finite" in line, line
+    assert steps(out) == [1, 2]  # step 3's second minibatch made it 4 + 2 = 6 in a row
+    assert ckpts(out) == ["iter_0000001", "iter_0000002"]
+    assert not (out / ".gspo-run.lock").exists()
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_during_the_warm_start_saves_it_and_resume_is_bit_identical(tmp_path):
+    """Before: the signal handlers were installed after the warm start, the first push and the
+    step-0 evaluation; a SIGTERM there killed the run at once (rc 143 from the signal itself): no
+    checkpoint, the warm-start steps lost, the run lock left behind. The signal goes to torchrun,
+    which forwards it, as on a cluster; it is sent once the warm start has logged step 11 of 120."""
+    from megatron_utils import dcp_tensors
+
+    warm = ["train.sft_warmup_steps=120", "train.max_steps=2", "checkpoint.interval=0"]
+    ref = tmp_path / "ref"
+    train(ref, *warm)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
+           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300",
+           "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE, *warm]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+    metrics = out / "metrics.jsonl"
+
+    def sft_logged():
+        return metrics.exists() and any('"sft_step": 11' in x for x in metrics.read_text().splitlines())
+
+    try:
+        for _ in range(3000):
+            if p.poll() is not None or sft_logged():
+                break
+            time.sleep(0.1)
+        assert p.poll() is None and sft_logged(), "the run ended before it could be signalled"
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=60)
+    assert p.returncode != 0, err[-2000:]
+    assert "saved the step-0 checkpoint (warm-start step" in err, err[-3000:]
+    assert ckpts(out) == ["iter_0000000"] and steps(out) == []
+    assert not (out / ".gspo-run.lock").exists()
+    r = train(out, *warm)
+    assert "resumed from" in r.stderr and steps(out) == [1, 2]
+    a, b = dcp_tensors(str(ref / "checkpoints" / "iter_0000002")), dcp_tensors(str(out / "checkpoints" / "iter_0000002"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    rows = lambda d: [{k: v for k, v in json.loads(x).items() if not k.startswith("t_") and k != "tokens_per_s"}  # noqa: E731
+                      for x in (d / "metrics.jsonl").read_text().splitlines() if '"gspo"' in x]
+    assert rows(out) == rows(ref)

@@ -57,21 +57,17 @@ def _rank_loop_steps(rank, world, hf_dir, out_dir, overrides):
     parts.score = _score
     grads = {}
 
-    def optimizer_step(parts_, optimizer, scheduler, step_fn, mbs):  # loop._optimizer_step, grads captured
-        for m in parts_.model:
-            m.zero_grad_buffer()
-        optimizer.zero_grad()
-        reports = loop._run_schedule(parts_, step_fn, mbs, forward_only=False)
-        grads.clear()
-        grads.update((k, t.clone()) for k, t in iter_hf_tensors(parts_.model, parts_.ctx, parts_.arch,
-                                                                 tensor_of=grad_tensor))
-        ok, gn, _ = optimizer.step()
-        if ok and scheduler is not None:
-            scheduler.step(increment=1)
-        return reports, (gn if gn is not None else 0.0)
+    real_schedule = loop._run_schedule
 
-    real_step = loop._optimizer_step
-    loop._optimizer_step = optimizer_step  # restored below: ranks are pooled (tests/dist_utils.py)
+    def run_schedule(parts_, step_fn, mbs, *, forward_only):  # grads captured after an update's schedule
+        reports = real_schedule(parts_, step_fn, mbs, forward_only=forward_only)
+        if not forward_only:
+            grads.clear()
+            grads.update((k, t.clone()) for k, t in iter_hf_tensors(parts_.model, parts_.ctx, parts_.arch,
+                                                                     tensor_of=grad_tensor))
+        return reports
+
+    loop._run_schedule = run_schedule  # restored below: ranks are pooled (tests/dist_utils.py)
 
     def step(n):
         payload = None
@@ -92,7 +88,7 @@ def _rank_loop_steps(rank, world, hf_dir, out_dir, overrides):
         third = step(2)
         after = dict(iter_hf_tensors(parts.model, parts.ctx, parts.arch))
     finally:
-        loop._optimizer_step = real_step
+        loop._run_schedule = real_schedule
         parts.close()
     return (policy, second, third, after) if rank == 0 else None
 

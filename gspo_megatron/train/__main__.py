@@ -66,6 +66,11 @@ def main(argv=None) -> int:
 
             return run_smoke(cfg, world_size=world, tol=DEFAULT_TOL if args.smoke_tol is None else args.smoke_tol,
                              inputs=inputs)
+        # The preemption handlers before the lock: a SIGTERM from here on ends the run through its
+        # checkpoint-and-exit path (train/loop.py), and this `finally` releases the lock.
+        from gspo_megatron.train.preemption import StopFlag
+
+        stop = StopFlag(cfg.checkpoint.save_on_signals)
         lock = None
         if rank == 0:  # one run per out_dir, taken before anything is written there
             from gspo_megatron.train.runlock import RunLock
@@ -75,10 +80,14 @@ def main(argv=None) -> int:
             if rank == 0:
                 cfg.dump_yaml(os.path.join(cfg.out_dir, "config.yaml"))
             from gspo_megatron.rollout.http_servers import EngineError
-            from gspo_megatron.train.loop import train
+            from gspo_megatron.train.loop import NonFiniteError, train
 
             try:
-                train(cfg, world_size=world, inputs=inputs)
+                train(cfg, world_size=world, inputs=inputs, stop=stop)
+            except NonFiniteError as e:  # every rank decides it together; one line, exit 1
+                if rank == 0:
+                    print(f"gspo_megatron.train: error: {e}", file=sys.stderr, flush=True)
+                return 1
             except EngineError as e:
                 if isinstance(e, USER_ERRORS):  # e.g. servers not ready at start: bad urls, exit 2 below
                     raise
@@ -91,6 +100,7 @@ def main(argv=None) -> int:
         finally:
             if lock is not None:
                 lock.release()
+            stop.restore()
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import random
 import time
@@ -47,11 +48,40 @@ log = logging.getLogger("gspo_megatron.train")
 class LoopState:
     step: int = 0  # GSPO steps completed
     sft_done: bool = False
+    sft_steps: int = 0  # warm-start steps completed (a run preempted during its warm start resumes there)
     data: dict = field(default_factory=dict)
     wandb_run_id: str | None = None  # the W&B run a resumed run continues (logging.wandb)
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "sft_done": self.sft_done, "data": self.data, "wandb_run_id": self.wandb_run_id}
+        return {"step": self.step, "sft_done": self.sft_done, "sft_steps": self.sft_steps, "data": self.data,
+                "wandb_run_id": self.wandb_run_id}
+
+
+class NonFiniteError(RuntimeError):
+    """train.max_skipped_steps optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
+class SkipGuard:
+    """Counts optimizer steps skipped for a non-finite loss or gradient norm (every rank takes the
+    same decision: both are reduced over the ranks before it is taken) and stops the run after
+    `limit` in a row: one line, and the last checkpoint (which holds no non-finite tensor: nothing
+    non-finite was ever applied) is the one to resume from, with a fix (a lower LR, a reward bug)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row, self.total = limit, 0, 0
+
+    def record(self, skipped: bool, what: str) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        log.warning("%s: loss or gradient norm not finite; the update is skipped (%d in a row, %d in all)",
+                    what, self.in_a_row, self.total)
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(f"{self.in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                                 f"norm ({what}; train.max_skipped_steps={self.limit}): nothing of them was applied or "
+                                 "saved; resume from the last checkpoint after fixing the cause (rewards, LR, data)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,15 +104,26 @@ def _run_schedule(parts: RunParts, step_fn, microbatches, *, forward_only: bool)
         )
 
 
-def _optimizer_step(parts: RunParts, optimizer, scheduler, step_fn, microbatches):
+def _optimizer_step(parts: RunParts, optimizer, scheduler, step_fn, microbatches, keys: tuple[str, ...] = (),
+                    loss_key: str | None = None):
+    """One update. Returns (the microbatch reports, the gradient norm, their `keys` summed over the
+    ranks (collective; none when `keys` is empty), whether the update was skipped for a non-finite
+    loss (`loss_key` of those sums) or gradient norm: then neither the weights, Adam's moments nor
+    the LR schedule move)."""
+    from gspo_megatron.train.optim import guarded_step
+
     for m in parts.model:
         m.zero_grad_buffer()
     optimizer.zero_grad()
     reports = _run_schedule(parts, step_fn, microbatches, forward_only=False)
-    ok, grad_norm, _ = optimizer.step()
+    tot = reduce_report(reports, _reporter(parts), keys, parts.ctx.device) if keys else {}  # the same on every rank
+    if loss_key is None or math.isfinite(tot[loss_key]):
+        ok, grad_norm = guarded_step(optimizer)
+    else:
+        ok, grad_norm = False, float("nan")
     if ok and scheduler is not None:
         scheduler.step(increment=1)
-    return reports, (grad_norm if grad_norm is not None else 0.0)
+    return reports, grad_norm, tot, not math.isfinite(grad_norm)
 
 
 def _reporter(parts: RunParts) -> bool:
@@ -115,7 +156,8 @@ def push_weights(parts: RunParts, version: int, producer=None) -> float:
     return time.perf_counter() - t0
 
 
-def sft_warmup(parts: RunParts, writer: MetricsWriter | None, plane: DataPlane | None = None) -> None:
+def sft_warmup(parts: RunParts, writer: MetricsWriter | None, plane: DataPlane | None = None, *, start: int = 0,
+               guard: SkipGuard | None = None, step_done=None) -> None:
     """Brief supervised warm start on the task's demonstrations (RL normally starts from an SFT
     model; a random-init demo model would otherwise see reward 0 everywhere).
 
@@ -124,7 +166,10 @@ def sft_warmup(parts: RunParts, writer: MetricsWriter | None, plane: DataPlane |
     GSPO step would write the main optimizer's stale ones back over the warm start (and double
     optimizer memory). Afterwards Adam's moments are cleared (GSPO starts with fresh statistics,
     the masters keep the warmed-up weights) and the scheduler's LR is restored.
-    `plane`: the run's data plane (built here when not given)."""
+    `plane`: the run's data plane (built here when not given). `start`: warm-start steps already
+    done (a run preempted during its warm start: their batches are drawn again, untrained, so the
+    rest are the ones an uninterrupted run trains on); `step_done(s)` is called (collectively)
+    after each step s = 1..steps (the preemption point)."""
     cfg, ctx = parts.cfg, parts.ctx
     steps = cfg.train.sft_warmup_steps
     if steps <= 0:
@@ -136,16 +181,22 @@ def sft_warmup(parts: RunParts, writer: MetricsWriter | None, plane: DataPlane |
     set_lr(opt, cfg.train.sft_lr)
     batch = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
     rng = random.Random(cfg.train.seed + 7919)
+    guard = guard or SkipGuard(cfg.train.max_skipped_steps)
     for s in range(steps):
         samples = parts.prompts.demonstrations(batch, rng) if ctx.rank == 0 else None
+        if s < start:
+            continue
         samples = distribute(plane, samples, minibatches=1)  # planned below as one minibatch
         mbs, _ = parts.plan(samples)
-        reports, _ = _optimizer_step(parts, opt, None, sft_loss_step(ctx, parts.arch.vocab_size), mbs)
-        tot = reduce_report(reports, _reporter(parts), ("nll_sum", "tokens"), ctx.device)
+        _, _, tot, skipped = _optimizer_step(parts, opt, None, sft_loss_step(ctx, parts.arch.vocab_size), mbs,
+                                             ("nll_sum", "tokens"), "nll_sum")
+        guard.record(skipped, f"supervised warm start step {s + 1}")
         if writer is not None and (s % 10 == 0 or s == steps - 1):
             row = {"step": 0, "phase": "sft", "sft_step": s + 1, "nll": tot["nll_sum"] / max(tot["tokens"], 1)}
             writer.write(row)
             log.info("supervised warm start %d/%d: token NLL %.3f", s + 1, steps, row["nll"])
+        if step_done is not None:
+            step_done(s + 1)
     reset_optimizer_state(opt)
     parts.scheduler.step(increment=0)  # back to the GSPO schedule's LR (its step count is unchanged)
 
@@ -271,7 +322,7 @@ def drop_stale(samples: list[Sample], rewards: list[float], step: int, max_age: 
     return kept, kept_r, ages, dropped
 
 
-def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dict:
+def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample], guard: SkipGuard | None = None) -> dict:
     """π_old for every minibatch, then one optimizer step per minibatch. Collective.
 
     `samples`: the step's samples in training order on every rank; the ones another DP rank trains
@@ -328,13 +379,19 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
     keys = ("loss", "sequences", "mis_masked", "metric_weight") + WEIGHTED_METRICS
     totals = dict.fromkeys(keys, 0.0)
     grad_norms = []
+    skipped = 0
+    guard = guard or SkipGuard(cfg.train.max_skipped_steps)
     t1 = time.perf_counter()
     for i, mbs in enumerate(minibatches):
-        reports, gn = _optimizer_step(parts, parts.optimizer, parts.scheduler, step_fn, mbs)
+        reports, gn, tot, was_skipped = _optimizer_step(parts, parts.optimizer, parts.scheduler, step_fn, mbs, keys,
+                                                        "loss")
         if i == 0 and first_is_current:  # its π_old came from this forward, with its mismatch sums
             mismatch = _mismatch(parts, pi_old_reports + reports)
+        guard.record(was_skipped, f"minibatch {i + 1} of the step")
+        if was_skipped:  # not in the step's metrics: nothing of it was applied
+            skipped += 1
+            continue
         grad_norms.append(float(gn))
-        tot = reduce_report(reports, _reporter(parts), keys, ctx.device)
         n = max(tot["sequences"], 1.0)
         # per-minibatch loss (sum of sequence losses / sequences), averaged over minibatches below
         totals["loss"] += tot["loss"] / n
@@ -352,8 +409,10 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> dic
     if settings.mis is not None:  # sequences of the step taken out of the loss by loss.mis
         out["mis_masked"] = totals["mis_masked"]
         out["mis_masked_frac"] = totals["mis_masked"] / n_all
-    out["loss"] = totals["loss"] / len(minibatches)
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    applied = len(minibatches) - skipped
+    out["loss"] = totals["loss"] / applied if applied else float("nan")
+    out["grad_norm"] = sum(grad_norms) / applied if applied else float("nan")
+    out["skipped_updates"] = skipped
     out["lr"] = parts.optimizer.param_groups[0]["lr"]
     out.update(mismatch)
     out["t_old_logprobs"] = t_old
@@ -490,56 +549,89 @@ def step_line(row: dict, max_steps: int) -> str:
     return " | ".join(parts)
 
 
-def train(cfg, *, world_size: int, inputs=None) -> dict:
+def train(cfg, *, world_size: int, inputs=None, stop: StopFlag | None = None) -> dict:
+    """The run. `stop`: the preemption signal handlers, installed by the caller before it took the
+    run lock (gspo_megatron/train/__main__.py), else here: a signal at any point from here on — set
+    up, the warm start, the first push, an evaluation, a step, a save — ends the run with the
+    checkpoint of the last completed step (warm-start steps included) and exit status 143."""
+    stop = stop if stop is not None else StopFlag(cfg.checkpoint.save_on_signals)
+    try:
+        return _train(cfg, world_size, inputs, stop)
+    finally:
+        stop.restore()
+
+
+def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
     parts = setup_run(cfg, world_size=world_size, inputs=inputs)
     ctx = parts.ctx
-    if ctx.rank == 0:
-        log.info("run: %s", startup_summary(parts))
     state = LoopState()
-    # rank 0 resolves it for every rank (train/checkpoint.py agree_on_resume)
-    resume_from = checkpoint.agree_on_resume(cfg.checkpoint.resume, cfg.out_dir, ctx)
-    if resume_from:
-        state = LoopState(**parts.load_checkpoint(resume_from))
-        parts.prompts.load_state_dict(state.data)
+    writer = producer = bar = None
+    saved = [True]  # whether the checkpoint on disk (or none, fresh) holds every completed step
+
+    def preemption_point() -> None:
+        """Collective: on a signal, checkpoint the last completed step (unless saved already), exit 143."""
+        if not stop.requested(ctx.device):
+            return
+        if not saved[0]:
+            _save(parts, state, writer)
         if ctx.rank == 0:
-            log.info("resumed from %s at step %d", resume_from, state.step)
-    writer = None
-    if ctx.rank == 0:  # a fresh run starts a fresh metrics file; a resumed one keeps its past
-        tracker = None
-        if cfg.logging.wandb.mode != "disabled":
-            from gspo_megatron.train.tracking import WandbRun
+            where = f"step {state.step}" if state.sft_done else f"warm-start step {state.sft_steps}"
+            log.warning("saved the step-%d checkpoint (%s) after %s; exiting (resume with checkpoint.resume=auto)",
+                        state.step, where, stop.received)
+        raise Preempted(stop.received, state.step)
 
-            tracker = WandbRun(cfg, out_dir=cfg.out_dir, run_id=state.wandb_run_id, config=cfg.to_dict())
-            state.wandb_run_id = tracker.run_id
-        writer = MetricsWriter(cfg.out_dir, tensorboard=cfg.logging.tensorboard,
-                               resume_step=state.step if resume_from else -1, tracker=tracker)
-    if cfg.logging.wandb.mode != "disabled":  # every rank saves the same loop state
-        state.wandb_run_id = _broadcast(state.wandb_run_id)
-    plane = DataPlane(ctx)
-    if not state.sft_done:
-        sft_warmup(parts, writer, plane)
-        state.sft_done = True
-    # Servers/engines may hold other weights (another checkpoint, a fresh random init): push ours
-    # before the first rollout of every run, fresh or resumed.
-    push_weights(parts, state.step)
-    if state.step == 0:
-        evaluate(parts, 0, writer)
-    producer = _start_producer(parts, state.step)
-
-    bar = None
-    if ctx.rank == 0 and cfg.logging.progress_bar:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="GSPO", unit="step")
-    last = {}
-    stop = StopFlag(cfg.checkpoint.save_on_signals)
-    # What exists now (modules, Megatron's buffers, the engine, imported libraries: ~400k Python
-    # objects on the CPU demo) lives for the whole run: out of the cyclic GC's sight, whose full
-    # collections would otherwise scan all of it (0.3 s each on the CPU demo, one every ~20 steps:
-    # the slowest step of a bench run). Unfrozen at the end, for callers that live on (tests).
-    gc.collect()
-    gc.freeze()
     try:
+        if ctx.rank == 0:
+            log.info("run: %s", startup_summary(parts))
+        # rank 0 resolves it for every rank (train/checkpoint.py agree_on_resume)
+        resume_from = checkpoint.agree_on_resume(cfg.checkpoint.resume, cfg.out_dir, ctx)
+        if resume_from:
+            state = LoopState(**parts.load_checkpoint(resume_from))
+            parts.prompts.load_state_dict(state.data)
+            if ctx.rank == 0:
+                log.info("resumed from %s at step %d", resume_from, state.step)
+        if ctx.rank == 0:  # a fresh run starts a fresh metrics file; a resumed one keeps its past
+            tracker = None
+            if cfg.logging.wandb.mode != "disabled":
+                from gspo_megatron.train.tracking import WandbRun
+
+                tracker = WandbRun(cfg, out_dir=cfg.out_dir, run_id=state.wandb_run_id, config=cfg.to_dict())
+                state.wandb_run_id = tracker.run_id
+            writer = MetricsWriter(cfg.out_dir, tensorboard=cfg.logging.tensorboard,
+                                   resume_step=state.step if resume_from else -1, tracker=tracker)
+        if cfg.logging.wandb.mode != "disabled":  # every rank saves the same loop state
+            state.wandb_run_id = _broadcast(state.wandb_run_id)
+        plane = DataPlane(ctx)
+        guard = SkipGuard(cfg.train.max_skipped_steps)
+        preemption_point()
+        if not state.sft_done:
+            def sft_step_done(s: int) -> None:
+                state.sft_steps = s
+                saved[0] = False
+                preemption_point()
+
+            sft_warmup(parts, writer, plane, start=state.sft_steps, guard=guard, step_done=sft_step_done)
+            state.sft_done = True
+            saved[0] = cfg.train.sft_warmup_steps <= 0 and saved[0]
+        # Servers/engines may hold other weights (another checkpoint, a fresh random init): push ours
+        # before the first rollout of every run, fresh or resumed.
+        push_weights(parts, state.step)
+        preemption_point()
+        if state.step == 0:
+            evaluate(parts, 0, writer)
+            preemption_point()
+        producer = _start_producer(parts, state.step)
+        if ctx.rank == 0 and cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="GSPO", unit="step")
+        last = {}
+        # What exists now (modules, Megatron's buffers, the engine, imported libraries: ~400k Python
+        # objects on the CPU demo) lives for the whole run: out of the cyclic GC's sight, whose full
+        # collections would otherwise scan all of it (0.3 s each on the CPU demo, one every ~20 steps:
+        # the slowest step of a bench run). Unfrozen at the end, for callers that live on (tests).
+        gc.collect()
+        gc.freeze()
         for step in range(state.step, cfg.train.max_steps):
             t_step = time.perf_counter()
             t0 = time.perf_counter()
@@ -558,10 +650,11 @@ def train(cfg, *, world_size: int, inputs=None) -> dict:
             if parts.colocation is not None:  # the engines release their memory for training
                 parts.colocation.after_rollout()
             t_rollout = time.perf_counter() - t0
-            metrics = gspo_step(parts, samples) if samples else {}
+            metrics = gspo_step(parts, samples, guard) if samples else {}
             t_sync = push_weights(parts, step + 1, producer)
             state.step = step + 1
             state.data = data_state  # the stream right after this step's prompts (async: not the producer's)
+            saved[0] = False
             dt = time.perf_counter() - t_step
             if ctx.rank == 0:
                 row = {"step": state.step, "phase": "gspo", **rstats, **metrics, "t_rollout": t_rollout,
@@ -576,14 +669,11 @@ def train(cfg, *, world_size: int, inputs=None) -> dict:
                     log.info(step_line(row, cfg.train.max_steps))
             if parts.heldout is not None and parts.heldout.due(state.step):
                 evaluate(parts, state.step, writer, producer)
-            if stop.requested(ctx.device):  # preemption: this step's checkpoint, then exit 143
-                _save(parts, state, writer)
-                if ctx.rank == 0:
-                    log.warning("saved the step-%d checkpoint after %s; exiting (resume with checkpoint.resume=auto)",
-                                state.step, stop.received)
-                raise Preempted(stop.received, state.step)
+            preemption_point()  # preemption: this step's checkpoint, then exit 143
             if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and state.step < cfg.train.max_steps:
                 _save(parts, state, writer)
+                saved[0] = True
+                preemption_point()  # a signal during the save: it is written, exit now
         _save(parts, state, writer)
         if cfg.checkpoint.export_hf:
             parts.export_hf(os.path.join(cfg.out_dir, "hf"))
@@ -595,7 +685,6 @@ def train(cfg, *, world_size: int, inputs=None) -> dict:
                 plot(writer.path, os.path.join(cfg.out_dir, "metrics.png"))
     finally:
         gc.unfreeze()
-        stop.restore()
         if producer is not None:
             producer.close()
         if writer is not None:

@@ -121,3 +121,39 @@ def set_lr(optimizer, lr: float) -> None:
     """A fixed learning rate for every group until the scheduler's next step()."""
     for g in optimizer.param_groups:
         g["lr"] = lr
+
+
+def guarded_step(optimizer) -> tuple[bool, float]:
+    """Megatron's optimizer step with one change: an update whose gradient norm is not finite is
+    skipped (the weights and Adam's moments stay as they were). Returns (stepped, grad_norm).
+
+    Megatron skips only for fp16, where the loss scaler finds the inf (prepare_grads); for bf16 and
+    fp32 it computes the norm, clips by it and steps whatever it is: with a NaN norm the clip
+    coefficient is NaN, `clip_coeff < 1.0` is false, nothing is scaled and Adam writes NaN into every
+    weight (megatron/core/optimizer/clip_grads.py:172-177, optimizer.py:593-623). This is
+    ChainedOptimizer.step (optimizer.py:1308-1340; get_megatron_optimizer always returns one,
+    __init__.py:689) with the norm checked between computing it and clipping by it: the same calls in
+    the same order, so a finite step is bit for bit Megatron's. The norm is reduced over the
+    gradient-statistics group (model parallel, and data parallel with the distributed optimizer),
+    so every rank takes the same decision. An fp16 loss-scaler skip returns (False, 0.0), as
+    Megatron's step does (no norm). One difference: the norm is computed with clip_grad=0
+    too, where Megatron skips it. Imports from optimizer.py's own namespace, where the CPU runtime
+    patches the clip (parallel/cpu_runtime.py)."""
+    import math
+
+    from megatron.core.optimizer import optimizer as mopt
+
+    if optimizer.prepare_grads():  # fp16: the loss scaler found an inf and lowered its scale (expected
+        return False, 0.0          # while it backs off; not a non-finite step: Megatron's own skip)
+    grad_norm = optimizer.get_grad_norm()
+    grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    for opt in inner_optimizers(optimizer):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            mopt.clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                                              use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return bool(optimizer.step_with_ready_grads()), grad_norm
