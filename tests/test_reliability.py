@@ -359,3 +359,77 @@ def test_sigterm_during_the_warm_start_saves_it_and_resume_is_bit_identical(tmp_
     rows = lambda d: [{k: v for k, v in json.loads(x).items() if not k.startswith("t_") and k != "tokens_per_s"}  # noqa: E731
                       for x in (d / "metrics.jsonl").read_text().splitlines() if '"gspo"' in x]
     assert rows(out) == rows(ref)
+
+
+# ---- engine responses that break the contract (issue 40) --------------------------------------
+
+
+def _rollout_parts(samples_of, max_rejected_frac=0.5, G=4, P=2):
+    """The pieces of RunParts that loop.rollout touches, around a stand-in engine whose generate()
+    returns `samples_of(prompts, n)`."""
+    from types import SimpleNamespace
+
+    from gspo_megatron.config import load_config
+
+    cfg = load_config(TINY, [f"rollout.samples_per_prompt={G}", f"rollout.prompts_per_step={P}",
+                             f"rollout.max_rejected_frac={max_rejected_frac}"])
+    scored = []
+
+    class Prompts:
+        def batch(self, step, rounds, n):
+            return [{"prompt": f"p{step}.{rounds}.{i}", "answer": "x"} for i in range(n)]
+
+        def encode(self, ex):
+            return [1, 2, 3]
+
+        def take_skipped(self):
+            return 0
+
+        def text(self, ex):
+            return ex["prompt"]
+
+    def score(texts, examples):
+        scored.extend(texts)
+        return [float(len(t)) for t in texts], [False] * len(texts)
+
+    engine = SimpleNamespace(generate=lambda prompts, n, sampling, seed=None: samples_of(prompts, n),
+                             weight_version=0, metrics={})
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "t" * len(ids))
+    return SimpleNamespace(cfg=cfg, engine=engine, prompts=Prompts(), tokenizer=tok, score=score, stop_ids=[0],
+                           agent=None), scored
+
+
+def _samples(prompts, n, rejected=()):
+    from gspo_megatron.rollout.base import Sample
+
+    out = []
+    for p in range(len(prompts)):
+        for j in range(n):
+            k = p * n + j
+            meta = {"rejected": f"http://127.0.0.1:1: response {k}: 48 tokens for max_new_tokens=8"} if k in rejected else {}
+            ids = [] if k in rejected else [5] * (j + 1)
+            out.append(Sample(p, prompts[p], ids, [-0.5] * len(ids), "stop", 0, meta=meta))
+    return out
+
+
+def test_a_rejected_response_takes_its_group_out_unscored():
+    from gspo_megatron.train import loop
+
+    parts, scored = _rollout_parts(lambda prompts, n: _samples(prompts, n, rejected={5}))
+    kept, rewards, stats = loop.rollout(parts, 0)
+    assert stats["engine_rejected"] == 1
+    assert [s.prompt_index for s in kept] == [0] * 4 and len(rewards) == 4  # group 1 (samples 4..7) is out
+    assert len(scored) == 4 and all(s.response_ids for s in kept)
+
+
+def test_a_step_made_mostly_of_rejected_responses_stops_in_one_line():
+    from gspo_megatron.rollout.http_servers import EngineError
+    from gspo_megatron.train import loop
+
+    parts, scored = _rollout_parts(lambda prompts, n: _samples(prompts, n, rejected={0, 1, 2, 4, 5}),
+                                   max_rejected_frac=0.5)
+    with pytest.raises(EngineError) as ei:
+        loop.rollout(parts, 0)
+    msg = str(ei.value)
+    assert "\n" not in msg and "5 of the 8 responses" in msg and "http://127.0.0.1:1" in msg and "max_new_tokens=8" in msg
+    assert scored == []  # nothing of it was scored either

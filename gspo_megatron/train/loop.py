@@ -246,6 +246,8 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
     all_rewards: list[float] = []
     raised = 0
     lengths: list[int] = []
+    generated = rejected = 0
+    first_rejection = None
     rounds = 0
     groups_needed = P
     agent_stats = dict.fromkeys(("agent_errors", "env_tokens", "turns"), 0)
@@ -263,12 +265,28 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
             agent_stats["turns"] += st["turns_mean"] * len(samples)
         else:
             samples = generate(prompt_ids, G, sampling, seed=seed)
-            texts = [parts.tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in samples]
-            rewards, flags = parts.score(texts, [examples[s.prompt_index] for s in samples])
+        # Responses the engine boundary rejected (rollout/validate.py: too long, ids outside the
+        # vocabulary, log-probs not finite or > 0) take their group out of the step: the group's
+        # advantages are relative to each other. Their rewards are never computed.
+        bad = {s.prompt_index for s in samples if s.meta.get("rejected")}
+        generated += len(samples)
+        for s in samples:
+            if s.meta.get("rejected"):
+                rejected += 1
+                first_rejection = first_rejection or s.meta["rejected"]
+        if parts.agent is None:
+            ok = [i for i, s in enumerate(samples) if s.prompt_index not in bad]
+            texts = [parts.tokenizer.decode(samples[i].response_ids, skip_special_tokens=False) for i in ok]
+            got, got_flags = parts.score(texts, [examples[samples[i].prompt_index] for i in ok]) if ok else ([], [])
+            rewards, flags = [0.0] * len(samples), [False] * len(samples)
+            for j, i in enumerate(ok):
+                rewards[i], flags[i] = got[j], got_flags[j]
         raised += sum(flags)
-        all_rewards += rewards
-        lengths += [len(s.response_ids) for s in samples]
+        all_rewards += [r for s, r in zip(samples, rewards) if s.prompt_index not in bad]
+        lengths += [len(s.response_ids) for s in samples if s.prompt_index not in bad]
         for g in range(len(examples)):
+            if g in bad:
+                continue
             grp = slice(g * G, (g + 1) * G)
             r = rewards[grp]
             if cfg.dynamic_sampling and max(r) == min(r):
@@ -280,6 +298,11 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
         rounds += 1
         if not cfg.dynamic_sampling or rounds > cfg.max_oversample_rounds:
             break
+    if rejected > parts.cfg.rollout.max_rejected_frac * generated:
+        from gspo_megatron.rollout.http_servers import EngineError
+
+        raise EngineError(f"{rejected} of the {generated} responses of step {step + 1} broke the engine contract "
+                          f"(rollout.max_rejected_frac={parts.cfg.rollout.max_rejected_frac}); the first: {first_rejection}")
     kept = kept[: P * G]
     kept_rewards = kept_rewards[: P * G]
     t = torch.tensor(all_rewards, dtype=torch.float64)
@@ -290,6 +313,7 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
         "truncated_frac": sum(1 for s in kept if s.finish_reason == "length") / max(len(kept), 1),
         # records the prompt stream skipped (malformed, unrenderable, too long) and engine requests retried
         "data_skipped": parts.prompts.take_skipped(), "rollout_retries": _engine_retries(parts) - retries_before,
+        "engine_rejected": rejected,
     }
     if parts.agent is not None:  # env_tokens: in the samples that train; the rest over every session of the step
         stats.update(agent_errors=agent_stats["agent_errors"], turns_mean=agent_stats["turns"] / max(len(lengths), 1),
