@@ -21,3 +21,52 @@ def sleepy(response: str, example: dict) -> float:
 
 def always_raises(response: str, example: dict) -> float:
     raise KeyError("solution")
+
+
+def scripted(response: str, example: dict) -> float:
+    """A hostile reward for end-to-end runs: call k of the whole run (counted in the file named by
+    $SCRIPTED_REWARD_COUNTER, so the count survives a worker process that died) does what entry
+    k % len of the comma-separated $SCRIPTED_REWARD says: ok (response_length), exit
+    (SystemExit(0)), kbd (KeyboardInterrupt), genexit (GeneratorExit), huge (1e39: finite in
+    float64, inf in float32), nan, os_exit (the process ends at once with status 0)."""
+    import os
+
+    script = os.environ["SCRIPTED_REWARD"].split(",")
+    path = os.environ["SCRIPTED_REWARD_COUNTER"]
+    k = int(open(path).read() or 0) if os.path.exists(path) else 0
+    with open(path, "w") as f:
+        f.write(str(k + 1))
+    what = script[k % len(script)]
+    if what == "ok":
+        return response_length(response, example)
+    if what == "exit":
+        raise SystemExit(0)
+    if what == "kbd":
+        raise KeyboardInterrupt
+    if what == "genexit":
+        raise GeneratorExit
+    if what == "huge":
+        return 1e39
+    if what == "nan":
+        return float("nan")
+    if what == "os_exit":
+        os._exit(0)
+    raise AssertionError(f"unknown SCRIPTED_REWARD entry {what!r}")
+
+
+def raises_base(response: str, example: dict) -> float:
+    """Raises the BaseException named by example["raise"] (SystemExit(0) and the like), else 1.0."""
+    kind = example.get("raise")
+    if kind == "SystemExit":
+        raise SystemExit(0)
+    if kind == "KeyboardInterrupt":
+        raise KeyboardInterrupt
+    if kind == "GeneratorExit":
+        raise GeneratorExit
+    if kind == "os_exit":
+        import os
+
+        os._exit(0)
+    if "value" in example:
+        return example["value"]
+    return 1.0
