@@ -5,7 +5,9 @@
 
 Both directions stream tensor by tensor (memory: about the largest tensor, plus one output shard
 for mcore-to-hf) and run on one CPU process or under torchrun (ranks split the work). Output is
-assembled in a hidden temporary directory beside --out and renamed into place at the end.
+assembled in a hidden temporary directory beside --out and renamed into place at the end, with a
+marker (.gspo-output.json: the command and every entry it wrote); --overwrite replaces only such an
+earlier output of the same command, holding nothing else.
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-shard-size", default=shard_default, metavar="SIZE",
                         help=shard_help + " e.g. 5GB, 500MB, 2GiB or a byte count (default: %(default)s)")
         sp.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --out (the old one is swapped out only once the new one is complete)")
+                        help="replace an existing --out that this command wrote earlier (proven by its "
+                             ".gspo-output.json; any other directory is refused); the old one is swapped out "
+                             "only once the new one is complete")
         sp.add_argument("--no-progress", dest="progress", action="store_false",
                         help="do not show the progress bar (shown on stderr by default)")
 
@@ -101,32 +105,22 @@ def _within(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
 
 
-def converter_output(path: str, command: str) -> bool:
-    """Whether `path` looks like what `command` writes (the only kind --overwrite replaces):
-    hf-to-mcore a Megatron-LM root (tracker + iter_*, or release/ from earlier versions),
-    mcore-to-hf an HF directory (config.json + safetensors)."""
-    if command == "hf-to-mcore":
-        from gspo_megatron.checkpoint.megatron_dirs import TRACKER, is_root
-
-        return is_root(path) and os.path.isfile(os.path.join(path, TRACKER))
-    names = os.listdir(path)
-    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
-
-
 def check_out(out: str, inputs: list[str], overwrite: bool, command: str) -> None:
-    """--out may not be (or lie inside, or contain) an input, and --overwrite only replaces a
-    previous output of the same command: `--overwrite --out ~/data` would otherwise delete the
-    whole directory once the conversion succeeds, and `--out` = `--hf-dir` the source itself."""
+    """--out may not be (or lie inside, or contain) an input, and --overwrite replaces only an
+    earlier output of the same command, proven by the marker it writes into its output
+    (gspo_megatron/fsutil.py): `--overwrite --out ~/data` would otherwise delete the whole
+    directory once the conversion succeeds, and `--out` = `--hf-dir` the source itself. A
+    replacement of --out that was interrupted is finished or undone first (rank 0)."""
     from gspo_megatron.cli_util import InputError
+    from gspo_megatron.fsutil import check_replaceable, recover_replaced
 
     for src in inputs:
         if _within(out, src) or _within(src, out):
             raise InputError(f"--out {out}: is, contains or lies inside the input {src}; write somewhere else")
-    if overwrite and os.path.exists(out):
-        if not os.path.isdir(out) or not converter_output(out, command):
-            what = "a Megatron checkpoint root" if command == "hf-to-mcore" else "a Hugging Face checkpoint"
-            raise InputError(f"--out {out}: --overwrite replaces only a previous {command} output ({what}); "
-                             "this is something else: remove it yourself or choose another --out")
+    if int(os.environ.get("RANK", "0")) == 0:
+        recover_replaced(out)
+    if overwrite and os.path.lexists(out):
+        check_replaceable(os.path.abspath(out), command)
 
 
 def _init_dist() -> bool:
@@ -149,22 +143,24 @@ def main(argv=None) -> int:
     started = False
     with user_errors(PROG):
         from gspo_megatron.checkpoint import mcore
+        from gspo_megatron.fsutil import output_of
 
         max_size = _size(args.max_shard_size)
         inputs = [args.hf_dir] if args.command == "hf-to-mcore" else [args.load, args.hf_config_dir]
         check_out(args.out, [d for d in inputs if d], args.overwrite, args.command)
         started = _init_dist()
         try:
-            if args.command == "hf-to-mcore":
-                if args.threads < 1:
-                    raise ValueError("--threads must be >= 1")
-                stats = mcore.hf_to_mcore(args.hf_dir, args.out, dtype=_dtype(args.dtype),
-                                          max_file_size=max_size, progress=args.progress,
-                                          overwrite=args.overwrite, threads=args.threads)
-            else:
-                stats = mcore.mcore_to_hf(args.load, args.out, hf_config_dir=args.hf_config_dir,
-                                          dtype=_dtype(args.dtype), max_shard_size=max_size,
-                                          progress=args.progress, overwrite=args.overwrite)
+            with output_of(args.command):  # what the output's marker names
+                if args.command == "hf-to-mcore":
+                    if args.threads < 1:
+                        raise ValueError("--threads must be >= 1")
+                    stats = mcore.hf_to_mcore(args.hf_dir, args.out, dtype=_dtype(args.dtype),
+                                              max_file_size=max_size, progress=args.progress,
+                                              overwrite=args.overwrite, threads=args.threads)
+                else:
+                    stats = mcore.mcore_to_hf(args.load, args.out, hf_config_dir=args.hf_config_dir,
+                                              dtype=_dtype(args.dtype), max_shard_size=max_size,
+                                              progress=args.progress, overwrite=args.overwrite)
         finally:
             if started:
                 import torch.distributed as dist

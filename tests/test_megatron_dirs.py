@@ -66,8 +66,11 @@ def test_converter_writes_a_megatron_lm_root_with_bridge_files(converted):
 
     hf, mc = converted
     # iteration 0, as Megatron-Bridge's own save writes a converted model: iter_0000000/, the
-    # Megatron-LM tracker "0" and Bridge's train state (step 0; plain tensors, weights_only reads it)
-    assert sorted(p.name for p in mc.iterdir()) == [ITER0, "latest_checkpointed_iteration.txt", "latest_train_state.pt"]
+    # Megatron-LM tracker "0" and Bridge's train state (step 0; plain tensors, weights_only reads it),
+    # and our output marker (gspo_megatron/fsutil.py: what --overwrite may replace; Megatron reads
+    # only the tracker and iter_* of a root)
+    assert sorted(p.name for p in mc.iterdir()) == [".gspo-output.json", ITER0, "latest_checkpointed_iteration.txt",
+                                                    "latest_train_state.pt"]
     assert (mc / "latest_checkpointed_iteration.txt").read_text() == "0\n"
     assert megatron_dirs.resolve(str(mc)) == str(mc / ITER0)
     for state in (mc / "latest_train_state.pt", mc / ITER0 / "train_state.pt"):
@@ -112,7 +115,8 @@ def _as_release_root(mc, dst):
 
 def test_release_roots_of_earlier_versions_still_read(converted, tmp_path):
     """A root with release/ (what hf-to-mcore wrote before it wrote iteration 0) converts back
-    bit-exactly, gives its architecture to model.load and is replaced by --overwrite."""
+    bit-exactly, gives its architecture to model.load and is refused by --overwrite (it has no
+    output marker, gspo_megatron/fsutil.py: nothing proves it is the converter's)."""
     from gspo_megatron.checkpoint.mcore import read_mcore_arch
     from gspo_megatron.config import load_config
     from gspo_megatron.train.setup import read_load_source
@@ -127,8 +131,9 @@ def test_release_roots_of_earlier_versions_still_read(converted, tmp_path):
     load = read_load_source(cfg)
     assert load.directory == str(old / "release") and load.hf_config_dir == str(old / "release" / "hf_config")
     assert Qwen3MoeArch.from_hf_dict(cfg.hf_config_dict(load)) == Qwen3MoeArch.from_hf_dir(str(hf))
-    _convert(hf, old, "--overwrite")  # an earlier converter output is one --overwrite replaces
-    assert (old / ITER0).is_dir() and not (old / "release").exists()
+    with pytest.raises(SystemExit) as e:
+        cli(["hf-to-mcore", "--hf-dir", str(hf), "--out", str(old), "--overwrite", "--no-progress"])
+    assert e.value.code == 2 and (old / "release").is_dir() and not (old / ITER0).exists()
 
 
 def test_model_load_is_resolved_where_the_run_is_set_up(converted, tmp_path):

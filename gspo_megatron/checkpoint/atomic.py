@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 
 from gspo_megatron.cli_util import InputError
-from gspo_megatron.fsutil import TargetExistsError, discard, make_tmp, publish  # noqa: F401  (re-exported)
+from gspo_megatron.fsutil import (  # noqa: F401  (re-exported)
+    NotOurOutputError, TargetExistsError, check_replaceable, current_command, discard, make_tmp, publish,
+)
 
 
 def dist_or_none():
@@ -20,11 +22,17 @@ def rank_world() -> tuple[int, int]:
     return (d.get_rank(), d.get_world_size()) if d else (0, 1)
 
 
-def check_target(out_dir: str, overwrite: bool) -> str:
-    """Absolute target path; refuses an existing target unless `overwrite`."""
+def check_target(out_dir: str, overwrite: bool, *, command: str | None = None) -> str:
+    """Absolute target path; refuses an existing target unless `overwrite`, and then unless it is
+    an earlier output of `command` (default: the enclosing fsutil.output_of's; none: anything),
+    before any work (publish checks again when it replaces)."""
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not overwrite:
-        raise InputError(f"{out_dir}: already exists (pass --overwrite to replace it)")
+    if os.path.lexists(out_dir):
+        if not overwrite:
+            raise InputError(f"{out_dir}: already exists (pass --overwrite to replace it)")
+        command = command or current_command()
+        if command:
+            check_replaceable(out_dir, command)
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):
         raise InputError(f"{out_dir}: parent directory {parent} does not exist")

@@ -3,20 +3,23 @@
 Used by the converter (mcore -> HF), the trainer's final export and SGLang's disk weight sync.
 Memory: at most one shard's worth of tensors is held. The checkpoint is assembled in a temporary
 directory beside `out_dir` and renamed into place at the end, so an interrupted write never leaves
-something at `out_dir` that looks like a checkpoint.
+something at `out_dir` that looks like a checkpoint. The output carries fsutil's marker, and an
+existing `out_dir` is replaced only when it is an earlier output of the same writer (fsutil.publish).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
-from gspo_megatron.fsutil import discard, make_tmp, publish
+from gspo_megatron.fsutil import check_replaceable, current_command, discard, make_tmp, publish
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size
+# what marks the trainer's export (<out_dir>/hf, train/setup.py export_hf), the default writer
+EXPORT_COMMAND = "checkpoint.export_hf"
 
 
 def parse_size(s: str | int) -> int:
@@ -89,11 +92,18 @@ def save_hf_checkpoint(
     dtype: torch.dtype | None = None,
     copy_from: str | None = None,
     progress: bool = False,
+    command: str | None = EXPORT_COMMAND,
+    add_files: Callable[[str], object] | None = None,
 ) -> int:
     """Write a complete HF checkpoint at `out_dir` atomically; returns bytes of tensor data.
 
     `hf_config` is written as config.json (with `torch_dtype`/`dtype` updated when `dtype` is given).
     `copy_from`: a directory whose generation_config.json and tokenizer files are carried over.
+    `command`: what the output's marker names, and the only kind of directory at `out_dir` it
+    replaces (fsutil.publish: a user's folder there is refused, after the tensors are consumed,
+    so collective callers never hang); an enclosing fsutil.output_of (the converter) names it
+    instead; None replaces whatever is there. `add_files(dir)`: writes more files into the
+    checkpoint before it is published (e.g. a tokenizer's save_pretrained).
     """
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
@@ -117,11 +127,28 @@ def save_hf_checkpoint(
             json.dump(cfg, f, indent=2)
         if copy_from:
             copy_side_files(copy_from, tmp)
-        publish(tmp, out_dir, overwrite=True)  # replaces an older export as one step
+        if add_files is not None:
+            add_files(tmp)
+        command = current_command() or command
+        # replaces an earlier export as one step
+        publish(tmp, out_dir, overwrite=True, command=command, tolerate=_tolerated(command))
     except BaseException:
         discard(tmp)
         raise
     return writer.total_bytes
+
+
+def _tolerated(command: str | None) -> tuple[str, ...]:
+    # train/setup.py export_hf saves the tokenizer into the export after it is published: those
+    # files (all in SIDE_FILES) are the export's own, though its marker cannot list them
+    return SIDE_FILES if command == EXPORT_COMMAND else ()
+
+
+def check_export_target(out_dir: str, command: str = EXPORT_COMMAND) -> None:
+    """Refuse now (one line) what save_hf_checkpoint(out_dir, command=command) would refuse
+    after writing: an existing `out_dir` that is not an earlier output of `command`."""
+    if os.path.lexists(out_dir):
+        check_replaceable(os.path.abspath(out_dir), command, tolerate=_tolerated(command))
 
 
 SIDE_FILES = (

@@ -304,7 +304,9 @@ class DiskSync:
 def _save_hf(named_tensors, path, hf_config, dtype, copy_from) -> int:
     from gspo_megatron.model.hf_writer import save_hf_checkpoint
 
-    return save_hf_checkpoint(named_tensors, path, hf_config, dtype=dtype, copy_from=copy_from)
+    # command=None: the sync's own v<N> folders, replaced unchecked (they carry no output marker:
+    # gspo_megatron/fsutil.py; a resumed run after an upgrade finds unmarked ones)
+    return save_hf_checkpoint(named_tensors, path, hf_config, dtype=dtype, copy_from=copy_from, command=None)
 
 
 # ---------------------------------------------------------------------------------- distributed
