@@ -46,7 +46,11 @@ Generation is transformers' on a local HF directory through `HFEngine` (so log-p
 ``log_softmax(logits / T)``, untruncated, as SGLang reports by default); weights are fp32 unless
 ``dtype`` says otherwise. Every request is recorded (``double.records``; ``GET /_double/records``
 for a subprocess double); faults are injected through ``double.faults`` (or
-``POST /_double/faults`` {field: value}).
+``POST /_double/faults`` {field: value}). Besides transport faults (5xx, dropped connections,
+delays, malformed JSON), the double can break the response contract on request, which SGLang
+itself does not: rows ``overlong_by`` tokens over max_new_tokens (``overlong``), a NaN log-prob
+(``nan_logprobs``; written as ``NaN`` or, as orjson writes a NaN, ``null``: ``nan_as``), a token id
+past the vocabulary (``oov_ids``). Without faults every answer is what SGLang 0.5.23 would send.
 
 In-process: ``with SGLangDouble(model_dir) as d: d.url``; ``start_double_and_engine(...)``
 yields (double, SGLangEngine) wired together. As a process it takes SGLang's launch arguments
@@ -99,6 +103,15 @@ class Faults:
     # weight updates are checked and answered (and set the weight version) as usual, but the served
     # weights stay the old ones: a server that silently keeps stale weights (train/smoke.py must fail)
     stale_weights: bool = False
+    # A server whose answers break the response contract (rollout/validate.py must refuse them;
+    # SGLang itself never sends these). Each counter is a number of /generate responses; in each,
+    # every row is altered after a normal generation (routing, if any, is left as generated).
+    overlong: int = 0  # rows carry `overlong_by` tokens beyond max_new_tokens (the last one repeated)
+    overlong_by: int = 40
+    nan_logprobs: int = 0  # each row's last log-prob is NaN, written as `nan_as` says:
+    # "NaN" (Python's json, allow_nan) or "null" (orjson, SGLang's ORJSONResponse, writes NaN as null)
+    nan_as: str = "NaN"
+    oov_ids: int = 0  # each row's last token id is the model's vocab_size + 3
 
 
 @dataclass
@@ -273,6 +286,8 @@ class SGLangDouble:
                 if self._is_aborted(epoch, rids):  # running requests answer with what they have
                     done = int((time.monotonic() - t_gen) / f.per_token_s)
                     out = [self._cut(o, done) for o in out]
+        if not any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out):
+            self._misbehave(out, sps)
         if self.take("stale"):
             for o in out:
                 o["meta_info"]["weight_version"] = "stale-0"
@@ -282,6 +297,27 @@ class SGLangDouble:
         with self._meta:
             self._answered += 1
         return 200, (out[0] if single else out)
+
+    def _misbehave(self, out: list[dict], sps: list[dict]) -> None:
+        """Faults overlong / nan_logprobs / oov_ids (one response each per unit)."""
+        over, nan, oov = self.take("overlong"), self.take("nan_logprobs"), self.take("oov_ids")
+        for o, sp in zip(out, sps):
+            meta = o["meta_info"]
+            lps = meta.get("output_token_logprobs")
+            if over:
+                extra = int(sp.get("max_new_tokens", 128)) - len(o["output_ids"]) + int(self.faults.overlong_by)
+                last = o["output_ids"][-1] if o["output_ids"] else 0
+                o["output_ids"] = o["output_ids"] + [last] * extra
+                if lps is not None:
+                    lps.extend([[-0.5, last, None] for _ in range(extra)])
+                meta["completion_tokens"] = len(o["output_ids"])
+            if nan and lps:
+                lps[-1][0] = None if self.faults.nan_as == "null" else float("nan")
+            if oov and o["output_ids"]:
+                bad = int(self.engine.model.config.vocab_size) + 3
+                o["output_ids"][-1] = bad
+                if lps:
+                    lps[-1][1] = bad
 
     def _is_aborted(self, epoch: int, rids) -> bool:
         return self._abort_epoch != epoch or any(r in self._aborted_rids for r in rids)

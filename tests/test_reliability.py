@@ -423,13 +423,13 @@ def test_a_rejected_response_takes_its_group_out_unscored():
 
 
 def test_a_step_made_mostly_of_rejected_responses_stops_in_one_line():
-    from gspo_megatron.rollout.http_servers import EngineError
+    from gspo_megatron.rollout.validate import EngineRejectedError
     from gspo_megatron.train import loop
 
     parts, scored = _rollout_parts(lambda prompts, n: _samples(prompts, n, rejected={0, 1, 2, 4, 5}),
                                    max_rejected_frac=0.5)
-    with pytest.raises(EngineError) as ei:
+    with pytest.raises(EngineRejectedError) as ei:
         loop.rollout(parts, 0)
     msg = str(ei.value)
-    assert "\n" not in msg and "5 of the 8 responses" in msg and "http://127.0.0.1:1" in msg and "max_new_tokens=8" in msg
+    assert "\n" not in msg and "5 of 8 samples" in msg and "http://127.0.0.1:1" in msg and "max_new_tokens=8" in msg
     assert scored == []  # nothing of it was scored either

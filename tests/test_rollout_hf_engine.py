@@ -150,6 +150,23 @@ def test_seeded_sampling_leaves_global_rng_and_engine_seed(model_dir, prompts):
     assert runs1 == runs2 and runs1[0] != runs1[1]  # call i uses seed + i
 
 
+def test_an_exception_inside_generate_is_what_propagates(model_dir, prompts):
+    """transformers' generate raising (OOM, a bad kernel) reaches the caller as itself, not as an
+    UnboundLocalError from the post-processing, and leaves no routing hook on the model."""
+    eng = HFEngine(model_dir, dtype="float32", max_batch_size=4, return_routing=True)
+
+    def boom(*a, **kw):
+        raise RuntimeError("generate failed inside transformers")
+
+    real = eng.model.generate
+    eng.model.generate = boom
+    with pytest.raises(RuntimeError, match="generate failed inside transformers"):
+        eng.generate(prompts[:1], 1, SamplingParams(temperature=0.0, max_new_tokens=2))
+    assert all(not g._forward_hooks for g in eng._gates)
+    eng.model.generate = real
+    assert len(eng.generate(prompts[:1], 1, SamplingParams(temperature=0.0, max_new_tokens=2))[0].response_ids) >= 1
+
+
 def test_greedy_is_argmax_and_reproducible(engine, prompts):
     sp = SamplingParams(temperature=0.0, max_new_tokens=8)
     a = engine.generate(prompts, 2, sp)

@@ -34,6 +34,15 @@ reward. A session whose own time (agent code and tools, not its waits for the en
 AgentTimeout from its next generate / append. More failures in a step than reward.max_error_frac
 fail the step, as failing reward calls do.
 
+Engine answers. Every turn is checked at the boundary (rollout/validate.py): at most the turn's
+budget (what the session asked for: its max_new_tokens capped by what is left of the response
+budget), ids in the vocabulary (``vocab_size`` of the runner, when given; the HTTP engines check
+the model's already), one finite log-prob <= 0 per token. A turn the engine rejected
+(``meta["rejected"]``) or that breaks these ends the session: generate() returns [] from then on,
+append() adds nothing, and its sample is a rejected one (no tokens, ``meta["rejected"]`` the
+reason, naming the server when the engine did), which the loop drops with its group
+(``stats["rejected"]`` counts them). The agent is not failed for it: the engine misbehaved.
+
 What a session does not do (yet): routing replay from the engine (train.routing_replay=rollout):
 a multi-turn sample's routing would come from several engine calls, and environment tokens should
 take the trainer's own; config refuses the combination, and R2 (routing_replay=old) works.
@@ -47,6 +56,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from .base import Sample, SamplingParams
+from .validate import check_sample, rejected_reason, rejected_sample
 
 AgentFn = Callable[[dict, "AgentSession"], Any]
 Generate = Callable[..., list[Sample]]  # RolloutEngine.generate's signature
@@ -73,13 +83,14 @@ class AgentSession:
     Attributes for the agent: ``prompt_ids``, ``tokenizer``, ``example``, ``response_ids`` (every
     token after the prompt), ``finish_reason`` (of the last generate: "stop", "length", "abort";
     "length" once the response budget is spent, unless the last token ended the turn), ``done``
-    (the budget is spent: generate returns [] and append adds nothing), ``turns`` (generate
+    (the budget is spent, or the engine's answer was rejected: generate returns [] and append adds
+    nothing), ``rejected`` (why the engine's answer was refused, else None), ``turns`` (generate
     calls that reached the engine). A session abandoned by the timeout raises AgentTimeout from
     generate / append and no longer changes."""
 
     def __init__(self, example: dict, prompt_ids: list[int], tokenizer,
                  request: Callable[[list[int], SamplingParams, int], Sample], sampling: SamplingParams,
-                 max_response_tokens: int, version: int = 0):
+                 max_response_tokens: int, version: int = 0, vocab_size: int | None = None):
         self.example = example
         self.prompt_ids = list(prompt_ids)
         self.tokenizer = tokenizer
@@ -95,6 +106,8 @@ class AgentSession:
         self.finish_reason = "stop"
         self.matched_stop = None
         self.done = False
+        self.rejected: str | None = None
+        self.vocab_size = vocab_size
         self._start_version = int(version)  # environment tokens before the first turn carry it
         self._version: int | None = None
         self._lock = threading.Lock()
@@ -123,9 +136,17 @@ class AgentSession:
         sp = replace(self._sampling, max_new_tokens=min(n, self._left()),
                      stop=tuple(stop) if stop else self._sampling.stop)
         s = self._request(self.prompt_ids + self.response_ids, sp, self.turns)
+        why = check_sample(s, max_new_tokens=sp.max_new_tokens, vocab_size=self.vocab_size)
+        if why is not None:
+            if rejected_reason(s) is None:  # the engine let it through: say so here
+                why = f"agent session turn {self.turns}: {why}"
+                log.warning("%s", why)
+            with self._lock:
+                self._check_alive()
+                self.turns += 1
+                self.rejected, self.done = why, True
+            return []
         ids = list(s.response_ids)
-        if len(s.response_logprobs) != len(ids):
-            raise RuntimeError(f"engine returned {len(ids)} tokens with {len(s.response_logprobs)} log-probs")
         with self._lock:
             self._check_alive()
             self.turns += 1
@@ -180,6 +201,10 @@ class AgentSession:
             return self.to_sample(index)
 
     def to_sample(self, index: int) -> Sample:
+        sample = self._to_sample(index)
+        return rejected_sample(sample, self.rejected) if self.rejected is not None else sample
+
+    def _to_sample(self, index: int) -> Sample:
         n = min(len(self.response_ids), len(self.logprobs), len(self.mask), len(self.token_versions))
         mask = self.mask[:n]
         versions = self.token_versions[:n]
@@ -226,8 +251,10 @@ class AgentRunner:
     samples, of that run."""
 
     def __init__(self, fn: AgentFn, tokenizer, *, max_response_tokens: int, concurrency: int = 64,
-                 timeout_s: float = 600.0, linger_s: float = 0.05, session_cls: type = AgentSession):
+                 timeout_s: float = 600.0, linger_s: float = 0.05, session_cls: type = AgentSession,
+                 vocab_size: int | None = None):
         self.fn, self.tokenizer = fn, tokenizer
+        self.vocab_size = vocab_size  # the bound of the engine's token ids (None: the engine checks them)
         self.name = getattr(fn, "__qualname__", repr(fn))
         self.max_response_tokens, self.concurrency = int(max_response_tokens), int(concurrency)
         self.timeout_s, self.linger_s = float(timeout_s), float(linger_s)
@@ -300,7 +327,9 @@ class AgentRunner:
                         next_job += 1
                         sessions[k] = self.session_cls(examples[jobs[k]], prompt_ids[jobs[k]], self.tokenizer,
                                                        lambda ids, sp, turn, k=k: request(k, ids, sp, turn), sampling,
-                                                       self.max_response_tokens, version)
+                                                       self.max_response_tokens, version,
+                                                       **({"vocab_size": self.vocab_size}
+                                                          if self.vocab_size is not None else {}))
                         started[k] = time.monotonic()
                         live[0] += 1
                         threading.Thread(target=body, args=(k,), daemon=True, name=f"agent-session-{k}").start()
@@ -339,7 +368,8 @@ class AgentRunner:
         stats = {"agent_errors": sum(e is not None for e in errors),
                  "turns_mean": sum(s.meta["turns"] for s in samples) / max(len(samples), 1),
                  "env_tokens": sum(s.meta["env_tokens"] for s in samples),
-                 "engine_calls": calls, "t_agents": time.monotonic() - t0}
+                 "engine_calls": calls, "t_agents": time.monotonic() - t0,
+                 "rejected": sum(rejected_reason(s) is not None for s in samples)}
         return AgentResult(samples, rewards, errors, stats)
 
     @staticmethod

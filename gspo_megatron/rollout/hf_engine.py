@@ -357,13 +357,13 @@ class HFEngine(RolloutEngine):
                     stopping_criteria=StoppingCriteriaList([_Interrupted()] + ([_StopStrings()] if stops else [])),
                     **self._shared_prefill(rows, input_ids, attention_mask),
                 )
-        finally:
+        finally:  # only the hooks: an exception of generate must reach the caller as itself
             for h in hooks:
                 h.remove()
-            gen = res.sequences[:, width:]
-            steps = gen.shape[1]
-            assert len(res.logits) == steps, (len(res.logits), steps)
-            # per step to avoid stacking [B, steps, V] in fp32
+        gen = res.sequences[:, width:]
+        steps = gen.shape[1]
+        assert len(res.logits) == steps, (len(res.logits), steps)
+        with torch.no_grad():  # per step to avoid stacking [B, steps, V] in fp32
             lps = torch.stack(
                 [
                     torch.log_softmax(res.logits[t].float() / lp_temp, dim=-1)

@@ -5,6 +5,13 @@
   backoff, then reported as `EngineServerError` naming the server and the endpoint. A body that
   is not the JSON the endpoint promises is an `EngineProtocolError` (not retried). An API key is
   sent as ``Authorization: Bearer <key>`` (SGLang's and vLLM's ``--api-key``).
+* Every exchange is bounded (`ServerClient.request_once`, the one place both engines read
+  through): its timeout is a deadline for the whole exchange (connect, send, status, headers,
+  body), not per socket read (a server dribbling a byte every second would otherwise hold a
+  request for ever), and the body has a byte cap: `response_cap(method, path, payload)` when the
+  client was given one (the engines derive it from the request: `generate_response_cap`), else
+  DEFAULT_MAX_RESPONSE_BYTES. Both failures are `RetryableHTTPError`s (`DeadlineExceededError`,
+  `ResponseTooLargeError`): retried like a timeout, on another server when there is one.
 * `wait_until_ready`: polls a health route on every server until all answer 200, or raises
   `EngineNotReadyError` ("server X not ready after N s") at the deadline; a launched process that
   dies while we wait is reported at once with the tail of its log.
@@ -73,6 +80,40 @@ RETRYABLE_OS_ERRORS = (
 )
 
 
+class DeadlineExceededError(RetryableHTTPError):
+    """The whole exchange did not finish within the request's timeout (`received`: body bytes read)."""
+
+    def __init__(self, msg: str, url: str | None = None, received: int = 0):
+        super().__init__(msg, url=url)
+        self.received = received
+
+
+class ResponseTooLargeError(RetryableHTTPError):
+    """The answer's body is larger than the cap derived from the request (nothing past it is read)."""
+
+
+# Cap of a body when the client has no response_cap for the request: control routes answer a
+# few KiB (/server_info, the weight-sync routes, /list_workers); 16 MiB is three orders above.
+DEFAULT_MAX_RESPONSE_BYTES = 16 << 20
+# generate_response_cap: a fixed floor (error pages, a small request's envelope), per row the
+# envelope (meta_info, ids, finish reason: well under 16 KiB), and per generated token 1 KiB:
+# SGLang's [logprob, token_id, null] triple (~40 B) + output_ids (~8 B) + the token's share of
+# `text` (at most a few dozen UTF-8 bytes, six per character once escaped as \uXXXX), vLLM's
+# {"token_id", "logprob", ...} entry (~100 B): over twice the worst honest answer, while a
+# misbehaving server's answer is held to tens of MiB instead of the machine's memory.
+RESPONSE_FLOOR_BYTES = 1 << 20
+RESPONSE_ROW_BYTES = 16 << 10
+RESPONSE_TOKEN_BYTES = 1 << 10
+
+
+def generate_response_cap(rows: int, max_new_tokens: int, *, extra_row_bytes: int = 0) -> int:
+    """Byte cap of a generation answer of `rows` rows of at most `max_new_tokens` tokens each;
+    `extra_row_bytes`: what else a row carries whose size the request fixes (SGLang's routed
+    experts: base64 of (prompt + max_new_tokens - 1) x layers x top_k int32)."""
+    per_row = RESPONSE_ROW_BYTES + int(max_new_tokens) * RESPONSE_TOKEN_BYTES + int(extra_row_bytes)
+    return RESPONSE_FLOOR_BYTES + max(int(rows), 1) * per_row
+
+
 def _snippet(body: bytes | str, n: int = 300) -> str:
     s = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     s = s.strip().replace("\n", " ")
@@ -90,7 +131,8 @@ class ServerClient:
     """JSON requests to one inference server (thread-safe; one connection per request).
 
     `inflight` counts requests under way (least-loaded server choice). `label` names the server
-    in every message ("SGLang server", "vLLM server").
+    in every message ("SGLang server", "vLLM server"). `response_cap(method, path, payload)`:
+    the byte cap of the answer to that request (None: DEFAULT_MAX_RESPONSE_BYTES).
     """
 
     label = "server"
@@ -105,7 +147,9 @@ class ServerClient:
         backoff_s: float = 0.5,
         backoff_max_s: float = 8.0,
         label: str | None = None,
+        response_cap: Callable[[str, str, Any], int | None] | None = None,
     ):
+        self.response_cap = response_cap
         if label is not None:
             self.label = label
         self.url = normalize_url(url, self.label)
@@ -131,8 +175,12 @@ class ServerClient:
     def request_once(
         self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None
     ) -> tuple[int, bytes]:
-        """One HTTP exchange; connection problems raise `RetryableHTTPError`."""
+        """One HTTP exchange, bounded: `timeout_s` (default the client's) is a deadline for all of
+        it and the body is capped (see the module docstring). Connection problems, the deadline
+        and the cap raise `RetryableHTTPError`s naming the server."""
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        cap = self.response_cap(method, path, payload) if self.response_cap is not None else None
+        cap = DEFAULT_MAX_RESPONSE_BYTES if cap is None else int(cap)
         body = None if payload is None else json.dumps(payload).encode()
         headers = {"Accept": "application/json"}
         if body is not None:
@@ -141,22 +189,82 @@ class ServerClient:
             headers["Authorization"] = f"Bearer {self.api_key}"
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = cls(self._host, self._port, timeout=timeout)
+        # Socket timeouts bound each recv/send, not the exchange: a watchdog shuts the socket down
+        # at the deadline, which wakes a blocked read (it then sees EOF or an error) wherever it is,
+        # in the status line, the headers or the body.
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                try:  # socket.socket's own shutdown: an SSLSocket's would tear down its SSL state
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(timeout, expire)
+        watchdog.daemon = True
+        received = 0
+
+        def deadline(cause: str = "") -> DeadlineExceededError:
+            return DeadlineExceededError(
+                f"{self.label} {self.url}: {method} {path} timed out: exceeded its deadline of {timeout:g} s for "
+                f"the whole response ({received} body bytes received{cause})", url=self.url, received=received)
+
         with self._lock:
             self.inflight += 1
             self.requests += 1
+        watchdog.start()
         try:
+            conn.connect()
+            if expired.is_set():  # the deadline passed while connecting (no socket to shut down yet)
+                raise deadline("; while connecting")
             conn.request(method, self._base_path + path, body=body, headers=headers)
             resp = conn.getresponse()
-            data = resp.read()
-            return resp.status, data
-        except RETRYABLE_OS_ERRORS as e:
+            declared = resp.getheader("Content-Length")
+            if declared is not None and declared.strip().isdigit() and int(declared) > cap:
+                raise ResponseTooLargeError(
+                    f"{self.label} {self.url}: {method} {path} answered a {int(declared)}-byte body, over the "
+                    f"cap of {cap} bytes for this request; not read", url=self.url)
+            chunks = []
+            while True:
+                chunk = resp.read1(1 << 16)
+                if not chunk:
+                    break
+                received += len(chunk)
+                if received > cap:
+                    raise ResponseTooLargeError(
+                        f"{self.label} {self.url}: {method} {path} answered more than the cap of {cap} bytes "
+                        "for this request; the rest is not read", url=self.url)
+                chunks.append(chunk)
+            if expired.is_set():
+                raise deadline()
+            if resp.length:  # EOF before the declared Content-Length
+                raise http.client.IncompleteRead(b"", resp.length)
+            return resp.status, b"".join(chunks)
+        except ResponseTooLargeError:
             with self._lock:
                 self.failures += 1
+            raise
+        except DeadlineExceededError:
+            with self._lock:
+                self.failures += 1
+            raise
+        except (*RETRYABLE_OS_ERRORS, ValueError, AttributeError) as e:
+            # ValueError / AttributeError: what http.client may raise on a socket shut down under it
+            with self._lock:
+                self.failures += 1
+            if expired.is_set():
+                raise deadline(f"; {type(e).__name__}") from e
+            if not isinstance(e, RETRYABLE_OS_ERRORS):
+                raise
             kind = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
             raise RetryableHTTPError(
                 f"{self.label} {self.url}: {method} {path} failed ({kind})", url=self.url
             ) from e
         finally:
+            watchdog.cancel()
             conn.close()
             with self._lock:
                 self.inflight -= 1

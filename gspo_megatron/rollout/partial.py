@@ -18,6 +18,11 @@ policies that actually sampled them. With ``recompute`` π_old is the trainer's 
 every token (the usual off-policy caveat). Routing of a carried-over sample (return_routing) is
 the last segment's, recorded by the policy that generated its last tokens over the whole sequence.
 
+Rejected answers (rollout/validate.py): a row whose first round the engine rejected is not
+continued (it carries no tokens to continue from); a carried-over row any of whose segments the
+engine rejected is returned rejected, with that segment's reason, never as a joined sample holding
+the other segments' tokens.
+
 Reproducibility: the first round is exactly engine.generate(prompts, n, sampling, seed) — a run
 that is never interrupted samples what it would without partial rollouts; where a push lands is a
 matter of timing, so interrupted runs are not bit-reproducible.
@@ -30,6 +35,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .base import RolloutEngine, Sample, SamplingParams, cut_at_stop_string
+from .validate import rejected_reason, rejected_sample
 
 
 class PartialGenerator:
@@ -49,7 +55,7 @@ class PartialGenerator:
                  seed: int | None = None) -> list[Sample]:
         out = self.engine.generate(prompts, n, sampling, seed=seed)
         rows = {i: [s] for i, s in enumerate(out)}  # row -> its segments
-        pending = [i for i, s in enumerate(out) if s.finish_reason == "abort"]
+        pending = [i for i, s in enumerate(out) if s.finish_reason == "abort" and rejected_reason(s) is None]
         rounds = 0
         while pending:
             self._wait_for_push(rows[pending[0]][-1].weight_version)  # the version that was interrupted
@@ -69,12 +75,13 @@ class PartialGenerator:
                                            seed=None if seed is None else seed + 7919 * rounds + left)
                 for i, s in zip(idx, got):
                     rows[i].append(s)
-                    if s.finish_reason == "abort":
+                    if s.finish_reason == "abort" and rejected_reason(s) is None:
                         pending.append(i)
         joined = [self._join(out[i], rows[i]) for i in range(len(out))]
         tok = getattr(self.engine, "tokenizer", None)
         if sampling.stop and tok is not None:  # a stop string may span the interrupt: match on the whole response
-            joined = [cut_at_stop_string(s, tok, tuple(sampling.stop)) if len(rows[i]) > 1 else s
+            joined = [cut_at_stop_string(s, tok, tuple(sampling.stop))
+                      if len(rows[i]) > 1 and rejected_reason(s) is None else s
                       for i, s in enumerate(joined)]
         return joined
 
@@ -98,6 +105,9 @@ class PartialGenerator:
     def _join(self, first: Sample, segments: list[Sample]) -> Sample:
         if len(segments) == 1:
             return first
+        why = next((r for r in map(rejected_reason, segments) if r is not None), None)
+        if why is not None:
+            return rejected_sample(first, why)
         self.carried += 1
         last = segments[-1]
         versions = [int(seg.weight_version) for seg in segments for _ in seg.response_ids]

@@ -22,10 +22,20 @@ Generation (`generate`)
     back grouped per prompt in prompt order (base.py's contract).
 
     At most ``concurrency`` requests are in flight; each goes to the least-loaded server (ties
-    round-robin) and has ``request_timeout_s``; connection errors, timeouts, HTTP 5xx and
+    round-robin) and has ``request_timeout_s`` as a deadline for the whole exchange, and a byte
+    cap on the answer derived from the request (rollout/http_servers.py `generate_response_cap`,
+    plus the routed experts' size with return_routing); connection errors, timeouts, HTTP 5xx and
     responses aborted by the server are retried ``max_retries`` times with exponential backoff
     (on another server when there is one), then `SGLangServerError` names the server. Malformed
     responses raise `SGLangProtocolError` at once.
+
+    Every row is checked at the boundary (rollout/validate.py `check_response`): at most
+    max_new_tokens tokens, ids in [0, vocab_size) (``vocab_size=``, default the HF config's),
+    finite log-probs <= 0 (a null log-prob, how orjson writes NaN / inf, is one of those). A
+    violating response is logged with its server and retried like a failed request; if the last
+    attempt still violates, its violating rows come back as rejected samples (no tokens,
+    ``meta["rejected"]`` the reason naming the server; validate.rejected_sample) and
+    ``metrics["rejected"]`` counts them. generate() still returns n samples per prompt, in order.
 
     Over-sampling: ``generate(..., stop_after_groups=k)`` returns as soon as k groups are complete:
     requests not yet sent are dropped, ``POST /abort_request {"abort_all": true}`` goes to every
@@ -119,6 +129,7 @@ import torch
 from gspo_megatron.cli_util import InputError
 
 from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
+from .http_servers import generate_response_cap
 from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG, SGLANG_VERSION
 from .sglang_api import payload as api_payload
 from .sglang_server import (
@@ -135,6 +146,7 @@ from .sglang_server import (
     parse_json,
     wait_until_ready,
 )
+from .validate import check_response, rejected_sample, vocab_size_of
 from .weight_sync import (
     WEIGHT_SYNC_MODES,
     DiskSync,
@@ -248,6 +260,8 @@ class SGLangEngine(RolloutEngine):
     return_routing: ask every /generate for the routed experts and fill Sample.routed_experts
         (see the module docstring); launched servers get --enable-return-routed-experts. Default:
         the config's ``return_routing`` if it has one, else False.
+    vocab_size: the model's vocabulary size, the bound of every returned token id (default: the
+        HF config's vocab_size; unknown: ids are checked for >= 0 only, with a warning).
     """
 
     def __init__(
@@ -271,6 +285,7 @@ class SGLangEngine(RolloutEngine):
         retry_backoff_s: float = 0.5,
         wait_ready: bool = True,
         return_routing: bool | None = None,
+        vocab_size: int | None = None,
         **overrides,
     ):
         c = dict(_DEFAULTS)
@@ -302,6 +317,7 @@ class SGLangEngine(RolloutEngine):
         self._inconsistent: str | None = None
         self._warned_unsynced = False
         self._warned_unversioned = False
+        self._warned_vocab = False
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
@@ -309,7 +325,7 @@ class SGLangEngine(RolloutEngine):
         self.metrics: dict[str, float] = {
             "requests": 0, "retries": 0, "dropped_groups": 0, "stale_samples": 0, "abort_calls": 0,
             "weight_syncs": 0, "last_sync_s": 0.0, "last_sync_bytes": 0, "flush_attempts": 0,
-            "unversioned_samples": 0, "interrupted_rows": 0,
+            "unversioned_samples": 0, "interrupted_rows": 0, "rejected": 0,
         }
         self.procs: ServerProcesses | None = None
         self._syncer = None
@@ -327,6 +343,8 @@ class SGLangEngine(RolloutEngine):
         self.return_routing = bool(return_routing)
         # (num_hidden_layers, num_experts_per_tok): checked before any server is started
         self.routing_shape: tuple[int, int] | None = routing_shape(self.hf_config) if self.return_routing else None
+        # the bound of returned token ids (rollout/validate.py); None: warned at the first generate
+        self.vocab_size = int(vocab_size) if vocab_size is not None else vocab_size_of(self.hf_config)
 
         try:
             if c["launch"]:
@@ -350,6 +368,7 @@ class SGLangEngine(RolloutEngine):
             mk = lambda u: ServerClient(  # noqa: E731
                 u, api_key=c["api_key"], timeout_s=self.request_timeout_s,
                 max_retries=self.max_retries, backoff_s=self.retry_backoff_s,
+                response_cap=self._response_cap,
             )
             self.servers = [mk(u) for u in urls]
             if wait_ready:
@@ -528,6 +547,10 @@ class SGLangEngine(RolloutEngine):
                 "are on-policy and version-checked",
                 stacklevel=2,
             )
+        if self.vocab_size is None and not self._warned_vocab:
+            self._warned_vocab = True
+            warnings.warn("SGLangEngine: no vocabulary size (vocab_size=, hf_config= or <model_path>/config.json): "
+                          "returned token ids are checked for >= 0 only", stacklevel=2)
         sp = sampling_to_sglang(sampling)
         cancel = threading.Event()
         groups: dict[int, list[Sample]] = {}
@@ -615,6 +638,17 @@ class SGLangEngine(RolloutEngine):
                 )
             rows = parse_json(data, server.url, "/generate")
             samples = self._parse_generate(rows, gi, prompt, n, server.url)
+            if any(s.finish_reason == "abort" for s in samples) and cancel.is_set():
+                raise _Aborted()
+            bad = self._violations(samples, sp["max_new_tokens"], server.url, gi)
+            if bad:
+                if attempt < attempts - 1:  # retried like a failed request
+                    last = SGLangServerError(next(iter(bad.values())), url=server.url)
+                    continue
+                self._inc("rejected", len(bad))
+                log.warning("SGLang /generate for prompt %d: %d of %d row(s) rejected after %d attempt(s): %s",
+                            gi, len(bad), n, attempts, next(iter(bad.values())))
+                return [rejected_sample(s, bad[r]) if r in bad else s for r, s in enumerate(samples)]
             if any(s.finish_reason == "abort" for s in samples):
                 if cancel.is_set():
                     raise _Aborted()
@@ -630,6 +664,25 @@ class SGLangEngine(RolloutEngine):
             url=tried[-1], status=getattr(last, "status", None),
         ) from last
 
+    def _response_cap(self, method: str, path: str, payload: Any) -> int | None:
+        """Byte cap of the answer to a request (ServerClient.response_cap): for /generate, from its
+        rows and max_new_tokens, plus with return_routing the routed experts' base64 (4 bytes per
+        3 of int32 [prompt + max_new_tokens - 1, layers, top_k]) per row; None (the client's
+        default) for every other route."""
+        if path != "/generate" or not isinstance(payload, dict):
+            return None
+        rows = payload.get("input_ids") or []
+        rows = [rows] if rows and isinstance(rows[0], int) else rows
+        sp = payload.get("sampling_params") or {}
+        max_new = int(sp.get("max_new_tokens", 0) if isinstance(sp, dict) else 0) or 1
+        extra = 0
+        if payload.get("return_routed_experts") and self.routing_shape is not None:
+            layers, top_k = self.routing_shape
+            longest = max((len(r) for r in rows), default=0)
+            raw = (longest + max_new - 1) * layers * top_k * 4
+            extra = 4 * ((raw + 2) // 3)
+        return generate_response_cap(len(rows), max_new, extra_row_bytes=extra)
+
     def _pick_server(self, avoid: str | None = None) -> ServerClient:
         servers = self.servers
         if len(servers) > 1 and avoid is not None:
@@ -637,6 +690,17 @@ class SGLangEngine(RolloutEngine):
         k = next(self._rr)
         order = servers[k % len(servers):] + servers[: k % len(servers)]
         return min(order, key=lambda s: s.inflight)
+
+    def _violations(self, samples: list[Sample], max_new_tokens: int, url: str, gi: int) -> dict[int, str]:
+        """Row -> why it breaks the response contract (rollout/validate.py), each logged naming the server."""
+        out = {}
+        for r, s in enumerate(samples):
+            why = check_response(s.response_ids, s.response_logprobs, max_new_tokens=int(max_new_tokens),
+                                 vocab_size=self.vocab_size)
+            if why is not None:
+                out[r] = f"SGLang server {url}: /generate for prompt {gi}, row {r}: {why}"
+                log.warning("%s", out[r])
+        return out
 
     def _parse_generate(self, rows: Any, gi: int, prompt: list[int], n: int, url: str) -> list[Sample]:
         def bad(msg: str) -> SGLangProtocolError:
@@ -663,11 +727,13 @@ class SGLangEngine(RolloutEngine):
                 raise bad(f"result {r} lacks meta_info.output_token_logprobs (return_logprob ignored?)")
             ids, lps = [], []
             for t in triples:
+                # a null log-prob is kept for the boundary check (orjson writes NaN / inf as null);
+                # ids stay as sent (an int subclass such as bool is refused there, not coerced)
                 if not isinstance(t, (list, tuple)) or len(t) < 2 or not isinstance(t[1], int) \
-                        or not isinstance(t[0], (int, float)) or isinstance(t[0], bool):
+                        or not (t[0] is None or isinstance(t[0], (int, float))) or isinstance(t[0], bool):
                     raise bad(f"result {r} output_token_logprobs entry {t!r} is not [logprob, token_id, text]")
-                lps.append(float(t[0]))
-                ids.append(int(t[1]))
+                lps.append(t[0] if t[0] is None else float(t[0]))
+                ids.append(t[1])
             if ftype != "abort" and not ids:
                 raise bad(f"result {r} finished ({ftype}) with no tokens")
             # the response is used as SGLang returned it (no client-side trimming), so the routing

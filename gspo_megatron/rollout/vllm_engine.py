@@ -3,7 +3,13 @@
 Generation: one ``POST /inference/v1/generate`` per prompt group (token ids in, ``n`` choices out,
 each with its ``token_ids``, the processed, i.e. tempered, log-prob of every sampled token and the
 ``weight_versions`` spans that produced them), at most ``concurrency`` in flight over the servers,
-retried on connection errors / 5xx with backoff, each request bounded by ``request_timeout_s``.
+retried on connection errors / 5xx with backoff, each request bounded by ``request_timeout_s``
+(a deadline for the whole exchange) and a byte cap derived from the request (rollout/http_servers.py
+`generate_response_cap`). Every choice is checked at the boundary (rollout/validate.py
+`check_response`: at most max_tokens tokens, ids in [0, vocab_size), one finite log-prob <= 0 per
+token); a violating answer is logged naming the server and retried like a failed request, and if the
+last attempt still violates, its violating choices come back as rejected samples (no tokens,
+``meta["rejected"]`` the reason naming the server) counted in ``metrics["rejected"]``.
 
 Weights (``weight_sync=disk``): the pushed tensors are written once as an HF checkpoint in
 ``<shared_dir>/v<version>``; every server then pauses (``/pause?mode=wait``: requests in flight
@@ -31,7 +37,6 @@ colocated servers.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import threading
@@ -44,7 +49,9 @@ from typing import Any
 import torch
 
 from .base import NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args, cut_at_stop_string
-from .http_servers import EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError, parse_json
+from .http_servers import (EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError,
+                           generate_response_cap, parse_json)
+from .validate import check_response, rejected_sample, vocab_size_of
 from .vllm_api import GENERATE, RELOAD_METHOD, VLLM_VERSION
 from .vllm_server import ServerClient, VLLMLaunchSpec, launch
 
@@ -69,6 +76,15 @@ def _defaults() -> dict:
     return _cfg_dict(VLLMConfig())
 
 
+def _response_cap(method: str, path: str, payload: Any) -> int | None:
+    """Byte cap of the answer to a generate request (n choices of at most max_tokens tokens);
+    None (the client's default) for the control routes."""
+    if path != GENERATE or not isinstance(payload, dict) or not isinstance(payload.get("sampling_params"), dict):
+        return None
+    sp = payload["sampling_params"]
+    return generate_response_cap(int(sp.get("n") or 1), int(sp.get("max_tokens") or 1))
+
+
 def _version_of(label: Any, fallback: int) -> int:
     """Our versions are decimal strings; a server's own "default" label means: what it loaded at start."""
     try:
@@ -81,14 +97,16 @@ class VLLMEngine(RolloutEngine):
     """cfg: the ``rollout.vllm`` fields (VLLMConfig or dict). hf_config: the policy's HF config dict
     (written as config.json with every push). sync_dtype: dtype of the pushed tensors (default:
     as given). server_env / log_dir: of a launched server. weight_version: what the servers hold at
-    start when known."""
+    start when known. vocab_size: bound of every returned token id (default: hf_config's; unknown:
+    ids are checked for >= 0 only)."""
 
     supports_interrupt = True
 
     def __init__(self, cfg: Any = None, *, hf_config: dict | None = None, sync_dtype: torch.dtype | None = None,
                  server_env: dict[str, str] | None = None, log_dir: str | None = None, weight_version: int = 0,
                  retry_backoff_s: float = 0.5, wait_ready: bool = True, nccl_backend=None,
-                 sync_device: torch.device | str | None = None, tokenizer=None, **overrides):
+                 sync_device: torch.device | str | None = None, tokenizer=None, vocab_size: int | None = None,
+                 **overrides):
         c = _defaults()
         c.update(_cfg_dict(cfg))
         unknown = sorted(set(overrides) - set(c))
@@ -100,6 +118,7 @@ class VLLMEngine(RolloutEngine):
         self.cfg = c
         self.tokenizer = tokenizer  # for stop strings (agents' session.generate(stop=...)), matched here
         self.hf_config = dict(hf_config) if hf_config else None
+        self.vocab_size = int(vocab_size) if vocab_size is not None else vocab_size_of(self.hf_config)
         self.sync_dtype = sync_dtype
         self.concurrency = int(c["concurrency"])
         self.max_retries = int(c["max_retries"])
@@ -113,7 +132,7 @@ class VLLMEngine(RolloutEngine):
         self._written: list[str] = []
         self._closed = False
         self.metrics: dict[str, float] = {"requests": 0, "retries": 0, "weight_syncs": 0, "last_sync_s": 0.0,
-                                          "interrupted_rows": 0}
+                                          "interrupted_rows": 0, "rejected": 0}
         self.procs = None
         self._nccl = None
         if c["weight_sync"] not in ("disk", "nccl"):
@@ -147,7 +166,8 @@ class VLLMEngine(RolloutEngine):
             else:
                 urls = list(c["urls"])
             self.servers = [ServerClient(u, api_key=api_key, timeout_s=self.request_timeout_s,
-                                         max_retries=self.max_retries, backoff_s=self.retry_backoff_s) for u in urls]
+                                         max_retries=self.max_retries, backoff_s=self.retry_backoff_s,
+                                         response_cap=_response_cap) for u in urls]
             if c["weight_sync"] == "nccl":
                 from .vllm_nccl import NcclWeightSync
 
@@ -285,6 +305,21 @@ class VLLMEngine(RolloutEngine):
                 raise EngineServerError(f"vLLM server {server.url}: POST {GENERATE} returned HTTP {status}: "
                                         f"{data[:300].decode('utf-8', 'replace')}", url=server.url, status=status)
             samples = self._parse(parse_json(data, server.url, GENERATE, "vLLM server"), gi, prompt, n, server.url)
+            bad = {}
+            for r, s in enumerate(samples):
+                why = check_response(s.response_ids, s.response_logprobs, max_new_tokens=int(sp["max_tokens"]),
+                                     vocab_size=self.vocab_size)
+                if why is not None:
+                    bad[r] = f"vLLM server {server.url}: {GENERATE} for prompt {gi}, choice {r}: {why}"
+                    log.warning("%s", bad[r])
+            if bad:
+                if attempt < self.max_retries:  # retried like a failed request
+                    last = EngineServerError(next(iter(bad.values())), url=server.url)
+                    continue
+                self._inc("rejected", len(bad))
+                log.warning("vLLM %s for prompt %d: %d of %d choice(s) rejected after %d attempt(s): %s", GENERATE, gi,
+                            len(bad), n, self.max_retries + 1, next(iter(bad.values())))
+                return [rejected_sample(s, bad[r]) if r in bad else s for r, s in enumerate(samples)]
             if any(s.finish_reason == "abort" for s in samples):
                 if self._interrupted.is_set():  # partial rows, continued after the push
                     self._inc("interrupted_rows", sum(s.finish_reason == "abort" for s in samples))
@@ -303,29 +338,38 @@ class VLLMEngine(RolloutEngine):
         if not isinstance(choices, list) or len(choices) != n:
             raise bad(f"{len(choices) if isinstance(choices, list) else 'no'} choices for n={n}")
         out = []
-        for ch in sorted(choices, key=lambda c: c.get("index", 0)):
+        if not all(isinstance(c, dict) for c in choices):
+            raise bad("a choice that is not an object")
+        for ch in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c.get("index", 0), int) else 0):
             ids = ch.get("token_ids")
-            content = (ch.get("logprobs") or {}).get("content")
-            if not isinstance(ids, list) or not isinstance(content, list) or len(content) != len(ids):
-                raise bad("a choice without token_ids and one log-prob per token")
-            if any(int(c.get("token_id", -1)) != int(t) for c, t in zip(content, ids)):
+            logprobs = ch.get("logprobs")
+            content = logprobs.get("content") if isinstance(logprobs, dict) else None
+            if not isinstance(ids, list) or not isinstance(content, list) \
+                    or not all(isinstance(c, dict) and "logprob" in c for c in content):
+                raise bad("a choice without token_ids and logprobs.content entries")
+            # Counts, id ranges and values are the boundary check's (rollout/validate.py: a violating
+            # choice is retried, then rejected); what is checked here is that the log-probs are the
+            # sampled tokens' at all. A null log-prob is kept for that check (NaN / inf as null).
+            if any(c.get("token_id") != t for c, t in zip(content, ids)):
                 raise bad("log-probs of other tokens than the sampled ones")
-            lps = [float(c["logprob"]) for c in content]
-            if any(not math.isfinite(x) for x in lps):
-                raise bad("non-finite log-probs")
+            lps = [c["logprob"] if c["logprob"] is None or isinstance(c["logprob"], bool)
+                   or not isinstance(c["logprob"], (int, float)) else float(c["logprob"]) for c in content]
             reason = ch.get("finish_reason")
             if reason not in ("stop", "length", "abort"):
                 raise bad(f"finish_reason {reason!r}")
             spans = ch.get("weight_versions") or []
-            versions = [(_version_of(s.get("version"), self._weight_version), int(s.get("start", 0)), int(s.get("end", 0)))
-                        for s in spans]
+            try:
+                versions = [(_version_of(s.get("version"), self._weight_version), int(s.get("start", 0)),
+                             int(s.get("end", 0))) for s in spans]
+            except (AttributeError, TypeError, ValueError):
+                raise bad(f"weight_versions {spans!r:.200} are not [{{version, start, end}}, ...]") from None
             token_versions = None
             if len({v for v, _, _ in versions}) > 1:
                 token_versions = [self._weight_version] * len(ids)
                 for v, a, b in versions:
                     token_versions[a:b] = [v] * max(0, min(b, len(ids)) - a)
             version = min((v for v, _, _ in versions), default=self._weight_version)
-            out.append(Sample(gi, list(prompt), [int(t) for t in ids], lps, reason, version,
+            out.append(Sample(gi, list(prompt), list(ids), lps, reason, version,
                               token_versions=token_versions, meta={"server": url}))
         return out
 

@@ -32,6 +32,7 @@ from gspo_megatron.algorithms.mismatch import mismatch_metrics
 from gspo_megatron.model.export import iter_hf_tensors
 from gspo_megatron.parallel.dataplane import DataPlane
 from gspo_megatron.rollout.base import Sample, SamplingParams
+from gspo_megatron.rollout.validate import check_rejected_frac, rejected_reason
 from gspo_megatron.train import checkpoint
 from gspo_megatron.train.batch import (RemoteSample, TrainSample, decode_share, dp_owners, encode_shares,
                                        split_minibatches)
@@ -246,8 +247,7 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
     all_rewards: list[float] = []
     raised = 0
     lengths: list[int] = []
-    generated = rejected = 0
-    first_rejection = None
+    generated: list[Sample] = []  # every response of the step, rejected ones included
     rounds = 0
     groups_needed = P
     agent_stats = dict.fromkeys(("agent_errors", "env_tokens", "turns"), 0)
@@ -268,12 +268,8 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
         # Responses the engine boundary rejected (rollout/validate.py: too long, ids outside the
         # vocabulary, log-probs not finite or > 0) take their group out of the step: the group's
         # advantages are relative to each other. Their rewards are never computed.
-        bad = {s.prompt_index for s in samples if s.meta.get("rejected")}
-        generated += len(samples)
-        for s in samples:
-            if s.meta.get("rejected"):
-                rejected += 1
-                first_rejection = first_rejection or s.meta["rejected"]
+        bad = {s.prompt_index for s in samples if rejected_reason(s)}
+        generated += samples
         if parts.agent is None:
             ok = [i for i, s in enumerate(samples) if s.prompt_index not in bad]
             texts = [parts.tokenizer.decode(samples[i].response_ids, skip_special_tokens=False) for i in ok]
@@ -298,11 +294,7 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
         rounds += 1
         if not cfg.dynamic_sampling or rounds > cfg.max_oversample_rounds:
             break
-    if rejected > parts.cfg.rollout.max_rejected_frac * generated:
-        from gspo_megatron.rollout.http_servers import EngineError
-
-        raise EngineError(f"{rejected} of the {generated} responses of step {step + 1} broke the engine contract "
-                          f"(rollout.max_rejected_frac={parts.cfg.rollout.max_rejected_frac}); the first: {first_rejection}")
+    rejected = check_rejected_frac(generated, cfg.max_rejected_frac)  # too many: one line naming the first
     kept = kept[: P * G]
     kept_rewards = kept_rewards[: P * G]
     t = torch.tensor(all_rewards, dtype=torch.float64)
