@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="take config.json, generation config and tokenizer files from this HF directory "
                           "instead of the checkpoint's hf_config/ or Megatron-Bridge run_config.yaml (its "
                           "architecture must match the checkpoint)")
+    m2h.add_argument("--require-checksums", action="store_true",
+                     help="refuse a checkpoint without checksums.json (default: load it with a warning naming "
+                          "it); its files are verified before they are parsed either way")
     common(m2h, "largest safetensors shard; memory holds about one shard while writing;", "5GB")
     return p
 
@@ -160,7 +163,8 @@ def main(argv=None) -> int:
                 else:
                     stats = mcore.mcore_to_hf(args.load, args.out, hf_config_dir=args.hf_config_dir,
                                               dtype=_dtype(args.dtype), max_shard_size=max_size,
-                                              progress=args.progress, overwrite=args.overwrite)
+                                              progress=args.progress, overwrite=args.overwrite,
+                                              require_checksums=args.require_checksums)
         finally:
             if started:
                 import torch.distributed as dist

@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0, help="score softmax(logits / T)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--require-checksums", action="store_true",
+                   help="with --load: refuse a checkpoint without checksums.json (default: load it with a warning); "
+                        "its files are verified against them before they are read either way")
     return p.parse_args(argv)
 
 
@@ -82,7 +85,8 @@ def main(argv=None) -> int:
         if args.load:
             from gspo_megatron.checkpoint.mcore import read_mcore_arch
 
-            arch = read_mcore_arch(args.load)
+            # verifies the checkpoint's files but the tensor data against its checksums.json first
+            arch = read_mcore_arch(args.load, require_checksums=args.require_checksums)
             reader = None
         else:
             arch = Qwen3MoeArch.from_hf_dir(args.hf_dir)
@@ -98,7 +102,7 @@ def main(argv=None) -> int:
             if args.load:
                 from gspo_megatron.checkpoint.mcore import load_mcore_into_model
 
-                load_mcore_into_model(chunks, args.load)
+                load_mcore_into_model(chunks, args.load, require_checksums=args.require_checksums)
             out = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size,
                                   micro_batch_tokens=args.micro_batch_tokens, temperature=args.temperature,
                                   packed=args.packing)

@@ -109,6 +109,7 @@ def _as_release_root(mc, dst):
     (dst / ITER0).rename(dst / "release")
     (dst / "release" / "train_state.pt").unlink()
     (dst / "latest_train_state.pt").unlink()
+    (dst / "release" / "checksums.json").unlink()  # earlier versions wrote none
     megatron_dirs.write_tracker(str(dst), "release")
     return dst
 
@@ -177,6 +178,7 @@ def test_run_config_is_enough_to_read_a_checkpoint(converted, tmp_path):
     bare = tmp_path / "bare"
     shutil.copytree(mc, bare)
     shutil.rmtree(bare / ITER0 / "hf_config")
+    (bare / ITER0 / "checksums.json").unlink()  # as Megatron-Bridge writes it: no checksums
     assert cli(["mcore-to-hf", "--load", str(bare), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
 
@@ -204,6 +206,7 @@ def test_local_spec_pre_mlp_norm_key_is_read(converted, tmp_path):
     md.state_dict_metadata[local] = md.state_dict_metadata.pop(te)
     md.storage_data = {type(k)(local if k.fqn == te else k.fqn, k.offset, k.index): v for k, v in md.storage_data.items()}
     meta.write_bytes(pickle.dumps(md))
+    (alias / ITER0 / "checksums.json").unlink()  # another tool's checkpoint: no checksums
     assert cli(["mcore-to-hf", "--load", str(alias), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
 
@@ -241,6 +244,7 @@ def test_megatron_lm_run_arguments_are_read_safely(converted, tmp_path):
     (mlm / ITER0 / "run_config.yaml").unlink()
     torch.save({"args": _mlm_args(arch), "checkpoint_version": 3.0, "iteration": 0},
                mlm / ITER0 / "common.pt")
+    (mlm / ITER0 / "checksums.json").unlink()  # Megatron-LM writes none
     back, _ = megatron_dirs.carried_config(str(mlm / ITER0))
     assert Qwen3MoeArch.from_hf_dict(back) == arch
     assert cli(["mcore-to-hf", "--load", str(mlm), "--out", str(tmp_path / "out"), "--no-progress"]) == 0

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from gspo_megatron.checkpoint.safe_metadata import read_dcp_metadata
+from gspo_megatron.checkpoint.safe_metadata import METADATA_FILE, read_dcp_metadata, require_tensor_entries
 from gspo_megatron.model.hf_io import CheckpointError
 
 
@@ -226,8 +226,14 @@ class DcpReader:
         """`directory`: a torch_dist directory, or a Megatron-LM root (megatron_dirs.py)."""
         from gspo_megatron.checkpoint.megatron_dirs import resolve
 
+        from gspo_megatron.checkpoint import integrity
+
         directory = resolve(directory) if os.path.isdir(directory) else directory
         self.directory = directory
+        # verified before parsed (its files but the tensor data; the loaders verify the data files
+        # before they read tensors: mcore.py load_mcore_into_model, mcore_to_hf, train/checkpoint.py)
+        if os.path.isdir(directory):
+            integrity.verify_before_parse(directory, data=False)
         # not torch's FileSystemReader.read_metadata: that is an unrestricted pickle.load
         # (torch/distributed/checkpoint/filesystem.py:926-930), so a crafted .metadata would run code
         self.metadata = read_dcp_metadata(directory)
@@ -235,6 +241,8 @@ class DcpReader:
             k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
         }
         self._storage = self.metadata.storage_data or {}
+        if os.path.isdir(directory):  # no data file outside the record (checksums.json)
+            integrity.check_listed(directory, [info.relative_path for info in self._storage.values()])
         self._index: dict[str, _ChunkIndex] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -265,10 +273,17 @@ class DcpReader:
     def dtype(self, key: str) -> torch.dtype:
         return self._md(key).properties.dtype
 
+    def require_tensors(self, keys) -> None:
+        """A byte entry (a pickled object) under any of `keys` is one CheckpointError line: only
+        tensors are read (this reader never unpickles one; the message says why it is refused
+        rather than calling the tensor missing)."""
+        require_tensor_entries(self.metadata, keys, os.path.join(self.directory, METADATA_FILE))
+
     def _md(self, key: str) -> TensorStorageMetadata:
         try:
             return self.tensors[key]
         except KeyError:
+            self.require_tensors([key])
             raise CheckpointError(f"{self.directory}: tensor {key!r} is not in the checkpoint") from None
 
     def _chunks(self, key: str) -> "_ChunkIndex":

@@ -47,7 +47,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from gspo_megatron.checkpoint import atomic, layout, megatron_dirs
+from gspo_megatron.checkpoint import atomic, integrity, layout, megatron_dirs
 from gspo_megatron.checkpoint.dcp_io import Chunk, DcpReader, save_chunks
 from gspo_megatron.checkpoint.safetensors_data import SafetensorsData
 from gspo_megatron.model import mapping
@@ -73,30 +73,34 @@ DEFAULT_MAX_FILE_BYTES = 5 * 1024**3  # torch_dist data file size cap of the con
 # The checkpoint directory
 
 
-def check_mcore_dir(ckpt_dir: str) -> None:
-    """A clear error unless `ckpt_dir` is a torch_dist checkpoint directory."""
+def check_mcore_dir(ckpt_dir: str, require_checksums: bool = False) -> None:
+    """A clear error unless `ckpt_dir` is a torch_dist checkpoint directory. Its files but the
+    tensor data are verified against its checksums.json first (integrity.verify_before_parse:
+    every reader of the folder comes through here before it parses anything of it)."""
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: no such directory")
+    integrity.verify_before_parse(ckpt_dir, data=False, require=require_checksums)
     fmt = os.path.join(ckpt_dir, FORMAT_FILE)
     if not os.path.isfile(fmt):
         hint = " (it looks like a Hugging Face checkpoint directory)" \
             if os.path.isfile(os.path.join(ckpt_dir, "config.json")) else ""
         raise CheckpointError(f"{ckpt_dir}: not a Megatron torch_dist checkpoint (no {FORMAT_FILE}){hint}")
     try:
-        with open(fmt) as f:
+        with open(fmt, encoding="utf-8") as f:
             backend = json.load(f).get("sharded_backend")
-    except (json.JSONDecodeError, AttributeError) as e:
+    except (ValueError, AttributeError) as e:  # JSONDecodeError, UnicodeDecodeError; not an object
         raise CheckpointError(f"{fmt}: invalid JSON ({e})") from None
     if backend != "torch_dist":
         raise CheckpointError(f"{fmt}: sharded_backend is {backend!r}, only 'torch_dist' is supported")
 
 
-def read_hf_config(ckpt_dir: str) -> tuple[dict, str]:
+def read_hf_config(ckpt_dir: str, require_checksums: bool = False) -> tuple[dict, str]:
     """(config dict, its path) of the model in an mcore checkpoint (a root or an iteration
     directory: megatron_dirs.resolve): the HF config it carries (hf_config/, the project's), else
-    the one its Megatron-Bridge run_config.yaml or Megatron-LM run arguments describe."""
+    the one its Megatron-Bridge run_config.yaml or Megatron-LM run arguments describe.
+    `require_checksums`: refuse a checkpoint without checksums.json (else a warning)."""
     ckpt_dir = megatron_dirs.resolve(ckpt_dir)
-    check_mcore_dir(ckpt_dir)
+    check_mcore_dir(ckpt_dir, require_checksums)
     path = os.path.join(ckpt_dir, HF_CONFIG_DIR, "config.json")
     if not os.path.isfile(path):
         carried = megatron_dirs.carried_config(ckpt_dir)
@@ -107,15 +111,15 @@ def read_hf_config(ckpt_dir: str) -> tuple[dict, str]:
             "common.pt (Megatron-LM) beside it: the checkpoint does not carry its model config; pass "
             "--hf-config-dir / model.hf_dir")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f), path
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ModelConfigError(f"{path}: invalid JSON ({e})") from None
 
 
-def read_mcore_arch(ckpt_dir: str) -> Qwen3MoeArch:
+def read_mcore_arch(ckpt_dir: str, require_checksums: bool = False) -> Qwen3MoeArch:
     """The Qwen3-MoE architecture of an mcore checkpoint (from the HF config it carries)."""
-    cfg, path = read_hf_config(ckpt_dir)
+    cfg, path = read_hf_config(ckpt_dir, require_checksums)
     return Qwen3MoeArch.from_hf_dict(cfg, source=path)
 
 
@@ -157,9 +161,11 @@ def _with_dtype(cfg: dict, dtype: torch.dtype | None) -> dict:
 
 
 def check_matches_arch(reader: DcpReader, arch: Qwen3MoeArch) -> None:
-    """Every tensor a Qwen3-MoE of `arch` needs is stored, with the global shape it implies."""
+    """Every tensor a Qwen3-MoE of `arch` needs is stored, with the global shape it implies (as a
+    tensor: a byte entry under its key is refused, see safe_metadata.byte_entry_error)."""
     for key, shape in layout.expected_keys(arch).items():
         key = layout.stored_key(key, reader.tensors)
+        reader.require_tensors([key])
         if key not in reader.tensors:
             raise CheckpointError(f"{reader.directory}: tensor {key!r} is missing from the checkpoint")
         got = reader.shape(key)
@@ -282,6 +288,9 @@ def _hf_to_mcore(hf_dir, out_dir, *, dtype, max_file_size, progress, overwrite, 
         if rank == 0:
             _write_format_files(ck, _with_dtype(cfg, dtype), hf_dir)
             megatron_dirs.write_bridge_train_state(tmp, ck, it)
+        _barrier()
+        integrity.record(ck, atomic.dist_or_none())  # every file of the iteration, before it is named
+        if rank == 0:
             megatron_dirs.write_tracker(tmp, it)
         _barrier()
         if rank == 0:
@@ -321,10 +330,14 @@ def mcore_to_hf(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = False,
     overwrite: bool = False,
+    require_checksums: bool = False,
 ) -> ConversionStats:
     """Convert a torch_dist checkpoint (converted, or saved by the trainer at any layout) to an HF
     checkpoint at `out_dir`: safetensors shards + index, config.json, generation config and
     tokenizer files (from `hf_config_dir` when given, else from the checkpoint's hf_config/).
+    Every file of the checkpoint is verified against its checksums.json before it is parsed and
+    before anything is written (a mismatch: one CheckpointError line naming the file); without
+    checksums.json a warning names the folder, or, with `require_checksums`, it is refused.
 
     Memory: one stored chunk region at a time plus one output shard (hf_writer buffers a shard).
     Collective under torch.distributed: ranks write disjoint shards, rank 0 numbers them and
@@ -332,14 +345,16 @@ def mcore_to_hf(
     """
     with _one_torch_thread():
         return _mcore_to_hf(ckpt_dir, out_dir, hf_config_dir=hf_config_dir, dtype=dtype,
-                            max_shard_size=max_shard_size, progress=progress, overwrite=overwrite)
+                            max_shard_size=max_shard_size, progress=progress, overwrite=overwrite,
+                            require_checksums=require_checksums)
 
 
-def _mcore_to_hf(ckpt_dir, out_dir, *, hf_config_dir, dtype, max_shard_size, progress, overwrite) -> ConversionStats:
+def _mcore_to_hf(ckpt_dir, out_dir, *, hf_config_dir, dtype, max_shard_size, progress, overwrite,
+                 require_checksums) -> ConversionStats:
     t0 = time.monotonic()
     rank, world = atomic.rank_world()
     ckpt_dir = megatron_dirs.resolve(ckpt_dir)
-    check_mcore_dir(ckpt_dir)
+    check_mcore_dir(ckpt_dir, require_checksums)  # its files but the tensor data verified, then parsed
     if hf_config_dir is not None:
         arch = Qwen3MoeArch.from_hf_dir(hf_config_dir)
         with open(os.path.join(hf_config_dir, "config.json")) as f:
@@ -352,6 +367,9 @@ def _mcore_to_hf(ckpt_dir, out_dir, *, hf_config_dir, dtype, max_shard_size, pro
     reader = DcpReader(ckpt_dir)
     reader.check_files()
     check_matches_arch(reader, arch)
+    # every file, the tensor data included (split over the ranks), before a tensor is read or
+    # anything written
+    integrity.verify_before_parse(ckpt_dir, data=True, require=require_checksums, dist=atomic.dist_or_none())
     out_dir = atomic.check_target(out_dir, overwrite)
     max_bytes = parse_size(max_shard_size)
 
@@ -504,6 +522,7 @@ def _sharded_tensors(sd: dict):
 
 def _check_model_against(sd: dict, reader: DcpReader) -> None:
     for st in _sharded_tensors(sd):
+        reader.require_tensors([st.key])
         if st.key not in reader.tensors:
             raise CheckpointError(f"{reader.directory}: tensor {st.key!r} needed by the model is not in the checkpoint")
         got, want = reader.shape(st.key), tuple(st.global_shape)
@@ -566,6 +585,7 @@ def save_mcore_checkpoint(
     thread_count: int = 2,
     tensor_chunks: list[Chunk] | None = None,
     common_state: dict | None = None,
+    checksums: bool = True,
 ) -> None:
     """Save this rank's model chunks (any TP/PP/EP/ETP layout) as one torch_dist checkpoint.
 
@@ -586,6 +606,8 @@ def save_mcore_checkpoint(
     optimizer (gspo_megatron/train/checkpoint_shards.py); `model_state`/`extra_sharded_state` are
     then not used.
     Vocab tensors are saved with the padded rows of the saving layout; loaders accept any padding.
+    `checksums`: write checksums.json (integrity.record) into the directory before it is published
+    (the trainer passes False and writes them itself, train/checkpoint.py _write_checksums).
     """
     from megatron.core import dist_checkpointing
 
@@ -631,6 +653,9 @@ def save_mcore_checkpoint(
         if rank == 0:
             _write_hf_config(tmp, cfg, side)
         _barrier()
+        if checksums:
+            integrity.record(tmp, d)
+            _barrier()
         if rank == 0:
             atomic.publish(tmp, out, overwrite=overwrite)
         _barrier()
@@ -653,6 +678,8 @@ def load_mcore_into_model(
     *,
     extra_sharded_state: dict | None = None,
     model_state: dict | None = None,
+    require_checksums: bool = False,
+    verify_data: bool = True,
 ) -> dict:
     """Fill this rank's already-built model chunks from a torch_dist checkpoint, at whatever
     TP/PP/EP/ETP layout they were built with (the checkpoint stores global tensors; each rank reads
@@ -670,13 +697,19 @@ def load_mcore_into_model(
     torch/distributed/checkpoint/default_planner.py:382-392, load_bytes) in the requested state is
     refused (see load_sharded).
 
+    Nothing in it is used unverified: every file is checked against its checksums.json before it
+    is parsed (the small files first, then the tensor data split over the ranks; `verify_data`:
+    False when the caller has just verified the whole folder itself, as the trainer's resume
+    does); a mismatch is one CheckpointError line naming the file. Without checksums.json: a
+    warning naming the folder, or refused with `require_checksums`.
+
     After loading into a model whose optimizer keeps fp32 main parameters, call the optimizer's
     `reload_model_params()` so they follow.
     """
-    from megatron.core import dist_checkpointing
-
     ckpt_dir = megatron_dirs.resolve(ckpt_dir)
-    check_mcore_dir(ckpt_dir)
+    check_mcore_dir(ckpt_dir, require_checksums)
+    if verify_data:
+        integrity.verify_before_parse(ckpt_dir, data=True, require=require_checksums, dist=atomic.dist_or_none())
     reader = DcpReader(ckpt_dir)
     reader.check_files()
     sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks))
@@ -715,11 +748,14 @@ def load_sharded(sharded_state: dict, ckpt_dir: str, *, partial: bool = False, m
     from torch.distributed.checkpoint import CheckpointException  # a BaseException
 
     from gspo_megatron.checkpoint.megatron_load import safe_load_strategies
-    from gspo_megatron.checkpoint.safe_metadata import read_dcp_metadata
+    from gspo_megatron.checkpoint.safe_metadata import METADATA_FILE, read_dcp_metadata, require_tensor_entries
 
     _refuse_sharded_objects(sharded_state)
     if metadata is None:
         metadata = read_dcp_metadata(ckpt_dir)
+    # tensors only: a byte entry under a requested key would be unpickled (see megatron_load.py)
+    require_tensor_entries(metadata, [t.key for t in _sharded_tensors(sharded_state)],
+                           os.path.join(ckpt_dir, METADATA_FILE))
     sharded_strategy, common_strategy = safe_load_strategies(ckpt_dir, metadata)
     try:
         return dist_checkpointing.load(sharded_state, ckpt_dir, sharded_strategy=sharded_strategy,

@@ -101,8 +101,12 @@ def read_tracker(root: str) -> str | None:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    with open(path, "rb") as f:
+        raw = f.read(4096)
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not UTF-8 text (expected an iteration number or 'release')") from None
     if text == RELEASE:
         return RELEASE
     try:
@@ -163,9 +167,13 @@ _REQUIRED = {"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_li
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
-def carried_config(ckpt_dir: str) -> tuple[dict, str] | None:
+def carried_config(ckpt_dir: str, require_checksums: bool = False) -> tuple[dict, str] | None:
     """The HF config a checkpoint written by Megatron-Bridge (run_config.yaml) or Megatron-LM
-    (the arguments in common.pt) carries, with its source; None when it carries neither."""
+    (the arguments in common.pt) carries, with its source; None when it carries neither. The
+    folder's files are verified against its checksums.json before they are parsed."""
+    from gspo_megatron.checkpoint import integrity
+
+    integrity.verify_before_parse(ckpt_dir, data=False, require=require_checksums)
     return hf_config_from_run_config(ckpt_dir) or hf_config_from_megatron_lm_args(ckpt_dir)
 
 
@@ -177,8 +185,10 @@ def hf_config_from_run_config(ckpt_dir: str) -> tuple[dict, str] | None:
     if not os.path.isfile(path):
         return None
     try:
-        with open(path) as f:
-            run = yaml.safe_load(f)
+        with open(path, encoding="utf-8") as f:
+            run = yaml.safe_load(f)  # data only: no tags that construct Python objects
+    except UnicodeDecodeError as e:
+        raise ModelConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
         raise ModelConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
     m = run.get("model") if isinstance(run, dict) else None

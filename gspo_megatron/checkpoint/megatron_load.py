@@ -7,9 +7,10 @@
   PyTorch's FileSystemReader, whose read_metadata is an unrestricted pickle.load
   (torch/distributed/checkpoint/filesystem.py:926-930). The strategy takes no reader argument, so
   `SafeTorchDistLoadStrategy.load` is a copy of the upstream method (megatron-core 0.16.1,
-  strategies/torch.py:770-821) with that one line replaced by the restricted reader
-  (safe_metadata.py). UPSTREAM_LOAD_SHA256 pins the upstream source: tests/test_safe_loading.py
-  fails when an upgrade changes it, so the copy is re-checked rather than silently stale. The
+  strategies/torch.py:770-821) with that line replaced by the restricted reader
+  (safe_metadata.py), and the planner by SafeLoadPlanner (byte entries, below).
+  UPSTREAM_LOAD_SHA256 pins the upstream source: tests/test_safe_loading.py fails when an
+  upgrade changes it, so the copy is re-checked rather than silently stale. The
   other upstream readers of `.metadata` (load_tensors_metadata, load_sharded_metadata) are
   overridden too; remove_sharded_tensors (which rewrites a checkpoint) is refused.
 * `common.pt`, through TorchCommonLoadStrategy.load_common: `torch.load(path)` with no
@@ -19,16 +20,33 @@
   `SafeCommonLoadStrategy` passes weights_only=True explicitly (which that variable cannot
   override) and refuses ShardedObject files (`<key>/shard_*.pt`, read with the same call).
 
-The data files themselves are read by torch with weights_only=True (filesystem.py:899-903); byte
-entries (ShardedObjects) would be unpickled with weights_only=False by the load planner
-(default_planner.py:382-392), so callers refuse ShardedObjects in what they request
-(mcore.py load_sharded).
+The data files themselves are read by torch with weights_only=True (filesystem.py:899-903). Byte
+entries are the other way code could run: for every requested key whose `.metadata` entry is a
+BytesStorageMetadata, DCP plans a BYTE_IO read whatever the request holds (a tensor included:
+planner_helpers.py:439-459, _create_read_items; Megatron's global-shape check reads only the
+entry's `size`, strategies/torch.py:503-518, which a crafted entry can carry), FileSystemReader
+hands those bytes to planner.load_bytes (filesystem.py:884-887), and torch's DefaultLoadPlanner,
+whose load_bytes Megatron's MCoreLoadPlanner inherits (strategies/torch.py:484), unpickles them
+with torch.load(weights_only=False) (default_planner.py:382-392). The project loads tensors only,
+so a byte entry is refused at each of three places, each enough on its own:
+  1. mcore.py load_sharded: a requested key whose entry is a byte entry, before Megatron starts;
+  2. SafeLoadPlanner (used by SafeTorchDistLoadStrategy.load): no BYTE_IO item in a local plan,
+     and its load_bytes refuses instead of unpickling;
+  3. safe_metadata.SafeFileSystemReader.read_data: no BYTE_IO read, whatever the planner.
+The restricted unpickler itself (safe_metadata.py) refuses a `size` (or anything undeclared) on a
+BytesStorageMetadata, so the crafted entry of (1) is refused before any of them.
 """
 from __future__ import annotations
 
 import os
 
-from gspo_megatron.checkpoint.safe_metadata import read_dcp_metadata, safe_file_system_reader
+from gspo_megatron.checkpoint.safe_metadata import (
+    METADATA_FILE,
+    byte_entry_error,
+    read_dcp_metadata,
+    require_tensor_entries,
+    safe_file_system_reader,
+)
 from gspo_megatron.model.hf_io import CheckpointError
 
 # sha256 of inspect.getsource(TorchDistLoadShardedStrategy.load) in megatron-core 0.16.1
@@ -69,14 +87,14 @@ def _strategy_classes():
             return md
 
         def load(self, sharded_state_dict, checkpoint_dir):
-            # megatron-core 0.16.1 strategies/torch.py:770-821, but for the reader (marked)
+            # megatron-core 0.16.1 strategies/torch.py:770-821, but for the reader and the planner
+            # (both marked [changed])
             from typing import Dict, List, Union, cast
             import io
 
             from megatron.core.dist_checkpointing.dict_utils import nested_values
             from megatron.core.dist_checkpointing.mapping import ShardedTensor
             from megatron.core.dist_checkpointing.strategies.torch import (
-                MCoreLoadPlanner,
                 _replace_sharded_keys_with_state_dict_keys,
                 _replace_state_dict_keys_with_sharded_keys,
                 _restore_dict_types,
@@ -109,7 +127,9 @@ def _strategy_classes():
             checkpoint.load_state_dict(
                 pyt_state_dict,
                 fsr,
-                planner=MCoreLoadPlanner(
+                # [changed] upstream: planner=MCoreLoadPlanner(
+                planner=safe_load_planner(
+                    source=checkpoint_dir,
                     shapes_validation_sharded_tensors=flexible_shape_sharded_tensors,
                     allow_shape_mismatch_sharded_tensors=allow_shape_mismatch_sharded_tensors,
                 ),
@@ -167,7 +187,35 @@ def _strategy_classes():
                                       "(only tensors are loaded)")
             return sharded_objects_state_dict
 
-    return SafeTorchDistLoadStrategy, SafeCommonLoadStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+
+    class SafeLoadPlanner(MCoreLoadPlanner):
+        """Megatron's load planner (global-shape validation) that never reads a byte entry: none
+        is planned, and load_bytes refuses instead of torch.load(weights_only=False). `source`:
+        the checkpoint directory (named in the refusal)."""
+
+        def __init__(self, *args, source=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.source = source
+
+        def create_local_plan(self):
+            from torch.distributed.checkpoint.planner import LoadItemType
+
+            # before Megatron's shape check, which reads a byte entry's (forgeable) `size`
+            require_tensor_entries(self.metadata, self.state_dict, self._source())
+            plan = super().create_local_plan()
+            for item in plan.items:
+                if item.type == LoadItemType.BYTE_IO:
+                    raise byte_entry_error(self._source(), item.dest_index.fqn)
+            return plan
+
+        def load_bytes(self, read_item, value):
+            raise byte_entry_error(self._source(), read_item.dest_index.fqn)
+
+        def _source(self) -> str:
+            return os.path.join(os.fspath(self.source), METADATA_FILE) if self.source else METADATA_FILE
+
+    return SafeTorchDistLoadStrategy, SafeCommonLoadStrategy, SafeLoadPlanner
 
 
 _classes = None
@@ -184,8 +232,14 @@ def safe_load_strategies(checkpoint_dir: str, metadata=None):
     """(sharded, common) strategies for `megatron.core.dist_checkpointing.load(...,
     sharded_strategy=, common_strategy=)` of the torch_dist checkpoint `checkpoint_dir`;
     `metadata`: its `.metadata` already read with safe_metadata.read_dcp_metadata."""
-    sharded_cls, common_cls = _get_classes()
+    sharded_cls, common_cls, _ = _get_classes()
     return sharded_cls(metadata, checkpoint_dir), common_cls()
+
+
+def safe_load_planner(source=None, **kwargs):
+    """Megatron's MCoreLoadPlanner(**kwargs) that refuses byte entries (see the module docstring);
+    `source`: the checkpoint directory, named in the refusal."""
+    return _get_classes()[2](source=source, **kwargs)
 
 
 def load_common_state_dict(checkpoint_dir: str) -> dict:

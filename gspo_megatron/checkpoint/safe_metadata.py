@@ -19,8 +19,14 @@ Here the file goes through a restricted unpickler instead (Python's own pickle m
   memory-format enum, pure paths);
 * NEWOBJ / NEWOBJ_EX (`cls.__new__(cls)`): only the DCP metadata dataclasses; OBJ / INST
   (protocol 0/1 instantiation) never;
-* BUILD (set an object's state): only on instances of those dataclasses, with a dict of plain
-  field names (or TensorProperties' own __setstate__). Python's C unpickler cannot be narrowed
+* BUILD (set an object's state): only on instances of those dataclasses, with a dict of their
+  declared fields only (`dataclasses.fields`), every field without a default present, each value
+  of its declared type (`_Tables.fields`; TensorProperties: its own __setstate__ on a checked
+  5-tuple). Admitted classes alone are not enough: a file of only admitted classes could give a
+  BytesStorageMetadata (a byte entry, which torch's load planner unpickles with
+  weights_only=False) a forged `size`, so that Megatron's global-shape check takes it for the
+  tensor it replaces (issue #40; megatron_load.py has the whole path and two more refusals).
+  Python's C unpickler cannot be narrowed
   this way: its BUILD will setattr on anything on the stack, including an admitted class object,
   so a file restricted to harmless globals could still rewrite attributes of torch's classes in
   this process (pickle.py load_build, the `slotstate` branch). That is why the pure-Python
@@ -29,8 +35,14 @@ Here the file goes through a restricted unpickler instead (Python's own pickle m
   loading one checkpoint in several pieces reads it once (mcore.py load_sharded).
 * persistent ids and out-of-band buffers: refused (the defaults of pickle._Unpickler).
 
-The result must be a `Metadata` whose entries have the expected types, and every data file it
-names must lie inside the checkpoint directory (no absolute paths, no `..`).
+The result must be a `Metadata` in which every admitted object, however deep, holds exactly its
+declared fields with values of their declared types (checked again after the whole file is read:
+a list or dict can be appended to after the BUILD that checked it), whose entries are tensor or
+byte entries, and every data file it names must lie inside the checkpoint directory (no absolute
+paths, no `..`). Byte entries are still *read* here (Megatron-Bridge and Megatron-LM store
+`_extra_state` and RNG state as ShardedObjects, and the project writes `_extra_state` entries for
+them): no loader of the project ever loads one (`require_tensor_entries`, `byte_entry_error`,
+SafeFileSystemReader.read_data).
 
 How the list was derived: `.metadata` files written by this project (the converter's
 save_chunks; the trainer with the distributed optimizer, and with the plain one, i.e. Megatron's
@@ -110,6 +122,89 @@ class _Tables:
         self.new_ids = {id(v) for v in self.dataclasses.values()}
         self.build_types = set(self.dataclasses.values())
         self.tensor_properties = dcp_md.TensorProperties
+        self.mem_format_encoding = dcp_md._MEM_FORMAT_ENCODING
+        # BUILD may set only these fields (each dataclass's own, `dataclasses.fields`), each only
+        # to a value of its declared type (`Any` fields: data, i.e. made of admitted globals only).
+        # Values are checked here as they are set and again, deeply, once the whole file is read
+        # (_validate): a list or dict can still be appended to after its BUILD (APPENDS/SETITEMS
+        # on a memo reference).
+        c = {n: self.dataclasses[(_DCP_METADATA, n)] for _, n in _DATACLASSES if _ == _DCP_METADATA}
+        storage_info = self.dataclasses[(_DCP_FILESYSTEM, "_StorageInfo")]
+        save_plan, write_item, tensor_write = (self.dataclasses[(_DCP_PLANNER, n)]
+                                               for n in ("SavePlan", "WriteItem", "TensorWriteData"))
+
+        def of(cls):
+            return lambda v: type(v) is cls
+
+        def opt(check):
+            return lambda v: v is None or check(v)
+
+        def list_of(check):
+            return lambda v: type(v) is list and all(check(x) for x in v)
+
+        def anything(v):
+            return True
+
+        def is_dict(v):
+            return type(v) is dict
+
+        def is_path(v):
+            return type(v) is str or isinstance(v, pathlib.PurePath)
+
+        strs = lambda v: type(v) in (list, tuple) and all(type(x) is str for x in v)  # noqa: E731
+        self.fields: dict[type, dict[str, Any]] = {
+            c["Metadata"]: {"state_dict_metadata": is_dict, "planner_data": anything, "storage_data": opt(is_dict),
+                            "storage_meta": opt(of(c["StorageMeta"])), "version": opt(_is_str)},
+            c["StorageMeta"]: {"checkpoint_id": opt(is_path), "save_id": opt(_is_str), "load_id": opt(_is_str),
+                               "modules": list_of(_is_str)},
+            c["TensorStorageMetadata"]: {"properties": of(c["TensorProperties"]), "size": _is_shape,
+                                         "chunks": list_of(of(c["ChunkStorageMetadata"]))},
+            c["BytesStorageMetadata"]: {},
+            c["ChunkStorageMetadata"]: {"offsets": _is_shape, "sizes": _is_shape},
+            c["MetadataIndex"]: {"fqn": _is_str, "offset": opt(_is_shape), "index": opt(_is_int)},
+            storage_info: {"relative_path": _is_str, "offset": _is_int, "length": _is_int,
+                           "transform_descriptors": opt(strs)},
+            save_plan: {"items": list_of(of(write_item)), "storage_data": anything, "planner_data": anything,
+                        "usable": _is_bool},
+            write_item: {"index": of(c["MetadataIndex"]), "type": of(dcp_planner.WriteItemType),
+                         "bytes_io_data": lambda v: v is None, "tensor_data": opt(of(tensor_write))},
+            tensor_write: {"chunk": of(c["ChunkStorageMetadata"]), "properties": of(c["TensorProperties"]),
+                           "size": _is_shape},
+        }
+        import dataclasses
+
+        self.field_list = {cls: dataclasses.fields(cls) for cls in self.fields}
+        # fields without a default must be in the state (a dataclass's __init__ sets every field)
+        self.required = {cls: {f.name for f in dataclasses.fields(cls)
+                               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+                         for cls in self.fields}
+        for cls, spec in self.fields.items():  # the table names exactly the declared fields
+            assert set(spec) == {f.name for f in dataclasses.fields(cls)}, cls
+
+
+def _is_str(v) -> bool:
+    return type(v) is str
+
+
+def _is_int(v) -> bool:
+    return type(v) is int
+
+
+def _is_bool(v) -> bool:
+    return type(v) is bool
+
+
+def _is_shape(v) -> bool:
+    """A global shape, chunk offset or size: torch.Size (or a plain tuple) of non-negative ints."""
+    return isinstance(v, tuple) and all(type(x) is int and x >= 0 for x in v)
+
+
+def _tensor_properties_state(state, t: "_Tables") -> bool:
+    import torch
+
+    return (type(state) is tuple and len(state) == 5 and isinstance(state[0], torch.dtype)
+            and isinstance(state[1], torch.layout) and _is_bool(state[2])
+            and type(state[3]) is t.mem_format_encoding and _is_bool(state[4]))
 
 
 _tables: _Tables | None = None
@@ -177,11 +272,24 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the pure-Python machine (see t
         if t not in self._t.build_types:
             raise _Refused(f"state for {'the class ' if isinstance(inst, type) else 'a '}{_name(inst)}")
         if t is self._t.tensor_properties:
-            inst.__setstate__(state)  # torch's own: unpacks (dtype, layout, requires_grad, memory format, pin)
-        elif isinstance(state, dict) and all(type(k) is str and not k.startswith("__") for k in state):
-            inst.__dict__.update(state)
-        else:
+            # torch's own __setstate__ unpacks (dtype, layout, requires_grad, memory format, pin)
+            if not _tensor_properties_state(state, self._t):
+                raise _Refused(f"state for a {_name(inst)} that is not (dtype, layout, bool, memory format, bool)")
+            inst.__setstate__(state)
+            return
+        if not isinstance(state, dict):
             raise _Refused(f"state for a {_name(inst)} from a {_name(state)}")
+        spec = self._t.fields[t]
+        for k, v in state.items():
+            check = spec.get(k) if type(k) is str else None
+            if check is None:  # not a declared field: e.g. a `size` forged onto a BytesStorageMetadata
+                raise _Refused(f"state for a {_name(inst)} with the undeclared field {k!r}")
+            if not check(v):
+                raise _Refused(f"{t.__name__}.{k} = a {_name(v)} (not of its declared type)")
+        missing = self._t.required[t] - state.keys()
+        if missing:
+            raise _Refused(f"state for a {_name(inst)} without its field {sorted(missing)[0]!r}")
+        inst.__dict__.update(state)
 
     dispatch[pickle.REDUCE[0]] = load_reduce
     dispatch[pickle.NEWOBJ[0]] = load_newobj
@@ -222,56 +330,107 @@ def read_dcp_metadata(directory: str | os.PathLike, filename: str = METADATA_FIL
 
 
 def _validate(md, source: str) -> None:
-    """The unpickled object is DCP metadata of the shape the readers rely on."""
+    """The unpickled object is DCP metadata of the shape the readers rely on: every admitted
+    dataclass instance in it, however deep, holds exactly its declared fields with values of their
+    declared types (checked again here: see _Tables.fields), tensor and byte entries only, and
+    storage that lies inside the checkpoint directory."""
+    import dataclasses
+
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
-        ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
-        StorageMeta,
-        TensorProperties,
         TensorStorageMetadata,
     )
+
+    t = _get_tables()
 
     def bad(what: str):
         raise CheckpointError(f"{source}: not valid DCP metadata ({what})")
 
     if type(md) is not Metadata:
         bad(f"holds a {_name(md)}")
-    sdm = getattr(md, "state_dict_metadata", None)
-    if not isinstance(sdm, dict):
-        bad("no state_dict_metadata dict")
-    for key, entry in sdm.items():
+    # an iterative walk (a deeply nested file must not become a RecursionError traceback) over
+    # the objects and containers; scalars, strings and shapes were checked where they are held
+    walk = (list, tuple, dict, set, frozenset, t.tensor_properties, *t.fields)
+    stack, seen = [md], set()
+    while stack:
+        obj = stack.pop()
+        cls = type(obj)
+        if not isinstance(obj, walk) or (cls is torch.Size) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if cls is t.tensor_properties:
+            if not _tensor_properties_state((obj.dtype, obj.layout, obj.requires_grad,
+                                             _mem_format_code(obj, t), obj.pin_memory), t):
+                bad("a TensorProperties of the wrong types")
+        elif cls in t.fields:
+            spec, state = t.fields[cls], vars(obj)
+            extra = sorted(k for k in state if k not in spec)
+            if extra:
+                bad(f"a {cls.__name__} with the undeclared field {extra[0]!r}")
+            for f in t.field_list[cls]:
+                if f.name not in state:  # a field newer than the writer's torch: its default
+                    if f.default is not dataclasses.MISSING:
+                        state[f.name] = f.default
+                    elif f.default_factory is not dataclasses.MISSING:
+                        state[f.name] = f.default_factory()
+                    else:
+                        bad(f"a {cls.__name__} without its field {f.name!r}")
+                v = state[f.name]
+                if not spec[f.name](v):
+                    bad(f"{cls.__name__}.{f.name} = a {_name(v)}")
+                stack.append(v)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+    for key, entry in md.state_dict_metadata.items():
         if type(key) is not str:
             bad(f"a key of type {_name(key)}")
-        if isinstance(entry, TensorStorageMetadata):
-            props, size, chunks = (getattr(entry, a, None) for a in ("properties", "size", "chunks"))
-            if not (isinstance(props, TensorProperties) and isinstance(getattr(props, "dtype", None), torch.dtype)
-                    and isinstance(size, tuple) and isinstance(chunks, list)
-                    and all(isinstance(c, ChunkStorageMetadata) for c in chunks)):
-                bad(f"tensor entry {key!r}")
-        elif not isinstance(entry, BytesStorageMetadata):
+        if type(entry) is TensorStorageMetadata:
+            if len(entry.size) != 0 and any(len(c.offsets) != len(entry.size) or len(c.sizes) != len(entry.size)
+                                            for c in entry.chunks):
+                bad(f"tensor entry {key!r} has chunks of another rank than its shape")
+        elif type(entry) is not BytesStorageMetadata:
             bad(f"entry {key!r} is a {_name(entry)}")
-    storage = getattr(md, "storage_data", None)
-    if storage is not None:
-        if not isinstance(storage, dict):
-            bad(f"storage_data is a {_name(storage)}")
-        for idx, info in storage.items():
-            if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo):
-                bad(f"storage entry {_name(idx)} -> {_name(info)}")
-            fqn = getattr(idx, "fqn", None)
-            rel = getattr(info, "relative_path", None)
-            if (type(rel) is not str or not rel or os.path.isabs(rel)
-                    or os.path.normpath(rel).split(os.sep)[0] == ".."):
-                bad(f"data file {rel!r} of {fqn!r} is not a file inside the checkpoint directory")
-            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-            if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-                bad(f"storage entry of {fqn!r} has offset {offset!r}, length {length!r}")
-    meta = getattr(md, "storage_meta", None)
-    if meta is not None and not isinstance(meta, StorageMeta):
-        bad(f"storage_meta is a {_name(meta)}")
+    for idx, info in (md.storage_data or {}).items():
+        if type(idx) is not MetadataIndex or type(info) is not _StorageInfo:
+            bad(f"storage entry {_name(idx)} -> {_name(info)}")
+        rel = info.relative_path
+        if not rel or os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] == "..":
+            bad(f"data file {rel!r} of {idx.fqn!r} is not a file inside the checkpoint directory")
+
+
+def _mem_format_code(props, t: "_Tables"):
+    """TensorProperties.memory_format as its pickled encoding (None when it is not a known one)."""
+    import torch
+
+    e = t.mem_format_encoding
+    return {torch.contiguous_format: e.TORCH_CONTIGUOUS_FORMAT, torch.channels_last: e.TORCH_CHANNELS_LAST,
+            torch.preserve_format: e.TORCH_PRESERVE_FORMAT}.get(props.memory_format)
+
+
+def byte_entry_error(source: str, key: str) -> CheckpointError:
+    """The one line for a DCP byte entry (BytesStorageMetadata: a pickled object, which torch's
+    DefaultLoadPlanner.load_bytes would unpickle with weights_only=False) where a loader asks for
+    a tensor: the project loads tensors only, so it never reads one."""
+    return CheckpointError(f"{source}: refusing to load {key!r}: it is a byte entry (a pickled object), and "
+                           "only tensors are loaded from a checkpoint; nothing from it was read")
+
+
+def require_tensor_entries(md, keys, source: str) -> None:
+    """Every key of `keys` that `md` (DCP metadata) holds is a tensor entry; a byte entry is
+    byte_entry_error (keys the checkpoint lacks are left to the caller's own message)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    sdm = md.state_dict_metadata
+    for key in keys:
+        if isinstance(sdm.get(key), BytesStorageMetadata):
+            raise byte_entry_error(source, key)
 
 
 def _file_system_reader_class():
@@ -289,6 +448,19 @@ def _file_system_reader_class():
         def __init__(self, path, metadata=None):
             super().__init__(path)
             self._metadata = metadata
+
+        def read_data(self, plan, planner):
+            # A BYTE_IO read would hand the bytes to planner.load_bytes, which torch's own planner
+            # unpickles with torch.load(weights_only=False) (default_planner.py:382-392); the
+            # project loads tensors only, so no byte read reaches a planner through this reader
+            # (whichever planner the caller chose).
+            from torch.distributed.checkpoint.planner import LoadItemType
+
+            for item in plan.items:
+                if item.type == LoadItemType.BYTE_IO:
+                    raise byte_entry_error(os.path.join(os.fspath(self.path), METADATA_FILE),
+                                           item.storage_index.fqn)
+            return super().read_data(plan, planner)
 
         def read_metadata(self):
             from torch.distributed.checkpoint.metadata import StorageMeta

@@ -41,9 +41,12 @@ class HFCheckpointReader:
         single = os.path.join(hf_dir, SINGLE_FILE)
         if os.path.isfile(index):
             try:
-                with open(index) as f:
+                with open(index, encoding="utf-8") as f:
                     weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+                if not isinstance(weight_map, dict) or not all(
+                        type(k) is str and type(v) is str for k, v in weight_map.items()):
+                    raise TypeError("weight_map is not an object of tensor name -> file name")
+            except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError, a list
                 raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
             self.weight_map: dict[str, str] = dict(weight_map)
         elif os.path.isfile(single):
@@ -51,6 +54,9 @@ class HFCheckpointReader:
         else:
             raise CheckpointError(f"{hf_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
         for fname in sorted(set(self.weight_map.values())):
+            if os.path.isabs(fname) or os.path.normpath(fname).split(os.sep)[0] == "..":
+                raise CheckpointError(f"{os.path.join(hf_dir, INDEX_FILE)}: shard {fname!r} is not a file inside "
+                                      f"{hf_dir}")
             if not os.path.isfile(os.path.join(hf_dir, fname)):
                 raise CheckpointError(f"{os.path.join(hf_dir, fname)}: shard listed in {INDEX_FILE} is missing")
 

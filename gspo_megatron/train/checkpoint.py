@@ -25,8 +25,9 @@ checkpoint or the new one, never half of one.
 With the distributed optimizer each DP rank writes the regions its own optimizer shard covers,
 of the model and of the optimizer state, straight from its tensors (train/checkpoint_shards.py):
 the same checkpoint as Megatron's fully_reshardable save, without the gather of the whole optimizer
-state onto every DP rank that Megatron's save does first (on a 1 GB model: 7x faster, ~6 GB less
-peak memory per rank; bench/bench_checkpoint.py). Other optimizers go through Megatron's save.
+state onto every DP rank that Megatron's save does first (on a 1 GB model Megatron's save was
+4.4-5.6x slower and took ~5.5-6 GB more peak memory per rank; bench/bench_checkpoint.py,
+docs/benchmarks.md). Other optimizers go through Megatron's save.
 
 Resume works at another layout (TP, PP, EP, ETP, DP may all change): each rank reads the regions of
 the global tensors its parameters and optimizer shards cover. The optimizer state is loaded into
@@ -40,7 +41,7 @@ read with torch.load(weights_only=True), and loading refuses ShardedObjects alto
 
 Async save is not offered: Megatron's (FileSystemWriterAsync, forked writer processes) calls
 torch.cuda.synchronize() and needs CUDA, and the direct writer has no asynchronous mode yet; saves
-are synchronous (see issue notes).
+are synchronous (docs/limitations.md; asynchronous saves are issue 42).
 """
 from __future__ import annotations
 
@@ -139,6 +140,7 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
 
     root = ckpt_root(out_dir)
     final = os.path.join(root, _step_name(step))
+    _refuse_non_finite(final, model, optimizer, ctx)  # before anything is written
     os.makedirs(root, exist_ok=True)
     model_state = model_sharded_state_dict(model)
     trainer = {"format": FORMAT_VERSION, "step": step, "scheduler": scheduler.state_dict(), "loop": loop_state,
@@ -164,6 +166,53 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
         raise
 
 
+def _refuse_non_finite(final: str, model, optimizer, ctx) -> None:
+    """Collective: no checkpoint holds a NaN or inf. Every rank checks its model parameters and
+    its optimizer's fp32 main parameters and Adam moments (one flag per tensor, one device sync,
+    one all-reduce); any non-finite value is one CheckpointError line on every rank naming the
+    first such tensor (rank order), before anything is written: the previous checkpoint and the
+    tracker stay as they were. The loop skips non-finite steps (train/loop.py); this is the last
+    line of defence (a checkpoint of NaN weights would be resumed from and exported)."""
+    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.train.optim import inner_optimizers
+
+    named: list[tuple[str, torch.Tensor]] = []
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            while name.startswith("module."):  # DDP / Float16Module wrappers
+                name = name[len("module."):]
+            named.append((f"parameter {name}", p))
+    for i, opt in enumerate(inner_optimizers(optimizer)):
+        inner = getattr(opt, "optimizer", None)
+        for g, group in enumerate(getattr(inner, "param_groups", [])):
+            for j, p in enumerate(group["params"]):
+                where = f"optimizer {i} group {g} parameter {j} (shape {list(p.shape)})"
+                named.append((f"the fp32 main copy of {where}", p))
+                for kind, st in inner.state.get(p, {}).items():
+                    if isinstance(st, torch.Tensor) and st.is_floating_point():
+                        named.append((f"the {kind} of {where}", st))
+
+    def finite(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().reshape(-1)
+        if not t.is_floating_point() or t.numel() == 0:
+            return torch.ones((), dtype=torch.bool, device=ctx.device)
+        # in slices: the boolean temporary stays small for a large embedding
+        return torch.stack([torch.isfinite(x).all() for x in t.split(1 << 26)]).all().to(ctx.device)
+
+    flags = [finite(t) for _, t in named]
+    ok = torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=ctx.device)
+    flag = ok.to(torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if int(flag):
+        return
+    mine = next((name for (name, _), f in zip(named, flags) if not bool(f)), None)
+    found: list = [None] * ctx.world_size
+    dist.all_gather_object(found, mine)
+    rank, name = next((r, n) for r, n in enumerate(found) if n is not None)
+    raise CheckpointError(f"refusing to save checkpoint {final}: {name} is not finite (NaN or inf) on rank {rank}; "
+                          "nothing was written, the previous checkpoint and the tracker are unchanged")
+
+
 def _save_collective(root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer,
           writer) -> str:
     from gspo_megatron.checkpoint.mcore import save_mcore_checkpoint
@@ -183,13 +232,15 @@ def _save_collective(root, final, step, model, optimizer, model_state, trainer, 
         chunks, common = plan
         save_mcore_checkpoint(model, final, hf_config, model_state=model_state, write_rank_files=rank_files,
                               tensor_chunks=chunks, common_state={"optimizer": common, "trainer": trainer},
-                              thread_count=1)
+                              thread_count=1, checksums=False)
     else:
         save_mcore_checkpoint(
             model, final, hf_config, model_state=model_state, write_rank_files=rank_files,
             extra_sharded_state={"optimizer": optimizer_state(optimizer, model_state, is_loading=False),
                                  "trainer": trainer},
+            checksums=False,
         )
+    # checksums of the published directory (_write_checksums), before the tracker names it
     dist.barrier()  # the directory is in place on every rank's view
     _write_checksums(final, ctx)
     if ctx.rank == 0:
@@ -206,34 +257,16 @@ def _write_checksums(directory: str, ctx) -> None:
     names the checkpoint, so a tracked checkpoint always has them)."""
     from gspo_megatron.checkpoint import integrity
 
-    files = integrity.list_files(directory)
-    mine = integrity.compute(directory, integrity.share(files, ctx.rank, ctx.world_size))
-    parts = [None] * ctx.world_size
-    dist.all_gather_object(parts, mine)
-    if ctx.rank == 0:
-        integrity.write(directory, dict(ChainMap(*parts)))
+    integrity.record(directory, dist)
 
 
-def verify_checksums(directory: str, ctx) -> bool:
+def verify_checksums(directory: str, ctx, require: bool = False) -> bool:
     """Collective: every rank checks its share of the files against checksums.json; any mismatch
     is one CheckpointError line naming the file, raised on every rank. False when the checkpoint
-    has no checksums (saved by an earlier version)."""
+    has no checksums (saved by an earlier version: a warning naming it; refused with `require`)."""
     from gspo_megatron.checkpoint import integrity
-    from gspo_megatron.model.hf_io import CheckpointError
 
-    try:
-        recorded = integrity.read(directory)
-        err = None
-    except integrity.IntegrityError as e:
-        recorded, err = {}, str(e)
-    if recorded is not None and err is None:
-        err = integrity.verify(directory, recorded, integrity.share(sorted(recorded), ctx.rank, ctx.world_size))
-    errors = [None] * ctx.world_size
-    dist.all_gather_object(errors, err)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise CheckpointError(first)
-    return recorded is not None
+    return integrity.verify_before_parse(directory, data=True, require=require, dist=dist)
 
 
 def _prune(root: str, keep_last: int, just_written: int) -> None:
@@ -255,10 +288,15 @@ def is_trainer_checkpoint(path: str) -> bool:
 
 def find_latest(out_dir: str) -> str | None:
     """The checkpoint `checkpoint.resume=auto` continues from: what the tracker names when that is a
-    complete trainer checkpoint; otherwise (tracker deleted, or naming a directory that is missing
-    or incomplete) the newest complete iter_* directory, with a log line saying so. None when there
-    is no checkpoint at all; one CheckpointError line when there are iter_* directories but none is
-    usable (nothing is deleted: the run would otherwise start over and prune them)."""
+    complete trainer checkpoint; otherwise (tracker deleted, unreadable, or naming a directory that
+    is missing or incomplete) the newest complete iter_* directory, with a log line saying so. None
+    when there is no checkpoint at all; one CheckpointError line when there are iter_* directories
+    but none is usable (nothing is deleted: the run would otherwise start over and prune them).
+
+    "Complete" is decided from which files exist, never by parsing them: no file of a checkpoint is
+    parsed before its checksums are verified (load). A complete newest iteration whose files are
+    corrupted is therefore refused by load() in one line naming the file; it is never taken for an
+    incomplete one and passed over for an older iteration, whose resume would then save over it."""
     from gspo_megatron.checkpoint.megatron_dirs import iterations, read_tracker
 
     from gspo_megatron.model.hf_io import CheckpointError
@@ -272,8 +310,8 @@ def find_latest(out_dir: str) -> str | None:
         log.warning("%s; looking for the newest complete checkpoint instead", e)
         name = None
     if name is None and os.path.isfile(os.path.join(root, LATEST)):  # a run of an earlier version
-        with open(os.path.join(root, LATEST)) as f:
-            name = f.read().strip()
+        with open(os.path.join(root, LATEST), "rb") as f:
+            name = f.read().decode("utf-8", "replace").strip() or None
     if name is not None:
         d = os.path.join(root, name)
         if os.path.isfile(os.path.join(d, "meta.json")) and not is_trainer_checkpoint(d):
@@ -291,21 +329,16 @@ def find_latest(out_dir: str) -> str | None:
     if candidates:
         raise CheckpointError(f"{root}: {len(candidates)} checkpoint director{'y' if len(candidates) == 1 else 'ies'} "
                               f"({candidates[0]} .. {candidates[-1]}) but none complete (metadata.json, .metadata and "
-                              "common.pt with trainer state); nothing was deleted: fix or move them, or set "
+                              "common.pt); nothing was deleted: fix or move them, or set "
                               "checkpoint.resume=never with another out_dir")
     return None
 
 
 def _complete(d: str) -> bool:
-    """A trainer checkpoint whose metadata and common state read (what a resume needs first)."""
-    if not (is_trainer_checkpoint(d) and os.path.isfile(os.path.join(d, ".metadata"))):
-        return False
-    try:
-        _read_common(d)
-    except Exception as e:  # noqa: BLE001 - any unreadable common.pt makes it incomplete
-        log.warning("%s: not a complete checkpoint (%s)", d, str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return False
-    return True
+    """A trainer checkpoint directory holding the files a resume reads first (nothing is parsed:
+    see find_latest; a save publishes a directory whole, so only a hand-made change leaves one
+    incomplete)."""
+    return is_trainer_checkpoint(d) and os.path.isfile(os.path.join(d, ".metadata"))
 
 
 def resolve_resume(resume: str, out_dir: str) -> str | None:
@@ -340,9 +373,14 @@ def agree_on_resume(resume: str, out_dir: str, ctx) -> str | None:
 
 
 def _clean_stale_temps(root: str) -> None:
-    """Hidden `.iter_*.tmp-*` directories of interrupted saves (each one a full checkpoint's size)."""
+    """Hidden `.iter_*.tmp-*` directories of interrupted saves (each one a full checkpoint's size),
+    and `.iter_*.old-*` ones of an interrupted replacement: deleted when iter_* exists, restored
+    when it is missing (fsutil.recover_all), before the resume is resolved."""
     if not os.path.isdir(root):
         return
+    from gspo_megatron.fsutil import recover_all
+
+    recover_all(root)
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
         if name.startswith(".") and ".tmp" in name and os.path.isdir(path):
@@ -350,19 +388,23 @@ def _clean_stale_temps(root: str) -> None:
             log.info("removed %s, the temporary directory of a save that never finished", path)
 
 
-def read_trainer_state(path: str) -> dict:
-    """The checkpoint's plain trainer state (common.pt, read with weights_only=True)."""
-    return _read_common(path)["trainer"]
+def read_trainer_state(path: str, require_checksums: bool = False) -> dict:
+    """The checkpoint's plain trainer state (common.pt, read with weights_only=True, after the
+    checkpoint's small files are verified against its checksums)."""
+    return _read_common(path, require_checksums)["trainer"]
 
 
-def _read_common(path: str) -> dict:
+def _read_common(path: str, require_checksums: bool = False) -> dict:
     """common.pt of a trainer checkpoint (read once per load): {"trainer": ..., "optimizer": ...}."""
+    from gspo_megatron.checkpoint import integrity
     from gspo_megatron.checkpoint.megatron_load import load_common_state_dict
     from gspo_megatron.model.hf_io import CheckpointError
 
     if not is_trainer_checkpoint(path):
         raise CheckpointError(f"{path}: not a trainer checkpoint (no metadata.json/common.pt; written by an "
                               "older version, or not a checkpoint directory)")
+    # verified before parsed (cheap: every file but the tensor data; load() has verified them all)
+    integrity.verify_before_parse(path, data=False, require=require_checksums)
     common = load_common_state_dict(path)  # weights_only, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says
     trainer = common.get("trainer") if isinstance(common, dict) else None
     if not isinstance(trainer, dict) or trainer.get("format") != FORMAT_VERSION:
@@ -372,21 +414,34 @@ def _read_common(path: str) -> dict:
 
 
 def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
-         chunk_bytes: int = LOAD_CHUNK_BYTES, arch=None) -> dict:
+         chunk_bytes: int = LOAD_CHUNK_BYTES, arch=None, require_checksums: bool = False) -> dict:
     """Restore model, optimizer, scheduler and RNG at this run's layout (any); returns the loop state.
 
+    Every file of the checkpoint is verified against its checksums.json first (collective), before
+    any is parsed: a corrupted one is one CheckpointError line naming it, and nothing is loaded.
+    Without checksums.json: a warning naming the folder, or refused with `require_checksums`.
     The model first (its temporary tensors are freed before the optimizer's are read), then the
     optimizer: the distributed optimizer's state piece by piece (_load_distributed_optimizer),
     any other through Megatron's sharded_state_dict in one load."""
+    from gspo_megatron.checkpoint import integrity
     from gspo_megatron.checkpoint.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
 
-    verify_checksums(path, ctx)  # before anything is read: a corrupted file is one line naming it
+    from gspo_megatron.model.hf_io import CheckpointError
+
+    try:
+        if require_checksums:  # a checkpoint without checksums.json: refused before anything is read
+            integrity.verify_before_parse(path, data=False, require=True)
+        verify_checksums(path, ctx)  # before anything is parsed: a corrupted file is one line naming it
+    except CheckpointError as e:
+        # never an older iteration instead: its resume would save over this one (find_latest)
+        raise CheckpointError(f"{e}; nothing was loaded or changed: move {path} aside to resume from the "
+                              "checkpoint before it, or set checkpoint.resume to another one") from None
     common = _read_common(path)
     if arch is not None:
         check_architecture(path, arch)
     trainer, saved_optimizer = common["trainer"], common.get("optimizer") or {}
     _check_optimizer_kind(path, saved_optimizer, optimizer)
-    load_mcore_into_model(model, path)
+    load_mcore_into_model(model, path, verify_data=False)  # verified above
     # a fresh model state: the load above replaced the tensors of the one it used
     model_state = model_sharded_state_dict(model)
     if not _load_distributed_optimizer(optimizer, saved_optimizer, model_state, path, chunk_bytes, ctx.device):
@@ -420,8 +475,12 @@ def check_architecture(path: str, arch) -> None:
     cfg_path = os.path.join(path, "hf_config", "config.json")
     if not os.path.isfile(cfg_path):
         return  # written without it (nothing to compare with)
-    with open(cfg_path) as f:
-        saved = Qwen3MoeArch.from_hf_dict(json.load(f), source=cfg_path)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            saved_cfg = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({str(e).splitlines()[0]})") from None
+    saved = Qwen3MoeArch.from_hf_dict(saved_cfg, source=cfg_path)
     # max_position_embeddings only bounds the RoPE table (no effect on the math of a sequence)
     diff = [f"{f.name} {getattr(saved, f.name)!r} -> {getattr(arch, f.name)!r}" for f in dataclasses.fields(saved)
             if f.name != "max_position_embeddings" and getattr(saved, f.name) != getattr(arch, f.name)]
