@@ -687,8 +687,9 @@ class DataConfig:
     # What happens to a longer prompt: "skip" it (counted in data_skipped) or "truncate" it to its
     # last max_prompt_tokens tokens (the chat template's generation prompt is at the end).
     long_prompts: Literal["skip", "truncate"] = "skip"
-    # A record whose raw size (its JSONL line, or its parquet row as JSON) exceeds this many bytes
-    # is skipped (counted in data_skipped) before it is parsed further or tokenized; --dry-run names it.
+    # A record larger than this many bytes (its JSONL line; a parquet row's or JSON-array element's
+    # prompt + answer text in UTF-8) is skipped (counted in data_skipped) before it is parsed or
+    # tokenized; --dry-run names it with its file and line.
     max_record_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self):
@@ -906,7 +907,8 @@ class EvalConfig:
     # Name of the set in the metric keys: eval/<name>/pass@1.
     name: str = "heldout"
     # Held-out prompts: "synthetic" = data.task drawn with eval.seed (not data.seed); "file" =
-    # the first num_prompts records of eval.path (same formats and keys as data.path).
+    # the first num_prompts usable records of eval.path (same formats, keys and checks as
+    # data.path; the records training would skip are skipped and named in a warning).
     source: Literal["synthetic", "file"] = "synthetic"
     path: Optional[str] = None
     # Seed of the held-out synthetic prompts and of evaluation's sampling (never the training RNG).

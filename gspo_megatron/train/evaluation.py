@@ -5,7 +5,8 @@ Rank 0 generates eval.samples_per_prompt samples for each held-out prompt with t
 (in-process or SGLang) right after a weight push, so with the current weights; rewards come from
 the run's reward function; a sample is correct when its reward reaches eval.correct_threshold.
 Reported, under eval/<name>/: pass@k for k = 1, 2, 4, ... < n and n (the unbiased estimator,
-algorithms/passk.py), reward_mean, response_len_mean, truncated_frac.
+algorithms/passk.py), reward_mean, response_len_mean, truncated_frac (and engine_rejected when
+the engine boundary rejected responses: they count as wrong, unscored).
 
 Isolation from training: the held-out prompts are fixed (drawn once with eval.seed, or the first
 records of eval.path) and never touch the training prompt stream; sampling uses its own seed
@@ -15,11 +16,15 @@ evaluation on or off (tests/test_evaluation.py).
 """
 from __future__ import annotations
 
+import logging
 import random
 
 from gspo_megatron.algorithms.passk import ks_for, mean_pass_at_k
 from gspo_megatron.cli_util import InputError
 from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.validate import rejected_reason
+
+log = logging.getLogger("gspo_megatron.train")
 
 
 class HeldOut:
@@ -57,14 +62,9 @@ class _Set:
 
             task = SyntheticTask(cfg.data.task, seed=spec.seed)
             self.examples = task.sample_prompts(spec.num_prompts, random.Random(f"eval:{spec.seed}"))
+            self.prompt_ids = [prompts.encode(ex) for ex in self.examples]
         else:
-            from gspo_megatron.rollout.data import load_prompts
-
-            examples = load_prompts(spec.path, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
-            if not examples:
-                raise InputError(f"{key}.path: {spec.path} has no records")
-            self.examples = list(examples[: spec.num_prompts])
-        self.prompt_ids = [prompts.encode(ex) for ex in self.examples]
+            self.examples, self.prompt_ids = _first_usable(spec, cfg, prompts, key)
 
     def run(self, cfg, engine, score, tokenizer, stop_ids, agent=None) -> dict:
         e, r = cfg.eval, cfg.rollout
@@ -78,8 +78,12 @@ class _Set:
                                                    score, seed=self.seed, version=engine.weight_version)
         else:
             samples = engine.generate(self.prompt_ids, n, sp, seed=self.seed)
-            texts = [tokenizer.decode(s.response_ids, skip_special_tokens=False) for s in samples]
-            rewards, _ = score(texts, [self.examples[s.prompt_index] for s in samples])
+            ok = [i for i, s in enumerate(samples) if not rejected_reason(s)]
+            got, _ = score([tokenizer.decode(samples[i].response_ids, skip_special_tokens=False) for i in ok],
+                           [self.examples[samples[i].prompt_index] for i in ok]) if ok else ([], [])
+            rewards = [0.0] * len(samples)  # a response the engine boundary rejected is wrong, unscored
+            for j, i in enumerate(ok):
+                rewards[i] = got[j]
         correct = [[] for _ in self.examples]
         for s, rew in zip(samples, rewards):
             correct[s.prompt_index].append(rew >= e.correct_threshold)
@@ -88,4 +92,39 @@ class _Set:
         out[f"{key}/reward_mean"] = sum(rewards) / len(rewards)
         out[f"{key}/response_len_mean"] = sum(len(s.response_ids) for s in samples) / len(samples)
         out[f"{key}/truncated_frac"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
+        rejected = sum(1 for s in samples if rejected_reason(s))
+        if rejected:
+            out[f"{key}/engine_rejected"] = rejected
         return out
+
+
+def _first_usable(spec, cfg, prompts, key: str) -> tuple[list[dict], list[list[int]]]:
+    """The first `spec.num_prompts` records of `spec.path` training could use, and their token ids.
+
+    A record training would skip (rollout/data.py load_prompts: malformed, over
+    data.max_record_bytes, not JSON; or, by the run's PromptSource, unrenderable or over
+    data.max_prompt_tokens) is skipped here too, with a warning naming it, rather than stopping
+    the run: the set stays a pure function of the file, and an oversized record is never read
+    whole or tokenized. A file with no usable record among those read is one line."""
+    from gspo_megatron.rollout.data import load_prompts
+
+    problems: dict[int, str] = {}
+    records = load_prompts(spec.path, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+                           skip_malformed=True, problems=problems, max_record_bytes=cfg.data.max_record_bytes)
+    examples, ids, skipped = [], [], []
+    for i, ex in enumerate(records):
+        if len(examples) == spec.num_prompts:
+            break
+        # PromptSource._check: the same checks (and the same cache) as the training stream's
+        got, why = (None, problems[i]) if ex is None else prompts._check(ex)
+        if got is None:
+            skipped.append(f"record {i + 1} {why}")
+            continue
+        examples.append(ex)
+        ids.append(got)
+    if not examples:
+        raise InputError(f"{key}.path: {spec.path} has no usable record ({skipped[0]})")
+    if skipped:
+        log.warning("%s.path %s: %d record(s) skipped, the held-out set takes the next ones (%s)",
+                    key, spec.path, len(skipped), "; ".join(skipped[:3]))
+    return examples, ids

@@ -32,7 +32,8 @@ class PromptSource:
     when the stream reaches it and counted (`take_skipped`, the step's `data_skipped`); the stream
     keeps the file's positions, so fixing a record in place does not shift a resumed run."""
 
-    def __init__(self, data_cfg, tokenizer, seed: int, *, max_prompt_tokens: int | None = None):
+    def __init__(self, data_cfg, tokenizer, seed: int, *, max_prompt_tokens: int | None = None,
+                 max_record_bytes: int | None = None):
         from gspo_megatron.rollout.data import PromptStream, load_prompts
         from gspo_megatron.rollout.tasks import TASKS, SyntheticTask
 
@@ -54,7 +55,8 @@ class PromptSource:
         else:
             self._problems: dict[int, str] = {}
             examples = load_prompts(data_cfg.path, prompt_key=data_cfg.prompt_key, answer_key=data_cfg.answer_key,
-                                    skip_malformed=True, problems=self._problems)
+                                    skip_malformed=True, problems=self._problems,
+                                    max_record_bytes=max_record_bytes)
             self.path = data_cfg.path
             self.prompt_key = data_cfg.prompt_key
             self._index = {id(ex): i for i, ex in enumerate(examples) if ex is not None}
@@ -289,7 +291,7 @@ class RunParts:
         from gspo_megatron.train import checkpoint
 
         return checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.ctx, seed=self.cfg.train.seed,
-                               arch=self.arch)
+                               arch=self.arch, require_checksums=self.cfg.checkpoint.require_checksums)
 
     def export_hf(self, out_dir: str) -> None:
         """Final policy as an HF checkpoint (collective; rank 0 writes)."""
@@ -336,6 +338,11 @@ def read_load_source(cfg):
         directory = resolve(load)
     except ValueError as e:  # CheckpointError: a root whose tracker names nothing usable, ...
         raise ConfigError(f"model.load: {e}") from None
+    from gspo_megatron.checkpoint import integrity
+
+    # before any of its files is parsed (hf_config/, run_config.yaml, common.pt, the tokenizer);
+    # the tensor data is verified by load_mcore_into_model, split over the ranks
+    integrity.verify_before_parse(directory, data=False, require=cfg.checkpoint.require_checksums)
     hf_config_dir = os.path.join(directory, "hf_config")
     if os.path.isfile(os.path.join(hf_config_dir, "config.json")):
         return LoadSource(directory, hf_config_dir=hf_config_dir)
@@ -453,7 +460,8 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
         raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {arch.vocab_size} "
                          "(model.tokenizer and the model's checkpoint must belong together)")
     limit = cfg.data.max_prompt_tokens or max(1, arch.max_position_embeddings - cfg.rollout.response_budget)
-    prompts = PromptSource(cfg.data, tokenizer, cfg.train.seed, max_prompt_tokens=limit)
+    prompts = PromptSource(cfg.data, tokenizer, cfg.train.seed, max_prompt_tokens=limit,
+                           max_record_bytes=cfg.data.max_record_bytes)
     if cfg.train.sft_warmup_steps > 0 and prompts.task is None:
         raise InputError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} needs demonstrations, which only "
                          "data.source=synthetic has: set train.sft_warmup_steps=0 (start from an SFT model)")
@@ -469,7 +477,7 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
         from gspo_megatron.train.checkpoint import read_trainer_state, resolve_resume
 
         # one CheckpointError line naming the path (a root resolves to the iteration its tracker names)
-        read_trainer_state(resolve_resume(cfg.checkpoint.resume, cfg.out_dir))
+        read_trainer_state(resolve_resume(cfg.checkpoint.resume, cfg.out_dir), cfg.checkpoint.require_checksums)
     agent = None
     if cfg.rollout.agent:  # a bad module:function fails here, in seconds
         from gspo_megatron.rollout.agent import AgentRunner, load_agent_fn
@@ -534,7 +542,8 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
         from gspo_megatron.checkpoint.mcore import load_mcore_into_model
 
         # the directory check_inputs read the architecture from (a root is not resolved twice)
-        load_mcore_into_model(chunks, inputs.load.directory if inputs.load is not None else cfg.model.load)
+        load_mcore_into_model(chunks, inputs.load.directory if inputs.load is not None else cfg.model.load,
+                              require_checksums=cfg.checkpoint.require_checksums)
     if cfg.loss.kl_coef > 0:
         ref_chunks, _ = build_policy(ctx, arch, dtype=dtype, fused_logprobs=cfg.model.fused_logprobs)
         for src, dst in zip(chunks, ref_chunks):
