@@ -433,3 +433,16 @@ def test_a_step_made_mostly_of_rejected_responses_stops_in_one_line():
     msg = str(ei.value)
     assert "\n" not in msg and "5 of 8 samples" in msg and "http://127.0.0.1:1" in msg and "max_new_tokens=8" in msg
     assert scored == []  # nothing of it was scored either
+
+
+@pytest.mark.timeout(300)
+def test_a_user_folder_where_the_export_goes_is_refused_before_training(tmp_path):
+    """checkpoint.export_hf writes <out_dir>/hf: a folder there that the export did not write is
+    refused by the input checks, before any step (it used to be replaced at the end of the run)."""
+    out = tmp_path / "run"
+    (out / "hf").mkdir(parents=True)
+    (out / "hf" / "NOTES.md").write_text("mine")
+    r = train(out, "train.max_steps=1", "checkpoint.export_hf=true", ok=False)
+    line = one_line_error(r)
+    assert str(out / "hf") in line and r.returncode == 2, line
+    assert (out / "hf" / "NOTES.md").read_text() == "mine" and not (out / "checkpoints").exists()

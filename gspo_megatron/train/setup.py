@@ -455,6 +455,10 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     if cfg.model.hf_dir:
         reader = HFCheckpointReader(cfg.model.hf_dir)
         reader.validate(arch)
+    if cfg.checkpoint.export_hf:  # a folder at <out_dir>/hf the export may not replace: refused now, not after training
+        from gspo_megatron.model.hf_writer import check_export_target
+
+        check_export_target(os.path.join(cfg.out_dir, "hf"))
     tokenizer = load_tokenizer(cfg, load)
     if len(tokenizer) > arch.vocab_size:
         raise InputError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {arch.vocab_size} "
@@ -489,7 +493,7 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
             raise InputError(str(e)) from None
         r = cfg.rollout
         agent = AgentRunner(fn, tokenizer, max_response_tokens=r.response_budget, concurrency=r.agent_concurrency,
-                            timeout_s=r.agent_timeout_s)
+                            timeout_s=r.agent_timeout_s, vocab_size=arch.vocab_size)
         prompts.agent_demonstration = getattr(fn, "demonstration", None)
     heldout = None
     if cfg.eval.interval:
