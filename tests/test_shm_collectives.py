@@ -125,6 +125,70 @@ def test_every_shared_memory_collective_equals_gloo_bitwise(world_size):
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("gspo-shm-")], "an arena file was left in /dev/shm"
 
 
+def _cp2_one_row_mismatch(rank, world_size):
+    """Issue 41: CP2 training crashed at step 2 of tiny_cpu.yaml on a one-row microbatch, in
+    train/loss.py `_engine_mismatch`: `sums[:, 4].contiguous()` of the [1, 5] row sums is a [1]
+    tensor with stride 5 (torch calls it contiguous), and the all-reduce's byte view of it raised.
+    Here: that tensor alone through every overridden op, then `_engine_mismatch` itself on a
+    one-row microbatch (each CP rank holding half of the tokens) over the shm group and over gloo."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from gspo_megatron.algorithms.mismatch import mismatch_report, mismatch_row_sums
+    from gspo_megatron.train.loss import _engine_mismatch
+
+    gloo, shm = _init(world_size)
+
+    def column():
+        """(the [1, 5] sums, its column 4 as the loss takes it: a view of the sums, stride 5)"""
+        sums = torch.arange(5.0, dtype=torch.float64)[None] + 10 * rank
+        top = sums[:, 4].contiguous()
+        assert top.is_contiguous() and top.stride() == (5,) and top._base is sums, top.stride()
+        return sums, top
+
+    got = []
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.SUM):
+        sums, top = column()
+        dist.all_reduce(top, op=op, group=shm)
+        got.append((top.item(), sums[0].tolist()))  # written in place, into the sums it views
+    sums, top = column()
+    dist.broadcast(top, src=1, group=shm)
+    got.append((top.item(), sums[0].tolist()))
+    out = torch.zeros(world_size, 5, dtype=torch.float64)[:, 2]  # [w] with stride 5
+    dist.all_gather_into_tensor(out, column()[1], group=shm)
+    got.append((out.tolist(), None))
+
+    def rows(r):
+        g = torch.Generator().manual_seed(41 + r)
+        t = 6
+        return (torch.randn(1, t, generator=g), torch.randn(1, t, generator=g),
+                (torch.rand(1, t, generator=g) < 0.7).float())
+
+    reports = []
+    for group in (shm, gloo):
+        lp, engine, mask = rows(rank)
+        ctx = SimpleNamespace(parallel=SimpleNamespace(cp=world_size), cp_group=group)
+        mb = SimpleNamespace(engine_logprobs=engine, loss_mask=mask)
+        reports.append({k: v.item() for k, v in _engine_mismatch(ctx, mb, lp).items()})
+    parts = [mismatch_row_sums(*rows(r)) for r in range(world_size)]  # [1, 5] each
+    whole = torch.cat([sum(p[:, :4] for p in parts), torch.stack([p[:, 4] for p in parts]).amax(0)[:, None]], -1)
+    return got, reports, {k: v.item() for k, v in mismatch_report(whole).items()}
+
+
+def test_cp2_one_row_microbatch_mismatch_sums_all_reduce():
+    """Failed before the fix with "self.stride(-1) must be 1 to view Double as Byte" on both ranks."""
+    out = run_distributed(_cp2_one_row_mismatch, 2)
+    for rank, (got, (on_shm, on_gloo), want) in enumerate(out):
+        rest = [0.0, 1.0, 2.0, 3.0]
+        assert got[0] == (14.0, [x + 10 * rank for x in rest] + [14.0]), got
+        assert got[1] == (18.0, [x + 10 * rank for x in rest] + [18.0]), got
+        assert got[2] == (14.0, [x + 10 * rank for x in rest] + [14.0]), got
+        assert got[3] == ([4.0, 14.0], None), got
+        assert on_shm == want and on_gloo == want, (on_shm, on_gloo, want)
+
+
 def _fallbacks_loop(rank, world_size):
     """The ops the group leaves to gloo, many times over: each used to go through pybind's
     trampoline holding the GIL while gloo's worker thread wanted it (a deadlock within a few

@@ -27,6 +27,15 @@ published round k+1, i.e. finished reading round k. Payloads larger than a slot 
 rounds. Reductions add the ranks' contributions in rank order on every rank, so all ranks get
 bitwise the same result (as with gloo; for two ranks a+b == b+a, so the values equal gloo's).
 
+Tensors: any CPU strided tensor of a real dtype, with any strides. One whose elements are a
+dense run of memory in row-major order goes through the rounds as a byte view of itself; any
+other view (a transpose, a slice with a step, `x[:, ::2]`) is copied into a dense buffer first
+and the result copied back into the caller's tensor, in place, as a collective's result must be.
+A tensor the collective writes whose elements share memory (an expand()) has no defined result:
+refused in one line on every rank before any round (gloo writes numel elements from its first
+one on). tests/test_shm_collectives_props.py checks every op against the definition over random
+shapes, strides, views and dtypes.
+
 Ordering: the data is written (a memcpy in torch) before the counter (a separate store), and
 read after the counter is seen. x86-64 keeps stores in order and loads in order (TSO), so a rank
 that sees the counter sees the data. Weaker memory models (ARM) would need fences that Python
@@ -250,13 +259,70 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _shm_ok(*tensors: torch.Tensor) -> bool:
-    """Tensors the fast path takes: CPU, contiguous, a dtype with a byte view."""
-    return all(t.device.type == "cpu" and t.is_contiguous() and not t.is_complex() for t in tensors)
+    """Tensors the shared-memory path takes, with any strides (a dense copy in and out where their
+    elements are not one run of memory: `_Dense`): CPU, strided layout, a dtype with a byte view."""
+    return all(t.device.type == "cpu" and t.layout == torch.strided and not t.is_complex() for t in tensors)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor | None:
+    """t's elements as a 1-D stride-1 view of the same memory, where they are one dense run in
+    row-major order; else None. Not `t.reshape(-1)`: torch calls a tensor contiguous whatever
+    the strides of its size-1 dims (c10/core/Contiguity.h:24, `if (size_d == 1) continue`) and a
+    reshape keeps them, so `sums[:, 4].contiguous()` of a [1, 5] tensor is a [1] tensor with
+    stride 5, which `.view(torch.uint8)` refuses ("self.stride(-1) must be 1"; the CP2 crash of
+    issue 41). A contiguous tensor's elements are exactly storage_offset .. +numel, so the
+    as_strided view below is the same memory."""
+    if t.is_contiguous() and not t.is_neg():
+        return t.as_strided((t.numel(),), (1,))
+    return None
+
+
+def _shares_memory(t: torch.Tensor) -> bool:
+    """Whether elements of t may be one memory location (an expand(), a stride 0, an as_strided
+    overlap). Sufficient test: ordered by stride, each dim's stride is past everything the
+    smaller dims span."""
+    extent = 0  # largest offset the dims seen so far reach
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+def _refuse_shared(op: str, role: str, t: torch.Tensor) -> None:
+    """A tensor a collective writes must own each of its elements: results written through an
+    expand()ed view have no defined value (gloo writes numel elements from the first one on,
+    past the view's memory). Checked on every rank before any rank enters a round."""
+    if _shares_memory(t):
+        raise ValueError(f"{NAME} {op}: the {role} (shape {tuple(t.shape)}, stride {t.stride()}) has "
+                         f"elements that share memory (an expand()?); pass one that owns each element (.clone())")
+
+
+class _Dense:
+    """A tensor of the caller's as a flat stride-1 tensor for the shared-memory rounds: the same
+    memory where it already is one (`_flat`), else a dense copy of its elements, written back into
+    the caller's tensor by `done()` when the collective writes it (gloo writes results into the
+    caller's tensor, so views such as `x[:, ::2]` or `x.t()` get their elements in place)."""
+
+    def __init__(self, op: str, role: str, t: torch.Tensor, written: bool, read: bool = True):
+        if written:
+            _refuse_shared(op, role, t)
+        self.t, self.written = t, written
+        flat = _flat(t)
+        self.copied = flat is None
+        if flat is None:
+            flat = torch.empty(t.numel(), dtype=t.dtype)
+            if read:
+                flat.view(t.shape).copy_(t)
+        self.flat = flat
+
+    def bytes(self) -> torch.Tensor:
+        return self.flat.view(torch.uint8)
+
+    def done(self) -> None:
+        if self.written and self.copied:
+            self.t.copy_(self.flat.view(self.t.shape))
 
 
 class ShmProcessGroup(ProcessGroup):
@@ -309,26 +375,43 @@ class ShmProcessGroup(ProcessGroup):
 
     # -- overridden collectives --
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - torch's parameter name
-        if self._solo and _shm_ok(output, input):
-            output.reshape(-1).copy_(input.reshape(-1))
-            return _Done([output])
-        arena = self._get_arena() if _shm_ok(output, input) else None
-        if arena is None:
+        if not _shm_ok(output, input):
             return self._gloo._allgather_base(output, input, _opts(opts, AllgatherOptions))
-        src, dst = _flat_bytes(input), _flat_bytes(output)
+        src, dst = self._gather_args(output, input)
+        arena = None if self._solo else self._get_arena()
+        if arena is None and not self._solo:
+            return self._gloo_dense(self._gloo._allgather_base, dst, src, _opts(opts, AllgatherOptions))
+        if self._solo:
+            dst.flat.copy_(src.flat)
+        else:
+            self._gather_rounds(arena, src.bytes(), dst.bytes())
+        dst.done()
+        return _Done([output])
+
+    def _gather_args(self, output, input):  # noqa: A002
+        """Checks (one line each, before any rank enters a round) and the dense forms."""
+        if output.dtype != input.dtype:
+            raise ValueError(f"{NAME} all_gather: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(f"{NAME} all_gather: output has {output.numel()} elements, expected "
+                             f"{input.numel()} x {self.size()}")
+        dst = _Dense("all_gather", "output tensor", output, written=True, read=False)
+        return _Dense("all_gather", "input tensor", input, written=False), dst
+
+    @staticmethod
+    def _gather_rounds(arena: "_Arena", src: torch.Tensor, dst: torch.Tensor) -> None:
         n = src.numel()
-        if dst.numel() != n * arena.size:
-            raise ValueError(f"all_gather_single: output has {dst.numel()} bytes, expected {n} x {arena.size}")
         for off in range(0, n, SLOT_BYTES) if n else ():
             c = min(SLOT_BYTES, n - off)
             seq = arena.round("all_gather", src[off: off + c])
             for q in range(arena.size):
                 dst[q * n + off: q * n + off + c].copy_(arena.slot(q, seq)[:c])
-        return _Done([output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        if not all(_shm_ok(o, i) for o, i in zip(outputs, inputs)) or (not self._solo and self._get_arena() is None):
+        if not all(_shm_ok(o, i) for o, i in zip(outputs, inputs)):
             return self._gloo_each(self._gloo._allgather_base, outputs, inputs, _opts(opts, AllgatherOptions))
+        for o, i in zip(outputs, inputs):  # every tensor checked before the first is written
+            self._gather_args(o, i)
         for o, i in zip(outputs, inputs):
             self.all_gather_single(o, i)
         return _Done(list(outputs))
@@ -339,31 +422,44 @@ class ShmProcessGroup(ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
         reduce = _REDUCE.get(_op_type(op))
-        ok = reduce is not None and _shm_ok(output, input) and output.dtype == input.dtype
-        if self._solo and ok:
-            output.reshape(-1).copy_(input.reshape(-1))
-            return _Done([output])
-        arena = self._get_arena() if ok else None
-        if arena is None:
+        if not _shm_ok(output, input):
             return self._gloo._reduce_scatter_base(output, input, _opts(opts, ReduceScatterOptions))
+        src, dst = self._scatter_args(output, input)
+        arena = None if self._solo or reduce is None else self._get_arena()
+        if arena is None and (not self._solo or reduce is None):  # an op gloo does, or no arena
+            return self._gloo_dense(self._gloo._reduce_scatter_base, dst, src, _opts(opts, ReduceScatterOptions))
+        if self._solo:
+            dst.flat.copy_(src.flat)
+            dst.done()
+            return _Done([output])
         w, r = arena.size, arena.rank
-        src, dst = input.reshape(-1), output.reshape(-1)
-        m = dst.numel()
-        if src.numel() != m * w:
-            raise ValueError(f"reduce_scatter_single: input has {src.numel()} elements, expected {m} x {w}")
-        es = dst.element_size()
+        m = dst.flat.numel()
+        es = dst.flat.element_size()
         per_round = max(1, SLOT_BYTES // (es * w))  # elements of each destination's block per round
-        blocks = src.view(w, m)
+        blocks = src.flat.view(w, m)
         for off in range(0, m, per_round) if m else ():
             c = min(per_round, m - off)
             stage = blocks[:, off: off + c].contiguous()  # [w, c]: block q's part for rank q
             seq = arena.round("reduce_scatter", stage.reshape(-1).view(torch.uint8))
-            self._reduce_into(dst[off: off + c], arena, seq, r * c, c, reduce)
+            self._reduce_into(dst.flat[off: off + c], arena, seq, r * c, c, reduce)
+        dst.done()
         return _Done([output])
 
+    def _scatter_args(self, output, input):  # noqa: A002
+        if output.dtype != input.dtype:
+            raise ValueError(f"{NAME} reduce_scatter: output dtype {output.dtype} differs from input dtype "
+                             f"{input.dtype}")
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(f"{NAME} reduce_scatter: input has {input.numel()} elements, expected "
+                             f"{output.numel()} x {self.size()}")
+        dst = _Dense("reduce_scatter", "output tensor", output, written=True, read=False)
+        return _Dense("reduce_scatter", "input tensor", input, written=False), dst
+
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        if not all(_shm_ok(o, i) for o, i in zip(outputs, inputs)) or (not self._solo and self._get_arena() is None):
+        if not all(_shm_ok(o, i) for o, i in zip(outputs, inputs)):
             return self._gloo_each(self._gloo._reduce_scatter_base, outputs, inputs, _opts(opts, ReduceScatterOptions))
+        for o, i in zip(outputs, inputs):  # every tensor checked before the first is written
+            self._scatter_args(o, i)
         for o, i in zip(outputs, inputs):
             self.reduce_scatter_single(o, i, opts)
         return _Done(list(outputs))
@@ -378,26 +474,32 @@ class ShmProcessGroup(ProcessGroup):
             opts = o
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
         reduce = _REDUCE.get(_op_type(op))
-        ok = reduce is not None and len(tensors) == 1 and _shm_ok(tensors[0])
-        if self._solo and ok:
-            return _Done(list(tensors))
-        arena = self._get_arena() if ok else None
-        if arena is None:
+        if len(tensors) != 1 or not _shm_ok(tensors[0]):
             return self._gloo.allreduce(tensors, _opts(opts, AllreduceOptions))
-        t = tensors[0].reshape(-1)
-        n, es = t.numel(), t.element_size()
+        if self._solo and reduce is not None:
+            return _Done(list(tensors))
+        t = _Dense("all_reduce", "tensor", tensors[0], written=True)
+        arena = self._get_arena() if reduce is not None else None
+        if arena is None:  # an op gloo does (BAND, BOR, ...), or no arena: gloo, on the dense form
+            self._gloo.allreduce([t.flat], _opts(opts, AllreduceOptions)).wait()
+            t.done()
+            return _Done(list(tensors))
+        flat = t.flat
+        n, es = flat.numel(), flat.element_size()
         per_round = max(1, SLOT_BYTES // es)
         for off in range(0, n, per_round) if n else ():
             c = min(per_round, n - off)
-            seq = arena.round("all_reduce", t[off: off + c].view(torch.uint8))
-            self._reduce_into(t[off: off + c], arena, seq, 0, c, reduce)
+            seq = arena.round("all_reduce", flat[off: off + c].view(torch.uint8))
+            self._reduce_into(flat[off: off + c], arena, seq, 0, c, reduce)
+        t.done()
         return _Done(list(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = opts.reduceOp if opts is not None else ReduceOp.SUM
-        if (_REDUCE.get(_op_type(op)) is None or not all(_shm_ok(t) for t in tensors)
-                or (not self._solo and self._get_arena() is None)):
+        if not all(_shm_ok(t) for t in tensors):
             return self._gloo.allreduce_coalesced(tensors, _opts(opts, AllreduceCoalescedOptions))
+        for t in tensors:  # every tensor checked before the first is written
+            _refuse_shared("all_reduce", "tensor", t)
         for t in tensors:
             o = AllreduceOptions()
             o.reduceOp = op
@@ -405,19 +507,28 @@ class ShmProcessGroup(ProcessGroup):
         return _Done(list(tensors))
 
     def broadcast(self, tensors, opts=None):
-        if self._solo and len(tensors) == 1 and _shm_ok(tensors[0]) and opts is not None:
-            return _Done(list(tensors))
-        if len(tensors) != 1 or not _shm_ok(tensors[0]) or opts is None or self._get_arena() is None:
+        if len(tensors) != 1 or not _shm_ok(tensors[0]):
             return self._gloo.broadcast(tensors, _opts(opts, BroadcastOptions))
-        arena = self._arena
+        opts = _opts(opts, BroadcastOptions)
+        if self._solo:
+            return _Done(list(tensors))
         root = opts.rootRank
-        b = _flat_bytes(tensors[0])
+        # written on every rank but the root; checked on every rank alike, so all refuse together
+        t = _Dense("broadcast", "tensor", tensors[0], written=True, read=self.rank() == root)
+        t.written = self.rank() != root
+        arena = self._get_arena()
+        if arena is None:
+            self._gloo.broadcast([t.flat], opts).wait()
+            t.done()
+            return _Done(list(tensors))
+        b = t.bytes()
         n = b.numel()
         for off in range(0, n, SLOT_BYTES) if n else ():
             c = min(SLOT_BYTES, n - off)
             seq = arena.round("broadcast", b[off: off + c] if arena.rank == root else None)
             if arena.rank != root:
                 b[off: off + c].copy_(arena.slot(root, seq)[:c])
+        t.done()
         return _Done(list(tensors))
 
     def barrier(self, opts=None):
@@ -434,8 +545,13 @@ class ShmProcessGroup(ProcessGroup):
     # on gloo, and gloo's worker thread takes the queue's mutex and then the GIL to drop a finished
     # op's tensors: a deadlock (seen: all_gather_object hung in ProcessGroupGloo::enqueue while the
     # worker waited in decref_pyobject). The Backend's bindings release the GIL first.
-    def allgather(self, *args):
-        return self._gloo.allgather(*args)
+    def allgather(self, output_lists, *args):
+        # gloo copies into each output tensor: one whose elements share memory gets torch's own
+        # error from inside gloo's work; refused here first, as in the methods above
+        for outputs in output_lists:
+            for t in outputs:
+                _refuse_shared("all_gather", "output tensor", t)
+        return self._gloo.allgather(output_lists, *args)
 
     def allgather_coalesced(self, *args):
         return self._gloo.allgather_coalesced(*args)
@@ -487,6 +603,14 @@ class ShmProcessGroup(ProcessGroup):
 
     def _end_coalescing(self, device=None):  # noqa: ARG002
         return _Done()
+
+    @staticmethod
+    def _gloo_dense(fn, dst: _Dense, src: _Dense, opts) -> _Done:
+        """A two-tensor collective on gloo (no arena), on the dense forms: gloo reads and writes a
+        tensor's memory from its first element on whatever its strides."""
+        fn(dst.flat, src.flat, opts).wait()
+        dst.done()
+        return _Done([dst.t])
 
     def _gloo_each(self, fn, outputs, inputs, opts):
         for o, i in zip(outputs, inputs):
