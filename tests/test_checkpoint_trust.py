@@ -22,15 +22,13 @@ import json
 import logging
 import os
 import pickle
-import shlex
 import shutil
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from dist_utils import run_distributed
+from test_safe_loading import _Payload, _run  # the attacker's pickle; the subprocess runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -40,26 +38,6 @@ BASE = ["parallel.tp=1", "parallel.sequence_parallel=false", "train.sft_warmup_s
 NEWEST = "iter_0000002"
 
 
-class _Payload:
-    """What an attacker pickles: unpickling it runs a shell command (here: create `marker`)."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {shlex.quote(self.marker)}",))
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    return env
-
-
-def _run(argv, timeout=300):
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=_env(),
-                          cwd=REPO)
 
 
 def _train(out, *overrides):

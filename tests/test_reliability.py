@@ -39,6 +39,28 @@ def train(out, *overrides, ok=True, timeout=300):
     return r
 
 
+def sigterm_through_torchrun(out, ready, *overrides):
+    """A one-process run under torchrun, SIGTERM sent to torchrun (which forwards it, as on a
+    cluster) once `ready()` holds; returns (the torchrun process, its stderr)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
+           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300",
+           "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE, *overrides]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+    try:
+        for _ in range(3000):
+            if p.poll() is not None or ready():
+                break
+            time.sleep(0.1)
+        assert p.poll() is None and ready(), "the run ended before it could be signalled"
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=60)
+    return p, err
+
+
 def one_line_error(r) -> str:
     lines = [x for x in r.stderr.strip().splitlines() if x.startswith("gspo_megatron.train: error")]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -183,24 +205,9 @@ def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(tmp_path):
     ref = tmp_path / "ref"
     train(ref, "train.max_steps=5", "checkpoint.interval=0")
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
-           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300",
-           "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE, "train.max_steps=5",
-           "checkpoint.interval=0"]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
-    try:
-        metrics = out / "metrics.jsonl"
-        for _ in range(3000):  # until step 2 is logged (step 3 is then in progress)
-            if p.poll() is not None or (metrics.exists() and len(steps(out)) >= 2):
-                break
-            time.sleep(0.1)
-        assert p.poll() is None and len(steps(out)) >= 2, "the run ended before it could be signalled"
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=600)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=60)
+    # until step 2 is logged (step 3 is then in progress)
+    p, err = sigterm_through_torchrun(out, lambda: (out / "metrics.jsonl").exists() and len(steps(out)) >= 2,
+                                      "train.max_steps=5", "checkpoint.interval=0")
     assert p.returncode != 0, err[-2000:]
     done = steps(out)
     assert 2 <= len(done) < 5 and ckpts(out) == [f"iter_{len(done):07d}"], (done, ckpts(out), err[-2000:])
@@ -327,29 +334,14 @@ def test_sigterm_during_the_warm_start_saves_it_and_resume_is_bit_identical(tmp_
     ref = tmp_path / "ref"
     train(ref, *warm)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
-           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300",
-           "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE, *warm]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
     metrics = out / "metrics.jsonl"
 
     def sft_logged():
         return metrics.exists() and any('"sft_step": 11' in x for x in metrics.read_text().splitlines())
 
-    try:
-        for _ in range(3000):
-            if p.poll() is not None or sft_logged():
-                break
-            time.sleep(0.1)
-        assert p.poll() is None and sft_logged(), "the run ended before it could be signalled"
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=600)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(timeout=60)
+    p, err = sigterm_through_torchrun(out, sft_logged, *warm)
     assert p.returncode != 0, err[-2000:]
-    assert "saved the step-0 checkpoint (warm-start step" in err, err[-3000:]
+    assert "saved the step-0 checkpoint after SIGTERM (warm-start step" in err, err[-3000:]
     assert ckpts(out) == ["iter_0000000"] and steps(out) == []
     assert not (out / ".gspo-run.lock").exists()
     r = train(out, *warm)

@@ -592,8 +592,8 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
             _save(parts, state, writer)
         if ctx.rank == 0:
             where = f"step {state.step}" if state.sft_done else f"warm-start step {state.sft_steps}"
-            log.warning("saved the step-%d checkpoint (%s) after %s; exiting (resume with checkpoint.resume=auto)",
-                        state.step, where, stop.received)
+            log.warning("saved the step-%d checkpoint after %s (%s); exiting (resume with checkpoint.resume=auto)",
+                        state.step, stop.received, where)
         raise Preempted(stop.received, state.step)
 
     try:
