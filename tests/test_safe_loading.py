@@ -303,3 +303,41 @@ def test_every_loader_refuses_a_code_running_metadata(loader_runs, loader):
     assert len(errors) == 1, r.stderr[-3000:]
     assert f"{ckpt / '.metadata'}: refusing to unpickle the global {REFUSED}" in errors[0], errors[0]
     assert done["marker_after_loaders"] is False  # no loader ran the payload
+
+
+def test_megatron_lm_common_pt_with_run_arguments_loads_and_code_does_not_run(tmp_path):
+    """Megatron-LM's common.pt holds its run arguments as an argparse.Namespace (with Megatron-Core
+    enums inside). Weights-only loading admitted them only once megatron.core was imported (its
+    __init__ registers them process-wide: megatron/core/safe_globals.py:18-42), so a load before
+    that (a fresh process reading a Megatron-LM checkpoint) was refused (issue 41, 5c). Now they
+    are admitted as data whatever was imported; anything else is still refused, unrun."""
+    import argparse
+
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir()
+    bad.mkdir()
+    marker = tmp_path / "ran"
+    args = argparse.Namespace(num_layers=2, attention_backend=AttnBackend.auto, params_dtype=torch.bfloat16)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 7}, good / "common.pt")
+    torch.save({"args": argparse.Namespace(x=_Payload(str(marker)))}, bad / "common.pt")
+    code = f"""
+import sys
+from gspo_megatron.checkpoint.megatron_load import load_common_state_dict
+from gspo_megatron.model.hf_io import CheckpointError
+assert "megatron.core" not in sys.modules  # nothing registered Megatron's safe globals yet
+c = load_common_state_dict({str(good)!r})
+print(c["iteration"], c["args"].num_layers, c["args"].attention_backend.name)
+try:
+    load_common_state_dict({str(bad)!r})
+except CheckpointError as e:
+    print("refused:", e)
+"""
+    r = _run(["-c", code])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout.splitlines()
+    assert out[0] == "7 2 auto", r.stdout
+    assert out[1].startswith("refused:") and "refused by weights-only loading" in out[1], r.stdout
+    assert not marker.exists()

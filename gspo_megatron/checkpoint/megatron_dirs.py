@@ -217,36 +217,20 @@ def hf_config_from_megatron_lm_args(ckpt_dir: str) -> tuple[dict, str] | None:
     argparse.Namespace); None when there are none. Read with torch.load(weights_only=True): only
     argparse.Namespace and Megatron-Core's enums (e.g. AttnBackend) are allowed to be rebuilt, so
     nothing in the file can run code; anything else is a one-line error."""
-    import argparse
-    import enum
-    import importlib
     import pickle
 
-    import torch
+    from gspo_megatron.checkpoint.megatron_load import torch_load_common
 
     path = os.path.join(ckpt_dir, "common.pt")
     if not os.path.isfile(path):
         return None
-    allowed: list = [argparse.Namespace]
-    for _ in range(32):
-        try:
-            with torch.serialization.safe_globals(allowed):
-                common = torch.load(path, map_location="cpu", weights_only=True)
-            break
-        except pickle.UnpicklingError as e:
-            found = re.search(r"GLOBAL ([\w.]+)", str(e))
-            name = found.group(1) if found else "?"
-            mod, _, attr = name.rpartition(".")
-            cls = None
-            if mod.startswith("megatron.core."):
-                try:
-                    cls = getattr(importlib.import_module(mod), attr, None)
-                except ImportError:
-                    cls = None
-            if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) or cls in allowed:
-                raise ModelConfigError(f"{path}: its run arguments hold a {name} object, which safe loading "
-                                       "(torch.load weights_only=True) refuses; pass --hf-config-dir / model.hf_dir") from None
-            allowed.append(cls)
+    try:
+        common = torch_load_common(path)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        name = found.group(1) if found else "?"
+        raise ModelConfigError(f"{path}: its run arguments hold a {name} object, which safe loading "
+                               "(torch.load weights_only=True) refuses; pass --hf-config-dir / model.hf_dir") from None
     args = common.get("args") if isinstance(common, dict) else None
     if args is None:
         return None

@@ -242,6 +242,40 @@ def safe_load_planner(source=None, **kwargs):
     return _get_classes()[2](source=source, **kwargs)
 
 
+def torch_load_common(path: str):
+    """torch.load(weights_only=True) of a Megatron common.pt that also rebuilds what Megatron-LM
+    keeps there beside tensors: its run arguments ("args", an argparse.Namespace) and the
+    Megatron-Core enums inside them (e.g. AttnBackend). Nothing else is admitted: a refused
+    global raises pickle.UnpicklingError (torch's message names it, "GLOBAL module.name"), so
+    nothing in the file can run code. Enums are admitted one at a time as torch names them
+    (a Namespace and enum members are data; weights-only loading rebuilds them without calls)."""
+    import argparse
+    import enum
+    import importlib
+    import pickle
+    import re
+
+    import torch
+
+    allowed: list = [argparse.Namespace]
+    while True:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            mod, _, attr = (found.group(1) if found else "").rpartition(".")
+            cls = None
+            if mod.startswith("megatron.core."):
+                try:
+                    cls = getattr(importlib.import_module(mod), attr, None)
+                except ImportError:
+                    cls = None
+            if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) or cls in allowed or len(allowed) > 32:
+                raise
+            allowed.append(cls)
+
+
 def load_common_state_dict(checkpoint_dir: str) -> dict:
     """Megatron's common.pt (its non-sharded state) read with torch.load(weights_only=True) passed
     explicitly; the equivalent of dist_checkpointing.load_common_state_dict. One-line
@@ -253,7 +287,8 @@ def load_common_state_dict(checkpoint_dir: str) -> dict:
 
     path = os.path.join(os.fspath(checkpoint_dir), "common.pt")  # strategies/common.py COMMON_STATE_FNAME
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # Megatron-LM keeps its run arguments there (an argparse.Namespace): admitted as data
+        return torch_load_common(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (not a complete torch_dist checkpoint)") from None
     except pickle.UnpicklingError as e:
