@@ -206,6 +206,10 @@ def test_a_hostile_reward_is_counted_and_the_run_finishes(tmp_path, monkeypatch,
 
     weights = _hf_tensors(out / "hf")
     assert weights and all(torch.isfinite(t).all() for t in weights.values())
+    from megatron_utils import dcp_tensors  # every tensor of the saved checkpoint: weights, masters, moments
+
+    saved = dcp_tensors(str(out / "checkpoints" / "iter_0000002"))
+    assert saved and all(torch.isfinite(t).all() for t in saved.values() if t.is_floating_point())
 
 
 @pytest.mark.timeout(600)
