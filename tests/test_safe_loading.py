@@ -121,6 +121,36 @@ def test_reads_every_real_metadata_like_pickle(trained):
         assert loads_dcp_metadata(pickle.dumps(want, protocol=proto), "x") == want, proto
 
 
+def test_megatron_decentralized_save_plans_are_read_as_data(tmp_path):
+    """Megatron-LM and Megatron-Bridge saves (Megatron's FileSystemWriterAsync + MCoreSavePlanner,
+    which run the decentralized global plan) keep every rank's save plan on the metadata as an
+    attribute the Metadata dataclass does not declare: megatron-core 0.16.1
+    dist_checkpointing/strategies/state_dict_saver.py:141-144 `global_metadata.all_local_plans =
+    all_local_plans`, read back at torch.py:677 to reuse the plan. Built here with Megatron's own
+    planner as that code does: it reads back equal; a non-plan under that name is refused."""
+    import torch
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from gspo_megatron.checkpoint.safe_metadata import loads_dcp_metadata
+    from gspo_megatron.model.hf_io import CheckpointError
+
+    planner = MCoreSavePlanner(can_run_decentralized_global_plan=True, flatten_state_dict=False,
+                               dedup_replicated_tensors=False)
+    planner.set_up_planner({"w": torch.zeros(3, 4), "b": torch.ones(2)}, is_coordinator=True)
+    local = planner.create_local_plan()
+    _, md = planner.create_global_plan([local])
+    md.all_local_plans = [local]  # state_dict_saver.py:144
+    got = loads_dcp_metadata(pickle.dumps(md), "x")
+    assert got == md and got.all_local_plans == [local]
+    for bad in ({"k": local}, [local, BytesStorageMetadata()], [_Payload(str(tmp_path / "M"))]):
+        md.all_local_plans = bad
+        with pytest.raises(CheckpointError, match="^x: ") as e:
+            loads_dcp_metadata(pickle.dumps(md), "x")
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "M").exists()
+
+
 def test_refuses_anything_but_metadata(evil, tmp_path):
     from torch.distributed.checkpoint.metadata import Metadata
 

@@ -55,7 +55,9 @@ torch.Size, torch.float32 / torch.bfloat16 (dtypes), torch.serialization._get_la
 torch.layout pickles, torch/serialization.py:1641-1653) and pathlib.PosixPath
 (StorageMeta.checkpoint_id: the writer's directory). A Megatron-Bridge 0.3.1 save (Megatron's save
 planner) also names torch.distributed.checkpoint.planner.{SavePlan, WriteItem, TensorWriteData,
-WriteItemType}: admitted as data too (tests/test_megatron_bridge.py reads one). Admitted beyond that, as data only: every
+WriteItemType}: admitted as data too (tests/test_megatron_bridge.py reads one), as is the one
+attribute Megatron's decentralized save sets on the Metadata beyond its fields, `all_local_plans`
+(a list of SavePlans; `_Tables.extras`). Admitted beyond that, as data only: every
 torch dtype / layout / memory_format singleton, collections.OrderedDict, and pathlib path classes
 under their Python 3.13 module name (pathlib._local), all rebuilt as *pure* paths (no I/O).
 Not admitted: builtins (protocol >= 2 builds dicts, lists, tuples and sets with opcodes, no
@@ -171,15 +173,24 @@ class _Tables:
             tensor_write: {"chunk": of(c["ChunkStorageMetadata"]), "properties": of(c["TensorProperties"]),
                            "size": _is_shape},
         }
+        # Attributes a writer sets on an instance beyond the dataclass's fields: Megatron's
+        # decentralized save (megatron-core 0.16.1 strategies/state_dict_saver.py:141-144, used by
+        # Megatron-LM's and Megatron-Bridge's async writer) keeps every rank's SavePlan on the
+        # Metadata as `all_local_plans`, to reuse the plan on the next save (torch.py:677).
+        self.extras: dict[type, dict[str, Any]] = {
+            c["Metadata"]: {"all_local_plans": opt(list_of(of(save_plan)))},
+        }
         import dataclasses
 
+        for cls, spec in self.fields.items():  # the table names exactly the declared fields
+            assert set(spec) == {f.name for f in dataclasses.fields(cls)}, cls
+        for cls, extra in self.extras.items():
+            self.fields[cls] = {**self.fields[cls], **extra}
         self.field_list = {cls: dataclasses.fields(cls) for cls in self.fields}
         # fields without a default must be in the state (a dataclass's __init__ sets every field)
         self.required = {cls: {f.name for f in dataclasses.fields(cls)
                                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
                          for cls in self.fields}
-        for cls, spec in self.fields.items():  # the table names exactly the declared fields
-            assert set(spec) == {f.name for f in dataclasses.fields(cls)}, cls
 
 
 def _is_str(v) -> bool:
@@ -383,6 +394,10 @@ def _validate(md, source: str) -> None:
                 if not spec[f.name](v):
                     bad(f"{cls.__name__}.{f.name} = a {_name(v)}")
                 stack.append(v)
+            for k in t.extras.get(cls, {}).keys() & state.keys():
+                if not spec[k](state[k]):
+                    bad(f"{cls.__name__}.{k} = a {_name(state[k])}")
+                stack.append(state[k])
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
         elif isinstance(obj, dict):
