@@ -490,12 +490,18 @@ class VLLMConfig:
     weight_sync: Literal["disk", "nccl"] = "disk"
     # Directory visible to trainer and servers for disk sync; null = <out_dir>/weight_sync.
     shared_dir: Optional[str] = None
-    # Launched server: vLLM's --dtype (auto = the checkpoint's), --max-model-len (null = the
-    # model's), and on CPU the KV cache size in MiB (--kv-cache-memory-bytes; vLLM sizes it from
-    # most of the host's memory otherwise); null on GPUs.
-    dtype: str = "auto"
+    # Launched server: vLLM's --dtype (auto = the trainer's model.dtype; vLLM's own auto would serve
+    # a float32 checkpoint in bfloat16; another dtype than the trainer's is served with a warning),
+    # --max-model-len (null = the model's), and on CPU the KV cache size in MiB
+    # (--kv-cache-memory-bytes, with --enforce-eager; null = room for 4 sequences of max-model-len
+    # tokens, at least 32 MiB: vLLM would take most of the host's memory; ignored on GPUs).
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     max_model_len: Optional[int] = None
     cpu_kv_cache_mb: Optional[int] = None
+    # GPUs of a launched server on CUDA (indices as the trainer sees them); they must be disjoint
+    # from the trainer's (local rank r holds GPU r). Empty = the GPUs after the trainer's; when the
+    # trainer holds every GPU of the node, the launch is refused.
+    gpus: list[int] = field(default_factory=list)
     # Timeout of one HTTP request, seconds; how long to wait for the servers' /health; retries of
     # a failed request before the step fails; concurrent in-flight requests across all servers.
     request_timeout_s: float = 600.0
@@ -617,6 +623,12 @@ class RolloutConfig:
         for k in ("max_model_len", "cpu_kv_cache_mb"):
             if getattr(v, k) is not None:
                 _positive(f"rollout.vllm.{k}", getattr(v, k))
+        if v.gpus and not v.launch:
+            raise ConfigError("rollout.vllm.gpus places a launched server (rollout.vllm.launch=true); running servers "
+                              "(rollout.vllm.urls) choose their own GPUs")
+        bad_gpu = any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in v.gpus)
+        if bad_gpu or len(set(v.gpus)) < len(v.gpus):
+            raise ConfigError(f"rollout.vllm.gpus must be distinct GPU indices >= 0, got {list(v.gpus)!r}")
         # vLLM reports processed log-probs after top-p / top-k renormalisation (v1/sample/ops/
         # topk_topp_sampler.py): they would no longer be log_softmax(logits / T), which the
         # trainer's π_old and mismatch metrics compare against

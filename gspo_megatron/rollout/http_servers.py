@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -118,6 +119,24 @@ def _snippet(body: bytes | str, n: int = 300) -> str:
     s = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     s = s.strip().replace("\n", " ")
     return s if len(s) <= n else s[:n] + "..."
+
+
+def release_check(got: Any, want: str) -> tuple[bool, str | None]:
+    """Whether a server's reported version `got` is release `want`, and a note when it is with a
+    local build label. PEP 440: a version is public[+local]; builds of one release differ in the
+    local part only (vLLM's CUDA wheels report 0.32.0+cu130, SGLang's 0.5.23+cu129), and such a
+    build speaks the release's API, so the public part is what is compared. Returns (True, None)
+    for an exact match, (True, "<got> is <want> with the local build label +<local>") for a local
+    build of the release, and (False, None) otherwise (a different release, an unparseable one)."""
+    text = str(got).strip()
+    public, plus, local = text.partition("+")
+    normal = public.lower()
+    normal = normal[1:] if normal.startswith("v") else normal  # PEP 440 allows a leading "v"
+    if normal != want.lower() or (plus and not local):
+        return False, None
+    if not plus:
+        return True, None
+    return True, f"{text} is {want} with the local build label +{local}"
 
 
 def normalize_url(url: str, label: str = "server") -> str:
@@ -384,6 +403,26 @@ def wait_until_ready(
     return time.monotonic() - t0
 
 
+# How much of a dead server's log is scanned for its root cause: a failed start logs well under
+# 1 MiB (vLLM's banner, arguments, one traceback per process); the bound keeps a huge log cheap.
+ROOT_CAUSE_SCAN_BYTES = 4 << 20
+# An exception line of a Python traceback: the exception's (optionally dotted) name at the start of
+# the line, after vLLM's per-process prefix "(EngineCore_DP0 pid=123) " when there is one; log
+# lines that merely mention an error ("WARNING ... like `OSError: ...`") start otherwise.
+_EXCEPTION_LINE = re.compile(r"^(?:\([^)]*\)\s+)?((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::\s.*)?)$")
+
+
+def root_cause(log_text: str) -> str | None:
+    """The first exception line of a server's log ("ValueError: Available memory ..."), without
+    the process prefix; None when there is none. A server that dies at start reports the cause
+    first (its engine process's traceback) and its consequences after it."""
+    for line in log_text.splitlines():
+        m = _EXCEPTION_LINE.match(line.strip())
+        if m:
+            return m.group(1).strip()
+    return None
+
+
 _LIVE: "weakref.WeakSet[ServerProcesses]" = weakref.WeakSet()
 
 
@@ -466,12 +505,25 @@ class ServerProcesses:
             return None
         tail = self.log_tail(i)
         last = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), "")
-        # the last log line goes on the first line too: CLIs print only that one (cli_util.user_errors)
+        cause = root_cause(self.log_head(i))
+        # the root cause and the last log line go on the first line: CLIs print only that one
+        # (cli_util.user_errors). The last line alone often names only the consequence: vLLM's API
+        # server ends with "RuntimeError: Engine core initialization failed. See root cause above."
+        # while the cause (a ValueError from its engine core) is printed earlier.
         return (
             f"(pid {self.procs[i].pid}) exited with code {rc} before becoming ready"
+            + (f": {cause[:300]}" if cause and cause not in last else "")
             + (f" (its log ends: {last[-300:]!r})" if last else "")
             + f"; log {self.log_paths[i]}:\n{tail}"
         )
+
+    def log_head(self, i: int, n_bytes: int = ROOT_CAUSE_SCAN_BYTES) -> str:
+        """The first `n_bytes` of server i's log (where the first exception of a failed start is)."""
+        try:
+            with open(self.log_paths[i], "rb") as f:
+                return f.read(n_bytes).decode("utf-8", "replace")
+        except (OSError, IndexError):
+            return ""
 
     def wait_ready(self, clients: Sequence[ServerClient], timeout_s: float) -> float:
         return wait_until_ready(clients, timeout_s, alive=self.dead, path=getattr(self.spec, "health_path", "/health"))

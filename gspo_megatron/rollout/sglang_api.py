@@ -92,3 +92,12 @@ def payload(route: str, **fields) -> dict:
     if unknown:
         raise KeyError(f"{route}: fields {unknown} are not declared for {ep.request_class} (rollout/sglang_api.py)")
     return dict(fields)
+
+
+def version_matches(got) -> tuple[bool, str | None]:
+    """A server's /server_info "version" against SGLANG_VERSION, by release: builds of a release
+    for a CUDA version carry a local label (``0.5.23+cu129``) and speak that release's API.
+    (ok, note about a local label or None); rollout/http_servers.py release_check."""
+    from .http_servers import release_check
+
+    return release_check(got, SGLANG_VERSION)

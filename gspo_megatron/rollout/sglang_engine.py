@@ -130,7 +130,7 @@ from gspo_megatron.cli_util import InputError
 
 from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
 from .http_servers import generate_response_cap
-from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG, SGLANG_VERSION
+from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG, SGLANG_VERSION, version_matches
 from .sglang_api import payload as api_payload
 from .sglang_server import (
     LaunchSpec,
@@ -441,7 +441,12 @@ class SGLangEngine(RolloutEngine):
             except SGLangError:
                 continue
             got = info.get("version") if isinstance(info, dict) else None
-            if got is None or str(got) == SGLANG_VERSION:
+            if got is None:
+                continue
+            ok, note = version_matches(got)
+            if ok:
+                if note:
+                    log.info("SGLang server %s: %s", s.url, note)
                 continue
             msg = (f"SGLang server {s.url} runs version {got}; this project speaks {SGLANG_VERSION} "
                    "(rollout/sglang_api.py): use that server version, or set rollout.sglang.check_version=false "

@@ -23,3 +23,12 @@ ROUTES = {
              # weight_sync=nccl (rollout/vllm_nccl.py; entrypoints/rl/online/api_router.py)
              "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"),
 }
+
+
+def version_matches(got) -> tuple[bool, str | None]:
+    """A server's GET /version against VLLM_VERSION, by release: vLLM's CUDA wheels report e.g.
+    ``0.32.0+cu130`` (a local build label), which speaks 0.32.0's API. (ok, note about a local
+    label or None); rollout/http_servers.py release_check."""
+    from .http_servers import release_check
+
+    return release_check(got, VLLM_VERSION)

@@ -52,7 +52,7 @@ from .base import NamedTensors, RolloutEngine, Sample, SamplingParams, check_gen
 from .http_servers import (EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError,
                            generate_response_cap, parse_json)
 from .validate import check_response, rejected_sample, vocab_size_of
-from .vllm_api import GENERATE, RELOAD_METHOD, VLLM_VERSION
+from .vllm_api import GENERATE, RELOAD_METHOD, VLLM_VERSION, version_matches
 from .vllm_server import ServerClient, VLLMLaunchSpec, launch
 
 log = logging.getLogger("gspo_megatron.rollout")
@@ -160,7 +160,8 @@ class VLLMEngine(RolloutEngine):
                                       dtype=c["dtype"], max_model_len=c["max_model_len"],
                                       cpu_kv_cache_mb=c["cpu_kv_cache_mb"], extra_args=list(c["extra_args"] or []),
                                       command=cmd, python=python, env=server_env, log_dir=log_dir,
-                                      weight_transfer="nccl" if c["weight_sync"] == "nccl" else None)
+                                      weight_transfer="nccl" if c["weight_sync"] == "nccl" else None,
+                                      trainer_dtype=self.sync_dtype, gpus=list(c.get("gpus") or []))
                 self.procs = launch(spec)
                 urls = self.procs.urls
             else:
@@ -214,12 +215,18 @@ class VLLMEngine(RolloutEngine):
         """Every server's GET /version is the vLLM version rollout/vllm_api.py is written against."""
         for s in self.servers:
             got = (s.get("/version", timeout_s=30, retries=1) or {}).get("version")
-            if got is not None and str(got) != VLLM_VERSION:
-                msg = (f"vLLM server {s.url} runs version {got}; this project speaks {VLLM_VERSION} "
-                       "(rollout/vllm_api.py): use that version, or set rollout.vllm.check_version=false")
-                if strict:
-                    raise VLLMVersionError(msg)
-                warnings.warn(msg, stacklevel=2)
+            if got is None:
+                continue
+            ok, note = version_matches(got)
+            if ok:
+                if note:
+                    log.info("vLLM server %s: %s", s.url, note)
+                continue
+            msg = (f"vLLM server {s.url} runs version {got}; this project speaks {VLLM_VERSION} "
+                   "(rollout/vllm_api.py): use that version, or set rollout.vllm.check_version=false")
+            if strict:
+                raise VLLMVersionError(msg)
+            warnings.warn(msg, stacklevel=2)
 
     def server_weight_versions(self) -> dict[str, str | None]:
         out = {}

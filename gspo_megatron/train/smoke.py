@@ -59,7 +59,7 @@ def _server_rows(engine) -> list[Check]:
     servers = getattr(engine, "workers", None)
     if servers is None:
         return [Check("servers", None, f"{type(engine).__name__} (in-process: nothing to contact)")]
-    from gspo_megatron.rollout.sglang_api import SGLANG_VERSION
+    from gspo_megatron.rollout.sglang_api import SGLANG_VERSION, version_matches
     from gspo_megatron.rollout.sglang_engine import SGLangError
 
     rows = []
@@ -72,9 +72,10 @@ def _server_rows(engine) -> list[Check]:
             continue
         # the engine already refused a wrong version at start (check_version), unless the
         # config turned the check off: then it is reported here, not failed
-        rows.append(Check("servers", None if got != SGLANG_VERSION else True,
+        ok = got is not None and version_matches(got)[0]  # a local build label (+cu129) is the release
+        rows.append(Check("servers", True if ok else None,
                           f"{s.url}: SGLang {got or '(version not reported)'}"
-                          + ("" if got == SGLANG_VERSION else f", the project speaks {SGLANG_VERSION}")))
+                          + ("" if ok else f", the project speaks {SGLANG_VERSION}")))
     return rows
 
 
