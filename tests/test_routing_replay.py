@@ -188,3 +188,32 @@ def _changed(model):
     with torch.no_grad():
         m.model.layers[0].self_attn.o_proj.weight.mul_(SCALE)
     return m
+
+
+def test_router_fusion_with_routing_replay_is_refused_in_one_line():
+    """megatron-core 0.16.1's fused router (moe_router_fusion) returns before RouterReplay runs:
+    replay would be silently off. The installed source is read to show that order still holds
+    (if a release moves the replay before the fused return, this test says the refusal can go),
+    and the combination is refused where every model config is built."""
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils
+
+    from gspo_megatron.config import ParallelConfig
+    from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch, transformer_config
+
+    src = inspect.getsource(moe_utils.topk_routing_with_score_function)
+    fused_return = src.index("return fused_topk_with_score_function(")
+    assert src.index("if fused:") < fused_return < src.index("router_replay.get_replay_topk(")
+
+    arch = Qwen3MoeArch.from_hf_dict(dict(vocab_size=98, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                          num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                                          max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                                          tie_word_embeddings=False))
+    par = ParallelConfig(device="cpu")
+    assert transformer_config(arch, par, routing_replay=True).moe_enable_routing_replay
+    assert transformer_config(arch, par, router_fusion=True).moe_router_fusion
+    with pytest.raises(ModelConfigError) as e:
+        transformer_config(arch, par, routing_replay=True, router_fusion=True)
+    assert "moe_router_fusion" in str(e.value) and "\n" not in str(e.value)

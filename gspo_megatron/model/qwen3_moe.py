@@ -144,11 +144,14 @@ def transformer_config(
     dispatcher: str | None = None,
     recompute: str = "none",
     routing_replay: bool = False,
+    router_fusion: bool = False,
 ):
     """Megatron TransformerConfig for `arch` under `parallel` (a gspo_megatron.config.ParallelConfig).
 
     ``routing_replay``: every router gets Megatron's RouterReplay (record / replay top-k;
     parallel/routing_replay.py drives it); with no action set it routes as usual.
+    ``router_fusion``: Transformer Engine's fused top-k router (moe_router_fusion, GPU); refused
+    together with routing replay (`check_routing_replay`).
 
     RL-specific choices: no auxiliary load-balancing loss (the policy gradient is the only
     objective, as RL peers do), fp32 routing (router decisions are sensitive to rounding, and
@@ -174,7 +177,7 @@ def transformer_config(
             "parallel.etp > 1 together with parallel.pp > 1 needs the alltoall MoE dispatcher, which "
             "gloo (CPU) cannot run with expert-TP; use etp=1 or pp=1 on CPU"
         )
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
@@ -223,7 +226,24 @@ def transformer_config(
         **recompute_settings(recompute, grouped_experts=use_te),
         variable_seq_lengths=variable_seq_lengths,
         moe_enable_routing_replay=routing_replay,
+        moe_router_fusion=router_fusion,
     )
+    check_routing_replay(config)
+    return config
+
+
+def check_routing_replay(config) -> None:
+    """Refuse, in one line, a TransformerConfig whose routing replay would be silently off.
+
+    megatron-core 0.16.1 transformer/moe/moe_utils.py topk_routing_with_score_function: with
+    `fused` (config.moe_router_fusion) it returns TE's fused top-k at lines 652-668, before the
+    RouterReplay branch at 702-705 is reached, so a replaying router would route afresh while R2/R3
+    believe they replay (tests/test_routing_replay.py reads that order in the installed source)."""
+    if getattr(config, "moe_enable_routing_replay", False) and getattr(config, "moe_router_fusion", False):
+        raise ModelConfigError(
+            "moe_router_fusion with routing replay (train.routing_replay / rollout.return_routing): "
+            "megatron-core 0.16.1's fused router returns before RouterReplay runs, so replay would be "
+            "silently off; turn the router fusion off")
 
 
 def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank: int | None = None):
