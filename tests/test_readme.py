@@ -272,3 +272,71 @@ def test_every_benchmarks_table_has_its_command():
         i += 1
     assert not bad, "\n".join(bad)
     assert text.count("pytest tests/") >= 20 and text.count("python bench/") >= 10
+
+
+# ---- statements about options are checked against the config (issue 41: "only weight_sync=disk is
+# wired" stayed in the README after nccl was) ----------------------------------------------------------
+SECTIONS = "model|parallel|loss|rollout|data|reward|optimizer|train|checkpoint|logging|eval"
+OPTION = re.compile(r"(?<![\w./-])((?:%s)\.[a-z_][a-z0-9_.]*[a-z0-9_])(?:=([^\s`'\"),;]+))?" % SECTIONS)
+ONLY = re.compile(r"\bonly `?((?:%s)\.[a-z_][a-z0-9_.]*)=(\w+)`? (?:is|are) (?:wired|supported|implemented|available)"
+                  % SECTIONS)
+
+
+def _option_mentions():
+    """(file:line, key, value or None) of every config option named in code (backticks or a fenced
+    block) in README.md and docs/*.md."""
+    for path in md_files():
+        for n, line in enumerate(read(path).splitlines(), 1):
+            for span in re.findall(r"`([^`]+)`", line) or ([line] if not line.startswith(("#", ">")) else []):
+                for m in OPTION.finditer(span):
+                    yield f"{rel(path)}:{n}", m.group(1), m.group(2)
+
+
+def test_options_named_in_the_docs_exist_with_values_they_take():
+    """Every `section.key` and `section.key=value` in the docs is a config key (or a section of
+    them), and a value given for a Literal or bool key is one it takes (`a|b` lists alternatives).
+    Statements that "only `key=value` is wired/supported" are refused for a key that takes more
+    values: the config is the source of what exists."""
+    from gspo_megatron.config_reference import entries
+
+    keys = {e["key"]: e["type"] for e in entries()}
+    open_types = ("Optional[dict", "dict", "list[EvalSetConfig")
+    bad = []
+    for where, key, value in _option_mentions():
+        if key not in keys:
+            section = any(k.startswith(key + ".") for k in keys)
+            inside = any(key.startswith(k + ".") and t.startswith(open_types) for k, t in keys.items())
+            if not (section or inside):
+                bad.append(f"{where}: {key} is no config key")
+            continue
+        t = keys[key]
+        allowed = re.findall(r"'([^']*)'", t) if "Literal" in t else ["true", "false"] if t == "bool" else None
+        if value is None or allowed is None:
+            continue
+        for v in value.split("|"):
+            if v not in allowed and not (v == "null" and "Optional" in t):
+                bad.append(f"{where}: {key}={v}, which takes {allowed}")
+    for path in md_files():
+        for n, line in enumerate(read(path).splitlines(), 1):
+            for key, value in ONLY.findall(line):
+                t = keys.get(key, "")
+                if len(re.findall(r"'([^']*)'", t)) > 1:
+                    bad.append(f"{rel(path)}:{n}: says only {key}={value} exists; the config takes {t}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_option_checker_catches_what_it_is_for(tmp_path, monkeypatch):
+    """Negative control: a stale key, a value a Literal does not take and an "only X is wired"
+    claim about a key with more values are each reported."""
+    import sys
+
+    import pytest
+
+    page = tmp_path / "stale.md"
+    page.write_text("Use `rollout.vllm.weight_sync=rdma` or `rollout.nonexistent=1`.\n"
+                    "For vLLM, only `rollout.vllm.weight_sync=disk` is wired.\n")
+    monkeypatch.setattr(sys.modules[__name__], "md_files", lambda: [str(page)])
+    with pytest.raises(AssertionError) as e:
+        test_options_named_in_the_docs_exist_with_values_they_take()
+    msg = str(e.value)
+    assert "weight_sync=rdma" in msg and "rollout.nonexistent is no config key" in msg and "says only" in msg
