@@ -807,7 +807,8 @@ class TrainConfig:
     routing_replay: Literal["none", "old", "rollout"] = "none"
     # An optimizer step (update) whose loss or gradient norm is not finite is skipped: the weights,
     # Adam's moments and the LR schedule stay as they were (counted per GSPO step in
-    # skipped_updates; a GSPO step makes minibatches_per_step updates). This many skipped in a row
+    # skipped_updates; a GSPO step makes minibatches_per_step updates; with model.dtype=float16 an
+    # update whose scaled gradient overflowed is one, while the loss scale backs off). This many skipped in a row
     # stop the run with one line; the last checkpoint holds nothing non-finite, resume from it.
     max_skipped_steps: int = 10
 

@@ -167,6 +167,17 @@ def seed_rng(ctx: ParallelContext, seed: int) -> None:
         cpu_runtime.seed_model_parallel_rng(seed, ctx.tp_rank, ctx.ep_rank, ctx.etp_rank)
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` is true on any rank of the world (a collective: every rank calls it at the
+    same point). The tensor lives on `device`, the rank's (NCCL takes CUDA tensors only); one
+    process without a process group is its own world."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
 def destroy_parallel() -> None:
     from megatron.core import parallel_state as ps
 

@@ -123,6 +123,42 @@ def set_lr(optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
+def prepare_grads_in_lockstep(optimizer) -> bool:
+    """ChainedOptimizer.prepare_grads with one loss scale for the whole model. Returns whether a
+    (scaled) gradient was not finite on any rank; then the step is skipped everywhere.
+
+    With fp16, Megatron chains one optimizer for the dense and one for the expert parameters, each
+    with its own DynamicGradScaler, but the schedules scale the loss with the first one's scale only
+    (ChainedOptimizer.get_loss_scale, optimizer.py:1137-1139) while each sub-optimizer unscales its
+    gradients by its own scale and backs off on its own overflows (prepare_grads, :524-557,
+    :1233-1239). After expert-only overflows the expert scale falls while the loss keeps being
+    scaled by the dense one: the expert gradients come out too large by the ratio, and they
+    overflow again at every step, which is skipped forever. Here every sub-optimizer's gradients
+    are copied and unscaled as Megatron does (the same calls), the overflow flags are combined over
+    the sub-optimizers and the ranks (their grad-stats groups differ: model parallel for the dense
+    part, expert model parallel for the experts), and every scaler is updated with that one flag,
+    so all scales stay equal to the one the loss is scaled by. bf16 / fp32 (no scaler): Megatron's
+    own prepare_grads."""
+    from gspo_megatron.parallel.state import any_rank
+
+    opts = inner_optimizers(optimizer)
+    scaled = [o for o in opts if getattr(o, "grad_scaler", None) is not None]
+    if not scaled:
+        return bool(optimizer.prepare_grads())
+    found = False
+    for o in opts:
+        if getattr(o, "grad_scaler", None) is None:
+            found |= bool(o.prepare_grads())
+            continue
+        if not getattr(o, "is_stub_optimizer", False):
+            o._copy_model_grads_to_main_grads()
+        found |= bool(o._unscale_main_grads_and_check_for_nan())  # reduced over its grad-stats group
+    found = any_rank(found, scaled[0].found_inf.device)
+    for o in scaled:
+        o.grad_scaler.update(found)
+    return found
+
+
 def guarded_step(optimizer) -> tuple[bool, float]:
     """Megatron's optimizer step with one change: an update whose gradient norm is not finite is
     skipped (the weights and Adam's moments stay as they were). Returns (stepped, grad_norm).
@@ -135,16 +171,18 @@ def guarded_step(optimizer) -> tuple[bool, float]:
     __init__.py:689) with the norm checked between computing it and clipping by it: the same calls in
     the same order, so a finite step is bit for bit Megatron's. The norm is reduced over the
     gradient-statistics group (model parallel, and data parallel with the distributed optimizer),
-    so every rank takes the same decision. An fp16 loss-scaler skip returns (False, 0.0), as
-    Megatron's step does (no norm). One difference: the norm is computed with clip_grad=0
-    too, where Megatron skips it. Imports from optimizer.py's own namespace, where the CPU runtime
+    so every rank takes the same decision. An fp16 overflow skip returns (False, nan): the scaled
+    gradient was not finite, and the loop counts it with the other skipped updates (Megatron's step
+    returns no norm, which was logged as a grad norm of 0.0). The fp16 gradients are unscaled and
+    checked by `prepare_grads_in_lockstep`, not ChainedOptimizer.prepare_grads (see there). One
+    more difference: the norm is computed with clip_grad=0 too, where Megatron skips it. Imports from optimizer.py's own namespace, where the CPU runtime
     patches the clip (parallel/cpu_runtime.py)."""
     import math
 
     from megatron.core.optimizer import optimizer as mopt
 
-    if optimizer.prepare_grads():  # fp16: the loss scaler found an inf and lowered its scale (expected
-        return False, 0.0          # while it backs off; not a non-finite step: Megatron's own skip)
+    if prepare_grads_in_lockstep(optimizer):  # fp16: a scaled gradient overflowed; every scaler backed off
+        return False, float("nan")
     grad_norm = optimizer.get_grad_norm()
     grad_norm = float(grad_norm) if grad_norm is not None else 0.0
     if not math.isfinite(grad_norm):
