@@ -1,0 +1,367 @@
+"""The configurations users combine, not only the presets (issue 41): an all-pairs sweep.
+
+Every option a user combines is a *factor* with a few *levels* (each level: config overrides on
+top of launch/configs/tiny_cpu.yaml). `covering_cells` builds a pairwise (all-pairs) covering set:
+every level of every factor meets every level of every other factor in at least one cell, with far
+fewer cells than the full product. Each cell trains 2 GSPO steps of the tiny model on 2 gloo ranks
+(pooled processes: tests/dist_utils.py, so a cell costs seconds, not a torchrun) and must either
+
+* train: both steps logged, every metric finite, and where an engine gives log-probs in the
+  trainer's precision (float32 both sides) mismatch_logprob_max <= 1e-4; or
+* be refused in one line (ConfigError / InputError, raised before anything runs) naming a key.
+
+The generator is a test: every config key (gspo_megatron/config_reference.py, from the dataclasses)
+is either swept by some level or listed in NOT_SWEPT with the reason - adding an option without
+deciding which fails `test_every_option_is_swept_or_says_why`.
+
+Engines: the in-process HF engine, SGLang (tests/sglang_double.py, one double per cell, fp32), and
+a real vLLM 0.32 server on CPU (one for the module; its levels are skipped only when the vLLM venv
+cannot be built because the package index is unreachable, as in tests/test_vllm.py).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+
+import pytest
+
+from dist_utils import run_distributed
+from test_train_loop import REPO
+
+TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
+TP1 = ["parallel.tp=1", "parallel.sequence_parallel=false"]
+
+# factor -> level -> overrides. A level's overrides are the whole difference from the base below.
+FACTORS: dict[str, dict[str, list[str]]] = {
+    "layout": {
+        "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        "dp2": [*TP1],
+        "pp2": [*TP1, "parallel.pp=2"],
+        "ep2": [*TP1, "parallel.ep=2"],
+        "cp2": [*TP1, "parallel.cp=2"],
+    },
+    "packing": {"packed": ["train.packing=true"], "padded": ["train.packing=false"]},
+    "collectives": {"shm": ["parallel.cpu_collectives=shm"], "gloo": ["parallel.cpu_collectives=gloo"]},
+    "loss": {
+        "gspo": ["loss.type=gspo"],
+        "gspo_token": ["loss.type=gspo_token"],
+        "grpo_kl_entropy": ["loss.type=grpo", "loss.kl_coef=0.01", "loss.entropy_coef=0.001"],
+        "gspo_tis": ["loss.type=gspo", "loss.tis_cap=2.0"],
+        # bounds on the mean token log-ratio, wide enough that bf16 and stale (async) samples are not
+        # all masked out
+        "gspo_mis": ["loss.type=gspo", "loss.mis=[-0.5,0.5]"],
+    },
+    "old_logprobs": {"recompute": ["loss.old_logprobs=recompute"], "engine": ["loss.old_logprobs=engine"]},
+    "async": {
+        "sync": ["rollout.async_steps=0"],
+        "async1": ["rollout.async_steps=1"],
+        "async1_partial": ["rollout.async_steps=1", "rollout.partial=true", "loss.max_token_age=2"],
+    },
+    "dynamic_sampling": {"off": ["rollout.dynamic_sampling=false"],
+                         "on": ["rollout.dynamic_sampling=true", "rollout.max_oversample_rounds=1"]},
+    # a multi-turn session (policy turn, environment tokens, policy turn) scored by reward.fn: the
+    # calculator demo's own reward is 0 for a random model, which would leave nothing to train
+    "agent": {"off": [], "two_turn": ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=24"]},
+    "engine": {"hf": ["rollout.backend=hf"], "sglang": ["rollout.backend=sglang"], "vllm": ["rollout.backend=vllm"]},
+    "dtype": {"float32": ["model.dtype=float32"], "bfloat16": ["model.dtype=bfloat16"]},
+    "warm_start": {"none": ["train.sft_warmup_steps=0"], "sft1": ["train.sft_warmup_steps=1"]},
+    "optimizer": {"distributed": ["optimizer.use_distributed_optimizer=true"],
+                  "plain": ["optimizer.use_distributed_optimizer=false"]},
+    "recompute": {"none": ["train.recompute=none"], "selective": ["train.recompute=selective"],
+                  "full": ["train.recompute=full"]},
+    "routing_replay": {"none": ["train.routing_replay=none"], "old": ["train.routing_replay=old"]},
+    "head": {"logits": ["model.fused_logprobs=false"], "fused": ["model.fused_logprobs=true"]},
+    "grad_reduce": {"fp32": ["optimizer.grad_reduce_in_fp32=true"], "native": ["optimizer.grad_reduce_in_fp32=false"]},
+    "lr_schedule": {"constant": ["optimizer.lr_decay_style=constant"],
+                    "cosine_warmup": ["optimizer.lr_decay_style=cosine", "optimizer.warmup_steps=1"]},
+}
+
+# What every cell shares: 2 steps of 2 prompts x 2 samples, nothing saved, head_dim 32 (vLLM's CPU
+# attention takes 32, 64, 80, ...: cpu_attn.py) so that one model serves every engine.
+BASE = ["train.max_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
+        "train.minibatches_per_step=1", "checkpoint.interval=0", "checkpoint.export_hf=false", "eval.interval=0",
+        "logging.progress_bar=false", "logging.plot=false", "model.hf_config=null",
+        "reward.fn=tests.reward_fns:response_length"]  # non-constant on random text: non-zero advantages
+
+# Every config key that no level above sets, and why. A new key must land here or in FACTORS.
+NOT_SWEPT: dict[str, tuple[str, ...]] = {
+    "where the run reads and writes (paths and names; each has its own tests)": (
+        "out_dir", "model.hf_dir", "model.load", "model.hf_config", "model.tokenizer", "data.path", "eval.path",
+        "eval.name", "eval.extra_sets", "checkpoint.resume", "logging.wandb.project", "logging.wandb.entity",
+        "logging.wandb.name", "logging.wandb.mode", "rollout.sglang.shared_dir", "rollout.vllm.shared_dir"),
+    "a number the same code path takes at any value (sizes, rates, seeds, bounds); the cells use small ones": (
+        "model.init_seed", "model.moe_aux_loss_coef", "loss.eps_low", "loss.eps_high", "rollout.prompts_per_step",
+        "rollout.samples_per_prompt", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens",
+        "rollout.agent_concurrency",
+        "rollout.max_rejected_frac", "data.seed", "data.max_prompt_tokens", "data.max_record_bytes",
+        "reward.max_error_frac", "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.adam_beta1",
+        "optimizer.adam_beta2", "optimizer.adam_eps", "optimizer.clip_grad",
+        "train.max_steps", "train.minibatches_per_step", "train.micro_batch_tokens", "train.seed", "train.sft_lr",
+        "train.max_skipped_steps", "eval.samples_per_prompt", "eval.temperature", "eval.seed", "eval.num_prompts",
+        "eval.correct_threshold"),
+    "timeouts and retries (the engines' and rewards' failure tests: test_reliability, test_reward_safety, "
+    "test_engine_validation, test_sglang, test_vllm)": (
+        "rollout.async_timeout_s", "rollout.agent_timeout_s", "reward.timeout_s",
+        "rollout.sglang.request_timeout_s", "rollout.sglang.ready_timeout_s", "rollout.sglang.max_retries",
+        "rollout.sglang.concurrency", "rollout.vllm.request_timeout_s",
+        "rollout.vllm.ready_timeout_s", "rollout.vllm.max_retries",
+        "rollout.vllm.concurrency"),
+    "where to find or how to start an engine (its own tests: test_sglang, test_train_sglang, test_vllm, "
+    "test_vllm_launch, test_vllm_nccl); the cells use running servers": (
+        "rollout.sglang.urls", "rollout.sglang.launch", "rollout.sglang.port",
+        "rollout.sglang.host", "rollout.sglang.api_key", "rollout.sglang.model_path",
+        "rollout.sglang.server_command", "rollout.sglang.extra_args", "rollout.sglang.check_version",
+        "rollout.sglang.weight_sync", "rollout.sglang.mem_fraction",
+        "rollout.sglang.tp", "rollout.sglang.dp", "rollout.sglang.ep", "rollout.sglang.bucket_mb",
+        "rollout.sglang.sync_address", "rollout.sglang.sync_port",
+        "rollout.vllm.urls", "rollout.vllm.launch", "rollout.vllm.port",
+        "rollout.vllm.host", "rollout.vllm.api_key", "rollout.vllm.model_path",
+        "rollout.vllm.server_command", "rollout.vllm.extra_args", "rollout.vllm.check_version",
+        "rollout.vllm.weight_sync", "rollout.vllm.dtype", "rollout.vllm.max_model_len", "rollout.vllm.cpu_kv_cache_mb",
+        "rollout.vllm.gpus", "rollout.return_routing"),
+    "the device and world (CPU here; GPU paths: make gpu-check)": (
+        "parallel.device", "parallel.world_size", "parallel.etp"),
+    "data and reward sources (test_data_records, test_reward_scorer, test_reward_safety, test_evaluation)": (
+        "data.source", "data.prompt_key", "data.answer_key", "data.task", "data.long_prompts", "eval.source",
+        "eval.interval", "reward.fn", "reward.workers"),
+    "saving, logging and signals (test_checkpoint, test_checkpoint_trust, test_reliability, test_tracking)": (
+        "checkpoint.interval", "checkpoint.keep_last", "checkpoint.export_hf", "checkpoint.save_on_signals",
+        "checkpoint.require_checksums", "logging.tensorboard", "logging.progress_bar", "logging.plot",
+        "logging.prompts"),
+}
+
+
+# Pairs of levels the config refuses by design, with the start of its one-line refusal. The
+# generator leaves them out of the training cells; test_refused_pairs_are_refused_in_one_line
+# shows each is refused (and the cells show every other pair trains).
+REFUSED: list[tuple[dict[str, str], str]] = [
+    ({"loss": "gspo_tis", "old_logprobs": "engine"}, "loss.tis_cap needs loss.old_logprobs=recompute"),
+    ({"loss": "gspo_mis", "old_logprobs": "engine"}, "loss.mis needs loss.old_logprobs=recompute"),
+    ({"routing_replay": "old", "old_logprobs": "engine"}, "train.routing_replay=old needs loss.old_logprobs=recompute"),
+    # 1F1B interleaves microbatches: a layer recomputed in backward would replay another's experts
+    ({"routing_replay": "old", "recompute": "full", "layout": "pp2"},
+     "train.routing_replay with train.recompute=full and parallel.pp > 1 is not supported"),
+]
+
+
+def _refused(cell: dict[str, str]) -> bool:
+    """Whether (a part of) a cell holds every level of a refused combination."""
+    return any(all(cell.get(n) == lv for n, lv in combo.items()) for combo, _ in REFUSED)
+
+
+def swept_keys() -> set[str]:
+    keys = set()
+    for levels in FACTORS.values():
+        for overrides in levels.values():
+            keys |= {o.split("=", 1)[0] for o in overrides}
+    return keys
+
+
+def covering_cells(factors: dict[str, dict[str, list[str]]], seed: int = 0) -> list[dict[str, str]]:
+    """A pairwise covering set: every (factor a = level x, factor b = level y) pair in some cell.
+    Greedy (AETG-like): each new cell starts from an uncovered pair and fills the other factors
+    with the level covering the most uncovered pairs; deterministic for a seed."""
+    names = list(factors)
+    uncovered = {((a, x), (b, y)) for a, b in itertools.combinations(names, 2)
+                 for x in factors[a] for y in factors[b] if not _refused({a: x, b: y})}
+    rng = random.Random(seed)
+    cells: list[dict[str, str]] = []
+
+    def gain(cell: dict[str, str], name: str, level: str) -> int:
+        i = names.index(name)
+        return sum(((a, cell[a]), (name, level)) in uncovered if names.index(a) < i else
+                   ((name, level), (a, cell[a])) in uncovered for a in cell)
+
+    while uncovered:
+        best = None
+        for _ in range(20):  # candidates; the one covering most pairs is kept
+            (a, x), (b, y) = sorted(uncovered)[rng.randrange(len(uncovered))]
+            cell = {a: x, b: y}
+            rest = [n for n in names if n not in cell]
+            rng.shuffle(rest)
+            for n in rest:
+                levels = list(factors[n])
+                rng.shuffle(levels)
+                allowed = [lv for lv in levels if not _refused({**cell, n: lv})]
+                cell[n] = max(allowed, key=lambda lv: gain(cell, n, lv))
+            covered = {p for p in uncovered if cell[p[0][0]] == p[0][1] and cell[p[1][0]] == p[1][1]}
+            if best is None or len(covered) > len(best[1]):
+                best = ({n: cell[n] for n in names}, covered)
+        cells.append(best[0])
+        uncovered -= best[1]
+    return cells
+
+
+CELLS = covering_cells(FACTORS)
+
+
+def _cell_id(cell: dict[str, str]) -> str:
+    return "-".join(cell[n] for n in FACTORS)
+
+
+# ------------------------------------------------------------------------------------- the generator
+def test_every_option_is_swept_or_says_why():
+    from gspo_megatron.config_reference import entries
+
+    keys = {e["key"] for e in entries()}
+    listed = [k for ks in NOT_SWEPT.values() for k in ks]
+    swept = swept_keys()
+    assert not swept - keys, f"levels set keys the config does not have: {sorted(swept - keys)}"
+    missing = sorted(keys - swept - set(listed))
+    assert not missing, (f"options in neither the sweep (FACTORS) nor NOT_SWEPT: {missing}; add a level that "
+                         "exercises each, or say in NOT_SWEPT why it need not be swept")
+    both = sorted(set(listed) & swept)
+    assert not both, f"keys both swept and in NOT_SWEPT: {both}"
+    stale = sorted(set(listed) - keys)
+    assert not stale, f"NOT_SWEPT names keys the config no longer has: {stale}"
+
+
+def test_the_cells_cover_every_pair():
+    names = list(FACTORS)
+    assert not [c for c in CELLS if _refused(c)]
+    for a, b in itertools.combinations(names, 2):
+        seen = {(c[a], c[b]) for c in CELLS}
+        want = {(x, y) for x, y in itertools.product(FACTORS[a], FACTORS[b]) if not _refused({a: x, b: y})}
+        assert seen == want, (a, b, sorted(want - seen))
+    # far fewer than the full product (the point of a covering set)
+    assert len(CELLS) < math.prod(len(v) for v in FACTORS.values()) // 100
+
+
+@pytest.mark.parametrize("refused", REFUSED, ids=lambda r: "-".join(r[0].values()))
+def test_refused_combinations_are_refused_in_one_line(refused):
+    """The combinations the cells leave out: the config refuses each in one line naming the key,
+    before anything runs (every other factor at its first level, which combines with all)."""
+    from gspo_megatron.config import ConfigError, load_config
+
+    combo, said = refused
+    cell = {**{n: next(iter(levels)) for n, levels in FACTORS.items()}, **combo}
+    assert not _refused({n: next(iter(levels)) for n, levels in FACTORS.items()})
+    overrides = [*BASE, "model.hf_dir=unused"] + [o for n, lv in cell.items() for o in FACTORS[n][lv]]
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides)
+    assert str(e.value).startswith(said) and "\n" not in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------------------------- the cells
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny demo model with head_dim 32 as an HF checkpoint (save_pretrained + the project's
+    tokenizer): what every cell trains and every engine serves."""
+    import torch
+    import yaml
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from gspo_megatron.rollout.tokenizer import build_tokenizer
+
+    with open(TINY) as f:
+        hf = {**yaml.safe_load(f)["model"]["hf_config"], "head_dim": 32}
+    path = tmp_path_factory.mktemp("sweep_model") / "hf"
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf)).save_pretrained(str(path))
+    build_tokenizer(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir, tmp_path_factory):
+    """One real vLLM server for the module's vLLM cells (urls mode, disk sync); None when the vLLM
+    venv cannot be built here (no package index): those cells are then skipped."""
+    from test_vllm import NETWORK, _free_port
+
+    from dist_utils import with_free_port
+    from gspo_megatron.rollout import vllm_env
+    from gspo_megatron.rollout.vllm_server import ServerClient, VLLMLaunchSpec, launch
+
+    try:
+        python = vllm_env.ensure(timeout_s=2400)
+    except vllm_env.VLLMEnvError as e:
+        if any(s in str(e) for s in NETWORK):
+            yield None
+            return
+        raise
+
+    def start(port):
+        spec = VLLMLaunchSpec(model_path=model_dir, port=port, api_key="k3y", python=python, trainer_dtype="float32",
+                              max_model_len=512, log_dir=str(tmp_path_factory.mktemp("sweep_vllm_logs")))
+        procs = launch(spec)
+        try:
+            procs.wait_ready([ServerClient(procs.urls[0], api_key="k3y")], 900)
+        except BaseException:
+            procs.stop()
+            raise
+        return procs
+
+    procs = with_free_port(start, free=_free_port)
+    yield procs.urls[0]
+    procs.stop()
+
+
+def _cell_rank(rank, world, out_dir, overrides):
+    """One rank of one cell: the refusal line, or (rank 0) the run's per-step rows."""
+    from gspo_megatron.cli_util import InputError
+    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.train import loop
+
+    try:
+        cfg = load_config(TINY, [f"out_dir={out_dir}", *overrides])
+    except (ConfigError, InputError) as e:
+        return {"refused": str(e)}
+    try:
+        loop.train(cfg, world_size=world)
+    except (ConfigError, InputError) as e:  # the run's own input checks, before any step
+        return {"refused": str(e), "after_start": True}
+    if rank != 0:
+        return None
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {"rows": [r for r in map(json.loads, f) if r.get("phase") == "gspo"]}
+
+
+def _finite(v) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, (list, tuple)):
+        return all(_finite(x) for x in v)
+    if isinstance(v, dict):
+        return all(_finite(x) for x in v.values())
+    return True
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cell", CELLS, ids=_cell_id)
+def test_cell_trains_or_is_refused_in_one_line(cell, model_dir, tmp_path, request):
+    from sglang_double import SGLangDouble, sglang_overrides
+
+    overrides = [*BASE, f"model.hf_dir={model_dir}"]
+    for name, level in cell.items():
+        overrides += FACTORS[name][level]
+    double = None
+    if cell["engine"] == "sglang":
+        double = SGLangDouble(model_dir).__enter__()
+        overrides += sglang_overrides(double.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))
+    elif cell["engine"] == "vllm":
+        vllm_server = request.getfixturevalue("vllm_server")  # started by the first vLLM cell only
+        if vllm_server is None:
+            pytest.skip("the vLLM venv cannot be built here (no package index)")
+        overrides += [f"rollout.vllm.urls=[{vllm_server}]", "rollout.vllm.api_key=k3y",
+                      f"rollout.vllm.shared_dir={tmp_path / 'sync'}", "rollout.vllm.request_timeout_s=120"]
+    try:
+        got = run_distributed(_cell_rank, 2, str(tmp_path / "run"), overrides, timeout=400)
+    finally:
+        if double is not None:
+            double.__exit__(None, None, None)
+    res = got[0]
+    assert "refused" not in res, f"a combination outside REFUSED was refused: {res['refused']}"
+    rows = res["rows"]
+    print(_cell_id(cell), {k: [r.get(k) for r in rows] for k in ("loss", "grad_norm", "reward_mean",
+                                                                 "mismatch_logprob_max")})
+    assert [r["step"] for r in rows] == [1, 2], rows
+    assert all(_finite(r) for r in rows), rows
+    assert any((r.get("grad_norm") or 0) > 0 for r in rows), rows  # it did update the policy
+    # the engine served the weights the trainer holds (a synchronous step, fp32 on both sides)
+    if cell["dtype"] == "float32" and cell["engine"] in ("sglang", "vllm") and cell["async"] == "sync":
+        mm = [r.get("mismatch_logprob_max") for r in rows]  # None where π_old is the engine's own
+        assert all(m is None or m <= 1e-4 for m in mm), mm
+        assert cell["old_logprobs"] == "engine" or any(m is not None for m in mm), mm
