@@ -38,10 +38,12 @@ QWEN3_30B = dict(num_hidden_layers=48, num_attention_heads=32, num_key_value_hea
                  max_position_embeddings=40960)
 
 RECORDER = textwrap.dedent("""
-    import json, os, sys
+    import ctypes, json, os, sys
     keep = ("VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES", "VLLM_SERVER_DEV_MODE", "LOCAL_RANK", "RANK")
+    sig = ctypes.c_int(-1)  # prctl(PR_GET_PDEATHSIG): kept across exec
+    ctypes.CDLL(None).prctl(2, ctypes.byref(sig))
     with open(sys.argv[1] + ".tmp", "w") as f:
-        json.dump({"argv": sys.argv[2:], "env": {k: os.environ.get(k) for k in keep}}, f)
+        json.dump({"argv": sys.argv[2:], "env": {k: os.environ.get(k) for k in keep}, "pdeathsig": sig.value}, f)
     os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 """)
 
@@ -77,7 +79,7 @@ def _recorded_launch(tmp_path, cfg) -> tuple[list[str], dict]:
     finally:
         eng.close()
     rec = json.loads(out.read_text())
-    return rec["argv"], rec["env"]
+    return rec["argv"], {**rec["env"], "pdeathsig": rec["pdeathsig"]}
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -98,6 +100,30 @@ def test_cpu_launch_gets_the_cpu_flags_and_a_kv_cache_sized_from_the_model(tmp_p
     assert int(_flag(argv, "--kv-cache-memory-bytes")) == 32 << 20
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["LOCAL_RANK"] is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_server_dies_with_its_starter_and_nothing_is_loaded_between_fork_and_exec(tmp_path, monkeypatch):
+    """Issue 41 5h: the server gets SIGTERM when the trainer dies (PR_SET_PDEATHSIG, read back in
+    the server), and libc is looked up in the trainer before the fork: a dlopen between fork and
+    exec of a process with threads can hang on a loader lock held by another thread at the fork.
+    ctypes.CDLL is wrapped to leave a mark when a process other than this one calls it (the forked
+    child runs this process's memory until exec); before, the child called it."""
+    import ctypes
+    import signal
+
+    parent, mark = os.getpid(), tmp_path / "dlopen_in_child"
+    real = ctypes.CDLL
+
+    def cdll(*a, **k):
+        if os.getpid() != parent:
+            os.close(os.open(str(mark), os.O_CREAT | os.O_WRONLY))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    _, env = _recorded_launch(tmp_path, _config())
+    assert env["pdeathsig"] == int(signal.SIGTERM)
+    assert not mark.exists(), "ctypes.CDLL ran in the forked child"
 
 
 def test_default_cpu_kv_cache_is_derived_from_the_model_and_max_model_len():

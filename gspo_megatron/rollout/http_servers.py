@@ -464,6 +464,7 @@ class ServerProcesses:
         os.makedirs(log_dir, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in self.spec.unset_env}
         env.update(self.spec.env or {})
+        term_with_parent = _term_with_parent()  # resolved here, not in the forked child
         _LIVE.add(self)
         try:
             for i in range(self.spec.num_servers):
@@ -478,7 +479,7 @@ class ServerProcesses:
                     subprocess.Popen(
                         argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                         env=env, start_new_session=True,  # own process group: stop() reaches its children
-                        preexec_fn=_term_with_parent,
+                        preexec_fn=term_with_parent,
                     )
                 )
         except BaseException:
@@ -564,18 +565,29 @@ class ServerProcesses:
         self.stop()
 
 
-def _term_with_parent() -> None:
-    """In the server process before exec (Linux): SIGTERM when the process that started it dies,
-    even by SIGKILL, where no stop() or atexit hook runs; the server then shuts its own children
-    down (SGLang's schedulers, vLLM's engine core). Elsewhere a no-op. Linux ties it to the
-    starting *thread*: servers are started from the owner's main thread (engine construction)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _term_with_parent():
+    """The preexec_fn of a server process (Linux; None elsewhere): SIGTERM to the server when the
+    process that started it dies, even by SIGKILL, where no stop() or atexit hook runs; the server
+    then shuts its own children down (SGLang's schedulers, vLLM's engine core). Linux ties it to
+    the starting *thread*: servers are started from the owner's main thread (engine construction).
 
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    libc's prctl is looked up here, in the parent, and the child only calls the resolved function:
+    between fork and exec of a process with threads (the trainer has gloo's, the HTTP clients'),
+    dlopen (ctypes.CDLL) could wait forever on a loader lock another thread held at the fork."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    sigterm = int(signal.SIGTERM)
+
+    def preexec() -> None:
+        prctl(1, sigterm)  # PR_SET_PDEATHSIG
+
+    return preexec
 
 
 def _signal_group(p: subprocess.Popen, sig: int, leader_gone: bool = False) -> None:
