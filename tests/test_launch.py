@@ -447,19 +447,21 @@ def test_server_flags_cli(capsys):
     from gspo_megatron.rollout.sglang_api import ROUTED_EXPERTS_FLAG
 
     assert sglang_server.main(["--server-flags", "--config", preset("tiny_cpu"), "train.routing_replay=rollout"]) == 0
-    assert capsys.readouterr().out.splitlines() == [ROUTED_EXPERTS_FLAG]
-    assert sglang_server.main(["--server-flags", "--config", preset("tiny_cpu")]) == 0
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().out.splitlines() == [ROUTED_EXPERTS_FLAG, "# weight_sync=disk"]
+    assert sglang_server.main(["--server-flags", "--config", preset("tiny_cpu"),
+                               "rollout.sglang.weight_sync=distributed"]) == 0
+    assert capsys.readouterr().out == "# weight_sync=distributed\n"
     with pytest.raises(SystemExit) as e:
         sglang_server.main(["--server-flags", "--config", preset("tiny_cpu"), "trian.max_steps=1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("gspo_megatron.rollout.sglang_server: error: ")
     assert "trian" in err[0]
-    # as the sbatch runs it: a module with a __main__ guard, nothing but the flags on stdout
+    # as the sbatch runs it: a module with a __main__ guard, nothing but the flags (and the
+    # weight-sync line the script reads) on stdout
     r = subprocess.run([sys.executable, "-m", "gspo_megatron.rollout.sglang_server", "--server-flags", "--config",
                         preset("tiny_cpu"), "rollout.return_routing=true"], capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
-    assert r.returncode == 0 and r.stdout == ROUTED_EXPERTS_FLAG + "\n", r.stderr
+    assert r.returncode == 0 and r.stdout == ROUTED_EXPERTS_FLAG + "\n# weight_sync=disk\n", r.stderr
 
 
 def test_smoke_passes_smoke_to_the_trainer(tmp_path):
@@ -806,3 +808,44 @@ def test_a_bad_input_line_survives_torchrun_stopping_the_ranks(tmp_path, fails):
     assert r.returncode != 0
     want = "probe: error: bad input seen by every rank" if fails == "all" else "probe: error: bad input seen by rank 1 only"
     assert want in r.stderr.splitlines(), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("weight_sync", ["distributed", "disk"])
+def test_sglang_sbatch_compares_nccl_versions_before_an_nccl_weight_sync(weight_sync, tmp_path):
+    """Issue 41 5a: with weight_sync=distributed the job asks the trainer's and the servers'
+    environments (each image on a node of its own) for their NCCL version and stops in one line when
+    they differ, before any server starts; DRY_RUN shows both probes. disk: no probe."""
+    script = os.path.join(ROOT, "launch", "slurm", "train_with_sglang.sbatch")
+    model = hf_dir(tmp_path, "qwen3_30b_a3b")
+    r = render_run(script, [preset("qwen3_30b_a3b"), f"model.hf_dir={model}",
+                            f"rollout.sglang.weight_sync={weight_sync}"],
+                   env={"CONTAINER_IMAGE": "/img/gspo.sqsh", "SGLANG_CONTAINER_IMAGE": "lmsysorg/sglang:v0.5.23"},
+                   nodes=["a", "b"], tmp_path=tmp_path)
+    said = [ln for ln in r.stderr.splitlines() if "compares the NCCL versions" in ln]
+    if weight_sync == "disk":
+        assert not said, r.stderr
+        return
+    (line,) = said
+    train_probe, server_probe = line.split("first: ", 1)[1].split(" and ")
+    assert "--nodelist=a" in train_probe and "--container-image=/img/gspo.sqsh" in train_probe
+    assert "--nodelist=b" in server_probe and "--container-image=lmsysorg/sglang:v0.5.23" in server_probe
+    assert "torch.cuda.nccl.version" in train_probe and "torch.cuda.nccl.version" in server_probe
+
+
+@pytest.mark.parametrize("reported, printed", [((2, 27, 3), "2.27.3"), (21803, "2.18.3"), (2708, "0.27.8")])
+def test_the_nccl_probe_prints_major_minor_patch(reported, printed, tmp_path):
+    """The probe the job runs in both images (taken from the script), against a stand-in torch
+    whose torch.cuda.nccl.version() answers as torch does: a tuple (recent releases) or the
+    integer code major*10000 + minor*100 + patch (older ones)."""
+    import re
+
+    text = open(os.path.join(ROOT, "launch", "slurm", "train_with_sglang.sbatch")).read()
+    (probe,) = re.findall(r"^NCCL_PROBE='([^']*)'$", text, re.M)
+    stub = tmp_path / "torch"
+    (stub / "cuda").mkdir(parents=True)
+    (stub / "__init__.py").write_text("from . import cuda\n")
+    (stub / "cuda" / "__init__.py").write_text("from . import nccl\n")
+    (stub / "cuda" / "nccl.py").write_text(f"def version():\n    return {reported!r}\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0 and r.stdout.strip() == printed, r.stderr

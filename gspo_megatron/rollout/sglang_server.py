@@ -158,15 +158,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = "gspo_megatron.rollout.sglang_server"
     ap = argparse.ArgumentParser(
         prog=prog, description="Print the sglang.launch_server flags a run's config needs, one per line "
-        "(the config is loaded as the trainer loads it: YAML + dotted overrides, validated).")
+        "(the config is loaded as the trainer loads it: YAML + dotted overrides, validated), then a "
+        "'# weight_sync=<how>' line.")
     ap.add_argument("--server-flags", action="store_true", required=True,
                     help="print the flags (the only action)")
     ap.add_argument("--config", required=True, help="the run's YAML config")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, as given to the trainer")
     args = ap.parse_args(argv)
     with user_errors(prog):
-        for flag in server_flags(load_config(args.config, args.overrides)):
+        cfg = load_config(args.config, args.overrides)
+        for flag in server_flags(cfg):
             print(flag)
+        # not a flag: what the launch script checks before starting servers (the NCCL versions
+        # of both images when the weights travel over NCCL; launch/slurm/train_with_sglang.sbatch)
+        print(f"# weight_sync={cfg.rollout.sglang.weight_sync}")
     return 0
 
 
