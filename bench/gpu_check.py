@@ -22,10 +22,11 @@ imports (then TE's FusedAdam, whose checkpoint path keeps `step` in the param gr
 
   1 environment    torch / megatron-core 0.16.1 / TE / CUDA as found (megatron-core from --wheels
                    as above when it is missing)
-  2 train          launch A: SFT warm start, then GSPO steps 1-2, checkpoint at step 2 (torch_dist)
+  2 train          launch A: SFT warm start, then GSPO steps 1-2, checkpoint at step 2 (torch_dist,
+                   written in the background: checkpoint.async_save=true)
   3 resume         launch B resumes A's checkpoint (checkpoint.resume=auto), runs GSPO step 3,
-                   checkpoints and exports; launch C runs steps 1-3 uninterrupted in a folder of its
-                   own. B's step-3 fp32 masters == C's: bit for bit on CPU; on CUDA (kernels may be
+                   checkpoints (in the background) and exports; launch C runs steps 1-3
+                   uninterrupted in a folder of its own, saving synchronously. B's step-3 fp32 masters == C's: bit for bit on CPU; on CUDA (kernels may be
                    nondeterministic) ||B3 - C3|| <= 5% of ||C3 - A2||, the size of one step's update
                    (Adam's step count lost at the resume, i.e. a wrong bias correction: 61%)
   4 metrics        the SFT token NLL falls; GSPO steps 1..3 logged once each, finite loss / grad
@@ -84,6 +85,7 @@ DEFAULT_PYVERS = ("3.10", "3.11", "3.12", "3.13")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64")
 OVERLAY_ENV = "GSPO_GPU_CHECK_VENV"  # set in the re-run: the venv it runs in (no second re-run)
+ASYNC_SAVE = ("checkpoint.async_save=true",)  # launches A and B (stages 2, 3); C saves synchronously
 ROWS = ("1 environment", "2 train", "3 resume", "4 metrics", "5 export", "6 mcore-to-hf", "7 checkpoint",
         "8 vllm-nccl")
 
@@ -460,10 +462,11 @@ def main(argv=None) -> int:
         return (f"torch {torch.__version__}, transformers {transformers.__version__}, megatron-core {mc}{how}, "
                 f"{te}, {gpu}, world group on {backend}")
 
-    def launch(tag: str, out_dir: str, steps: int, export: bool):
+    def launch(tag: str, out_dir: str, steps: int, export: bool, extra: tuple[str, ...] = ()):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
                "--standalone", "-m", "gspo_megatron.train", "--config", CONFIG, f"out_dir={out_dir}",
-               *overrides, f"train.max_steps={steps}", f"checkpoint.export_hf={'true' if export else 'false'}"]
+               *overrides, f"train.max_steps={steps}", f"checkpoint.export_hf={'true' if export else 'false'}",
+               *extra]
         r = _run(cmd, args.timeout, env=_env(), cwd=REPO)
         logs[tag] = r.stderr
         with open(os.path.join(out, f"{tag}.log"), "w") as f:
@@ -476,7 +479,10 @@ def main(argv=None) -> int:
 
     def train():
         shutil.rmtree(run_dir, ignore_errors=True)
-        launch("train", run_dir, 2, export=False)
+        # A and B write their checkpoints in the background (checkpoint.async_save: the snapshot
+        # into pinned host memory is the CUDA branch of train/checkpoint.py _snapshot), C
+        # synchronously: B's resumed step 3 must still equal C's
+        launch("train", run_dir, 2, export=False, extra=ASYNC_SAVE)
         if not os.path.isdir(ckpt(run_dir, 2)):
             raise RuntimeError("no step-2 checkpoint")
         return "launch A: SFT warm start + GSPO steps 1-2, checkpoint step 2"
@@ -486,7 +492,7 @@ def main(argv=None) -> int:
     def resume():
         import torch
 
-        launch("resume", run_dir, 3, export=True)
+        launch("resume", run_dir, 3, export=True, extra=ASYNC_SAVE)
         if "resumed from" not in logs["resume"]:
             raise RuntimeError("the second launch did not resume")
         resumed.append(True)

@@ -839,6 +839,11 @@ class CheckpointConfig:
     # loaded with a warning naming the folder; true = refused. Checksums are verified before any
     # file of the folder is parsed, by every loader (resume, model.load, score --load, mcore-to-hf).
     require_checksums: bool = False
+    # Write checkpoints in the background: the step blocks only while this rank's shard is copied
+    # into host memory (one extra copy of it at most: one write in flight); the tracker names a
+    # checkpoint once its write is complete. Needs optimizer.use_distributed_optimizer=true
+    # (train/async_save.py; docs/checkpoints.md).
+    async_save: bool = False
 
     def __post_init__(self):
         _positive("checkpoint.interval", self.interval, allow_zero=True)
@@ -1000,6 +1005,10 @@ class Config:
             raise ConfigError("train.routing_replay with train.recompute=full and parallel.pp > 1 is not supported: "
                               "1F1B interleaves microbatches, so a layer recomputed in backward would replay another "
                               "microbatch's experts (use train.recompute=selective, or pp=1)")
+        if self.checkpoint.async_save and not self.optimizer.use_distributed_optimizer:
+            raise ConfigError("checkpoint.async_save=true needs optimizer.use_distributed_optimizer=true (the background "
+                              "writer writes the distributed optimizer's shards; the plain optimizer's checkpoints go "
+                              "through Megatron's synchronous save)")
         if self.data.source == "file" and self.reward.fn is None:
             raise ConfigError(
                 "data.source=file needs reward.fn ('math' or 'module:function'); null means the "

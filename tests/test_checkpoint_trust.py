@@ -371,22 +371,26 @@ def test_a_tracker_that_is_not_utf8_is_a_scan(trained, tmp_path, caplog):
 # Never save a non-finite tensor
 
 
-def _save_with_nan(rank, world, out_dir):
+def _save_with_nan(rank, world, out_dir, overrides=()):
     import torch
 
     from gspo_megatron.config import load_config
     from gspo_megatron.model.hf_io import CheckpointError
     from gspo_megatron.train.setup import setup_run
 
-    cfg = load_config(TINY, [f"out_dir={out_dir}", *BASE, "train.max_steps=1"])
+    cfg = load_config(TINY, [f"out_dir={out_dir}", *BASE, "train.max_steps=1", *overrides])
     parts = setup_run(cfg, world_size=world)
     try:
+        if cfg.checkpoint.async_save:  # Adam's moments exist: the background writer takes the save
+            parts.optimizer.step()
         parts.save_checkpoint(1, {"step": 1})
+        parts.wait_for_saves()
         name, p = next((n, p) for n, p in parts.model[0].named_parameters() if "linear_fc2" in n)
         with torch.no_grad():
             p.view(-1)[3] = float("nan")
         try:
             parts.save_checkpoint(2, {"step": 2})
+            parts.wait_for_saves()  # a background write's error surfaces at the wait
             return name, "saved"
         except CheckpointError as e:
             return name, str(e)
@@ -402,6 +406,20 @@ def test_a_model_holding_nan_is_never_saved(tmp_path):
     root = out / "checkpoints"
     assert "\n" not in msg and str(root / "iter_0000002") in msg and "not finite" in msg, msg
     assert name.split("module.")[-1] in msg, (name, msg)
+    assert sorted(os.listdir(root)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+@pytest.mark.timeout(300)
+def test_a_background_write_never_saves_a_model_holding_nan(tmp_path):
+    """checkpoint.async_save=true: the writer checks the snapshot it is about to write (the step
+    does not wait for the check); the same one line, at the next wait, and nothing written."""
+    out = tmp_path / "run"
+    name, msg = run_distributed(_save_with_nan, 1, str(out), ["checkpoint.async_save=true"], timeout=240)[0]
+    root = out / "checkpoints"
+    assert "\n" not in msg and str(root / "iter_0000002") in msg and "not finite" in msg, msg
+    # the checkpoint's key and the chunk (layer 0, expert 0): the writer's check, not the save's
+    assert "decoder.layers.mlp.experts.experts.linear_fc2.weight (the chunk at offsets [0, 0," in msg, (name, msg)
     assert sorted(os.listdir(root)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 

@@ -77,6 +77,8 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     "grad_reduce": {"fp32": ["optimizer.grad_reduce_in_fp32=true"], "native": ["optimizer.grad_reduce_in_fp32=false"]},
     "lr_schedule": {"constant": ["optimizer.lr_decay_style=constant"],
                     "cosine_warmup": ["optimizer.lr_decay_style=cosine", "optimizer.warmup_steps=1"]},
+    # every cell saves at its end (checkpoint.interval=0): in the step, or in the background
+    "save": {"sync": ["checkpoint.async_save=false"], "async": ["checkpoint.async_save=true"]},
 }
 
 # What every cell shares: 2 steps of 2 prompts x 2 samples, nothing saved, head_dim 32 (vLLM's CPU
@@ -142,6 +144,8 @@ REFUSED: list[tuple[dict[str, str], str]] = [
     ({"loss": "gspo_mis", "old_logprobs": "engine"}, "loss.mis needs loss.old_logprobs=recompute"),
     ({"routing_replay": "old", "old_logprobs": "engine"}, "train.routing_replay=old needs loss.old_logprobs=recompute"),
     # 1F1B interleaves microbatches: a layer recomputed in backward would replay another's experts
+    ({"save": "async", "optimizer": "plain"},
+     "checkpoint.async_save=true needs optimizer.use_distributed_optimizer=true"),
     ({"routing_replay": "old", "recompute": "full", "layout": "pp2"},
      "train.routing_replay with train.recompute=full and parallel.pp > 1 is not supported"),
 ]
@@ -360,6 +364,10 @@ def test_cell_trains_or_is_refused_in_one_line(cell, model_dir, tmp_path, reques
     assert [r["step"] for r in rows] == [1, 2], rows
     assert all(_finite(r) for r in rows), rows
     assert any((r.get("grad_norm") or 0) > 0 for r in rows), rows  # it did update the policy
+    # the end-of-run checkpoint is written and tracked, in either save mode, before train() returns
+    ck = tmp_path / "run" / "checkpoints"
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (ck / "iter_0000002" / "checksums.json").exists()
     # the engine served the weights the trainer holds (a synchronous step, fp32 on both sides)
     if cell["dtype"] == "float32" and cell["engine"] in ("sglang", "vllm") and cell["async"] == "sync":
         mm = [r.get("mismatch_logprob_max") for r in rows]  # None where π_old is the engine's own

@@ -39,10 +39,11 @@ def check_target(out_dir: str, overwrite: bool, *, command: str | None = None) -
     return out_dir
 
 
-def make_tmp_collective(out_dir: str) -> str:
-    """Rank 0 creates the temporary directory; every rank gets its path."""
-    d = dist_or_none()
-    rank, _ = rank_world()
+def make_tmp_collective(out_dir: str, d=None) -> str:
+    """Rank 0 creates the temporary directory; every rank gets its path. `d`: the collectives to
+    use (parallel/state.py GroupOps for a background writer's own group); default the world's."""
+    d = d if d is not None else dist_or_none()
+    rank = d.get_rank() if d is not None else 0
     path = [make_tmp(out_dir) if rank == 0 else None]
     if d is not None:
         d.broadcast_object_list(path, src=0)

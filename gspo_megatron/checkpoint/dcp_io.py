@@ -181,10 +181,12 @@ def save_chunks(
     on_written: Callable[[Chunk], None] | None = None,
     sync_files: bool = True,
     objects: dict[str, bytes] | None = None,
+    process_group=None,
 ) -> None:
     """Write `chunks` (this rank's share) as a DCP checkpoint in `directory` (collective when
     torch.distributed is initialized: every rank calls it with its own chunks). `objects`: byte
-    entries to store too (give them on one rank only)."""
+    entries to store too (give them on one rank only). `process_group`: the group DCP's planning
+    collectives run on (default: the world's)."""
     planner = _LazyPlanner(chunks, on_written, objects)
     writer = _BoundedFileWriter(directory, max_file_bytes, thread_count=max(1, threads), sync_files=sync_files)
     try:
@@ -193,7 +195,7 @@ def save_chunks(
         no_dist = not (dist.is_available() and dist.is_initialized())
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process is the intent
-            dcp_save({}, storage_writer=writer, planner=planner, no_dist=no_dist)
+            dcp_save({}, storage_writer=writer, planner=planner, no_dist=no_dist, process_group=process_group)
     except BaseException as e:
         # DCP wraps failures of any rank into a CheckpointException; surface our own first error.
         if planner.error is not None and planner.error is not e:

@@ -586,6 +586,8 @@ def save_mcore_checkpoint(
     tensor_chunks: list[Chunk] | None = None,
     common_state: dict | None = None,
     checksums: bool = True,
+    collectives=None,
+    extra_state_keys: list | None = None,
 ) -> None:
     """Save this rank's model chunks (any TP/PP/EP/ETP layout) as one torch_dist checkpoint.
 
@@ -608,6 +610,10 @@ def save_mcore_checkpoint(
     Vocab tensors are saved with the padded rows of the saving layout; loaders accept any padding.
     `checksums`: write checksums.json (integrity.record) into the directory before it is published
     (the trainer passes False and writes them itself, train/checkpoint.py _write_checksums).
+    `collectives`: the group every collective of the save runs on (parallel/state.py GroupOps; a
+    background writer's own, train/async_save.py), default the world's; with `tensor_chunks` only.
+    `extra_state_keys`: this rank's `model_extra_state_keys(chunks)`, when the caller read them
+    already (a background writer must not walk modules the training thread is using).
     """
     from megatron.core import dist_checkpointing
 
@@ -619,17 +625,25 @@ def save_mcore_checkpoint(
         if k in sd:
             raise ValueError(f"save_mcore_checkpoint: extra_sharded_state key {k!r} clashes with the model's")
         sd[k] = v
-    rank, _ = atomic.rank_world()
+    if collectives is not None and tensor_chunks is None:
+        raise ValueError("save_mcore_checkpoint: collectives= is for tensor_chunks saves (Megatron's save uses "
+                         "the world's groups)")
+    d = collectives if collectives is not None else atomic.dist_or_none()
+    rank = d.get_rank() if d is not None else 0
+
+    def barrier() -> None:
+        if d is not None:
+            d.barrier()
+
     out = os.path.abspath(ckpt_dir)
-    tmp = atomic.make_tmp_collective(out)
+    tmp = atomic.make_tmp_collective(out, d)
     try:
         arch = Qwen3MoeArch.from_hf_dict(cfg)
         content = dict(megatron_dirs.CONTENT_METADATA)
         # the `_extra_state` entries: the architecture's list (megatron_dirs) and whatever this
         # model's modules ask for (on GPU, Transformer Engine's exact set), gathered onto rank 0
         extra = set(megatron_dirs.extra_state_objects(arch))
-        asked = model_extra_state_keys(chunks)
-        d = atomic.dist_or_none()
+        asked = list(extra_state_keys) if extra_state_keys is not None else model_extra_state_keys(chunks)
         if d is not None:
             gathered: list = [None] * d.get_world_size()
             d.all_gather_object(gathered, asked)
@@ -643,7 +657,8 @@ def save_mcore_checkpoint(
         else:
             data = megatron_dirs.extra_state_bytes()
             save_chunks(tensor_chunks, tmp, max_file_bytes=DEFAULT_MAX_FILE_BYTES, threads=thread_count,
-                        objects={megatron_dirs.dcp_key(*x): data for x in extra} if rank == 0 else None)
+                        objects={megatron_dirs.dcp_key(*x): data for x in extra} if rank == 0 else None,
+                        process_group=getattr(collectives, "group", None))
             if rank == 0:
                 with open(os.path.join(tmp, FORMAT_FILE), "w") as f:
                     json.dump(FORMAT, f)
@@ -652,13 +667,13 @@ def save_mcore_checkpoint(
             write_rank_files(tmp)
         if rank == 0:
             _write_hf_config(tmp, cfg, side)
-        _barrier()
+        barrier()
         if checksums:
             integrity.record(tmp, d)
-            _barrier()
+            barrier()
         if rank == 0:
             atomic.publish(tmp, out, overwrite=overwrite)
-        _barrier()
+        barrier()
     except BaseException:
         if rank == 0:
             atomic.discard(tmp)

@@ -178,6 +178,40 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item() > 0)
 
 
+class GroupOps:
+    """The torch.distributed calls a checkpoint writer makes (rank, world size, barrier, object
+    broadcast/gather), bound to one process group. A background checkpoint write runs its
+    collectives on a group of its own (`background_group`) while the training thread runs its own
+    on the default group: two threads must never share a group, whose collectives would interleave
+    in a different order on different ranks."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def get_rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def get_world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def broadcast_object_list(self, objects: list, src: int = 0) -> None:
+        dist.broadcast_object_list(objects, src=dist.get_global_rank(self.group, src), group=self.group)
+
+    def all_gather_object(self, out: list, obj) -> None:
+        dist.all_gather_object(out, obj, group=self.group)
+
+
+def background_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> GroupOps:
+    """A gloo group over the whole world for a background thread's collectives (a collective
+    itself: every rank calls it, at the same point). gloo on every device: what it carries is
+    plans, file lists and flags (CPU objects), and PyTorch's DCP asks for a CPU-capable group
+    for its asynchronous saves (torch 2.13 torch/distributed/checkpoint/state_dict_saver.py:304)."""
+    return GroupOps(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+
+
 def destroy_parallel() -> None:
     from megatron.core import parallel_state as ps
 

@@ -39,9 +39,10 @@ Departure from Megatron-LM: it stores the RNG state as a ShardedObject (pickled 
 data files, unpickled by PyTorch's DCP planner with weights_only=False); here it is a per-rank file
 read with torch.load(weights_only=True), and loading refuses ShardedObjects altogether.
 
-Async save is not offered: Megatron's (FileSystemWriterAsync, forked writer processes) calls
-torch.cuda.synchronize() and needs CUDA, and the direct writer has no asynchronous mode yet; saves
-are synchronous (docs/limitations.md; asynchronous saves are issue 42).
+Asynchronous saves (`checkpoint.async_save=true`, with the distributed optimizer): the step blocks
+only to snapshot this rank's chunks and plain state into host memory; the same writer then runs
+in a background thread on a group of its own (train/async_save.py says what overlaps and what is
+guaranteed). The files are those of a synchronous save.
 """
 from __future__ import annotations
 
@@ -126,13 +127,15 @@ def optimizer_state(optimizer, model_state: dict, *, is_loading: bool) -> dict:
 
 
 def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict, ctx, *, hf_config: dict,
-         keep_last: int = 0, tokenizer=None, writer: str = "auto") -> str:
+         keep_last: int = 0, tokenizer=None, writer: str = "auto", background=None) -> str:
     """Collective: every rank calls it. Returns the final directory.
 
     writer: "auto" — the distributed optimizer's state and the model are written by each DP rank
     from its own shard (train/checkpoint_shards.py), any other optimizer through Megatron's save;
     "megatron" — Megatron's save always (its fully_reshardable path gathers the optimizer state
-    on every DP rank first). Both write the same checkpoint (tests/test_checkpoint.py)."""
+    on every DP rank first). Both write the same checkpoint (tests/test_checkpoint.py).
+    background: a train/async_save.py BackgroundSaves: with the direct writer, snapshot and return
+    while its thread writes (the directory and the tracker appear when the write is done: wait())."""
     from gspo_megatron.checkpoint.mcore import model_sharded_state_dict
 
     if writer not in ("auto", "megatron"):
@@ -140,15 +143,22 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
 
     root = ckpt_root(out_dir)
     final = os.path.join(root, _step_name(step))
-    _refuse_non_finite(final, model, optimizer, ctx)  # before anything is written
+    if background is not None:  # at most one write in flight; its error surfaces here
+        _wrap_write_errors(final, lambda: background.wait(f"before saving {_step_name(step)}"))
+    else:  # (a background write checks the snapshot it writes instead: _refuse_non_finite_chunks)
+        _refuse_non_finite(final, model, optimizer, ctx)  # before anything is written
     os.makedirs(root, exist_ok=True)
     model_state = model_sharded_state_dict(model)
     trainer = {"format": FORMAT_VERSION, "step": step, "scheduler": scheduler.state_dict(), "loop": loop_state,
                "layout": layout_of(ctx)}
+    return _wrap_write_errors(final, lambda: _save_collective(
+        root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer, writer,
+        background))
 
+
+def _wrap_write_errors(final: str, fn):
     try:
-        return _save_collective(root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer,
-                     writer)
+        return fn()
     except (OSError, RuntimeError) as e:
         # a file-size limit (ulimit -f: EFBIG), a full disk or quota: torch reports it as an OSError,
         # or as "unexpected pos N vs M" from its zip writer (Megatron's save); one line naming the
@@ -213,14 +223,33 @@ def _refuse_non_finite(final: str, model, optimizer, ctx) -> None:
                           "nothing was written, the previous checkpoint and the tracker are unchanged")
 
 
+def _refuse_non_finite_chunks(final: str, chunks: list, d) -> None:
+    """_refuse_non_finite for a background write, on the snapshot it is about to write (the
+    model's weights and the optimizer's masters and moments of this rank's shard: every rank's
+    chunks together cover what _refuse_non_finite checks), collective on the writer's group `d`,
+    so the step does not wait for it. Raises the same one line."""
+    from gspo_megatron.model.hf_io import CheckpointError
+
+    mine = next((f"{c.key} (the chunk at offsets {list(c.offsets)})" for c in chunks
+                 if c.dtype.is_floating_point and not bool(torch.isfinite(c.produce()).all())), None)
+    found: list = [None] * d.get_world_size()
+    d.all_gather_object(found, mine)
+    bad = next(((r, n) for r, n in enumerate(found) if n is not None), None)
+    if bad is not None:
+        raise CheckpointError(f"refusing to save checkpoint {final}: {bad[1]} is not finite (NaN or inf) on rank "
+                              f"{bad[0]}; nothing was written, the previous checkpoint and the tracker are unchanged")
+
+
 def _save_collective(root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer,
-          writer) -> str:
-    from gspo_megatron.checkpoint.mcore import save_mcore_checkpoint
+          writer, background=None) -> str:
+    from gspo_megatron.checkpoint.mcore import model_extra_state_keys, save_mcore_checkpoint
     from gspo_megatron.train.checkpoint_shards import distributed_optimizer_plan
+
+    rng = rng_state()  # now: a background write runs while the next steps draw from the generators
 
     def rank_files(tmp: str) -> None:
         os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-        torch.save(rng_state(), _rng_path(tmp, ctx.rank))
+        torch.save(rng, _rng_path(tmp, ctx.rank))
         if ctx.rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(os.path.join(tmp, "hf_config"))
 
@@ -228,6 +257,27 @@ def _save_collective(root, final, step, model, optimizer, model_state, trainer, 
     # every rank must take the same path (both are collective)
     direct = torch.tensor([int(plan is not None)], device=ctx.device)
     dist.all_reduce(direct, op=dist.ReduceOp.MIN)
+    if int(direct) and background is not None:
+        chunks, common = plan
+        chunks, state = _snapshot(chunks, {"optimizer": common, "trainer": trainer}, ctx.device, background.buffers)
+        if background.extra_state_keys is None:  # the modules' entries: fixed for the run
+            background.extra_state_keys = model_extra_state_keys(model)
+        keys, ops = background.extra_state_keys, background.ops
+
+        def write() -> None:
+            _refuse_non_finite_chunks(final, chunks, ops)
+            save_mcore_checkpoint(model, final, hf_config, model_state=model_state, write_rank_files=rank_files,
+                                  tensor_chunks=chunks, common_state=state, thread_count=1, checksums=False,
+                                  collectives=ops, extra_state_keys=keys)
+            _publish(root, final, step, keep_last, ops)
+
+        background.submit(_step_name(step), lambda: _wrap_write_errors(final, write))
+        return final
+    if background is not None:
+        _refuse_non_finite(final, model, optimizer, ctx)
+    if background is not None and ctx.rank == 0:
+        log.info("checkpoint %s: written synchronously (the direct writer needs the distributed optimizer's "
+                 "Adam moments, which exist after the first optimizer step)", _step_name(step))
     if int(direct):
         chunks, common = plan
         save_mcore_checkpoint(model, final, hf_config, model_state=model_state, write_rank_files=rank_files,
@@ -240,24 +290,56 @@ def _save_collective(root, final, step, model, optimizer, model_state, trainer, 
                                  "trainer": trainer},
             checksums=False,
         )
-    # checksums of the published directory (_write_checksums), before the tracker names it
-    dist.barrier()  # the directory is in place on every rank's view
-    _write_checksums(final, ctx)
-    if ctx.rank == 0:
+    _publish(root, final, step, keep_last, dist)
+    return final
+
+
+def _publish(root: str, final: str, step: int, keep_last: int, d) -> None:
+    """Collective on `d` (torch.distributed, or a background group's GroupOps): checksums of the
+    published directory, then the tracker names it (rank 0), then older iterations are pruned."""
+    d.barrier()  # the directory is in place on every rank's view
+    _write_checksums(final, d)
+    if d.get_rank() == 0:
         from gspo_megatron.checkpoint.megatron_dirs import write_tracker
 
         write_tracker(root, step)
         _prune(root, keep_last, step)
-    dist.barrier()
-    return final
+    d.barrier()
 
 
-def _write_checksums(directory: str, ctx) -> None:
+def _snapshot(chunks: list, state: dict, device: torch.device, buffers: dict | None = None) -> tuple[list, dict]:
+    """A copy in host memory of what a background write needs, taken while the step waits: every
+    chunk's tensor (views into the parameters and the optimizer's buffers, which the next steps
+    overwrite) and the plain state (param groups, step counters, loop state). `buffers`: the
+    previous snapshot's host tensors, reused (the caller waited for its write): the copy then
+    goes into memory that is already mapped (and pinned), not freshly faulted in. On CUDA the
+    copies go into pinned memory, issued without a sync each and synchronized once (a GPU run's
+    branch; CPU runs take the other, in the suite)."""
+    import copy
+    from dataclasses import replace
+
+    cuda = device.type == "cuda"
+    buffers = {} if buffers is None else buffers
+    out = []
+    for c in chunks:
+        t = c.produce()
+        host = buffers.get((c.key, c.offsets))
+        if host is None or host.shape != t.shape or host.dtype != t.dtype:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda and t.is_cuda)
+            buffers[(c.key, c.offsets)] = host
+        host.copy_(t.detach(), non_blocking=cuda and t.is_cuda)
+        out.append(replace(c, produce=(lambda h=host: h)))
+    if cuda:
+        torch.cuda.synchronize(device)
+    return out, copy.deepcopy(state)
+
+
+def _write_checksums(directory: str, d) -> None:
     """Every rank hashes its share of the files; rank 0 writes checksums.json (before the tracker
-    names the checkpoint, so a tracked checkpoint always has them)."""
+    names the checkpoint, so a tracked checkpoint always has them). `d`: the collectives."""
     from gspo_megatron.checkpoint import integrity
 
-    integrity.record(directory, dist)
+    integrity.record(directory, d)
 
 
 def verify_checksums(directory: str, ctx, require: bool = False) -> bool:

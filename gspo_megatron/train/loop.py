@@ -590,6 +590,7 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
             return
         if not saved[0]:
             _save(parts, state, writer)
+        parts.wait_for_saves("before exiting on a signal")  # the checkpoint is on disk and tracked
         if ctx.rank == 0:
             where = f"step {state.step}" if state.sft_done else f"warm-start step {state.sft_steps}"
             log.warning("saved the step-%d checkpoint after %s (%s); exiting (resume with checkpoint.resume=auto)",
@@ -691,8 +692,9 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
                 saved[0] = True
                 preemption_point()  # a signal during the save: it is written, exit now
         _save(parts, state, writer)
-        if cfg.checkpoint.export_hf:
+        if cfg.checkpoint.export_hf:  # overlaps with a background write of the last checkpoint
             parts.export_hf(os.path.join(cfg.out_dir, "hf"))
+        parts.wait_for_saves("at the end of the run")
         if ctx.rank == 0:
             if bar is not None:
                 bar.close()

@@ -251,6 +251,7 @@ class RunParts:
     routing_replay: bool = False  # the policy's routers carry Megatron's RouterReplay
     heldout: Any = None  # train/evaluation.py HeldOut (eval.interval > 0)
     agent: Any = None  # rollout/agent.py AgentRunner (rollout.agent), rank 0 uses it
+    saves: Any = None  # train/async_save.py BackgroundSaves (checkpoint.async_save), every rank
 
     def plan_rows(self, samples: list) -> tuple[list[list[int]], list]:
         """`plan`'s microbatches with, for each, the indices into `samples` of its rows."""
@@ -285,7 +286,12 @@ class RunParts:
 
         return checkpoint.save(self.cfg.out_dir, step, self.model, self.optimizer, self.scheduler, loop_state,
                                self.ctx, hf_config=self.export_config(), keep_last=self.cfg.checkpoint.keep_last,
-                               tokenizer=self.tokenizer)
+                               tokenizer=self.tokenizer, background=self.saves)
+
+    def wait_for_saves(self, why: str = "") -> float:
+        """Collective in effect (the writer's own barriers): the background write in flight, if
+        any, is complete and tracked when this returns; seconds waited."""
+        return self.saves.wait(why) if self.saves is not None else 0.0
 
     def load_checkpoint(self, path: str) -> dict:
         from gspo_megatron.train import checkpoint
@@ -317,6 +323,11 @@ class RunParts:
             self.engine.close()
         if self.colocation is not None:
             self.colocation.close()
+        if self.saves is not None and self.saves.in_flight:  # a run ending in an error: the write in flight
+            try:
+                self.saves.wait("before the process groups are destroyed")
+            except Exception as e:  # the run's own error is the one to report
+                log.error("%s", e)
         destroy_parallel()
 
 
@@ -580,6 +591,12 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
         seq_multiple=pad_multiple(cfg.parallel), pad_id=tokenizer.pad_token_id or 0, stop_ids=stop_ids,
         routing_replay=routing_replay, heldout=inputs.heldout, agent=inputs.agent,
     )
+    if cfg.checkpoint.async_save:  # collective: every rank creates the writer's group here
+        from gspo_megatron.parallel.state import background_group
+        from gspo_megatron.train.async_save import BackgroundSaves
+
+        t = cfg.collective_timeout_s()[0]
+        parts.saves = BackgroundSaves(background_group(t), timeout_s=t)
     if cfg.loss.kl_coef > 0:
         parts.reference = ReferencePolicy(parts, ref_chunks)
     return parts
