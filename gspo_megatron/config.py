@@ -510,6 +510,18 @@ class VLLMConfig:
     concurrency: int = 64
     # More arguments for the launched server (e.g. [--tensor-parallel-size, "4"]).
     extra_args: list[str] = field(default_factory=list)
+    # Verify every weight push: each server worker reports, per tensor it read, a digest (float64
+    # sum and sum of squares), compared with the trainer's of the tensors it wrote; a mismatch, a
+    # missing or an extra tensor stops the run in one line naming the tensor and the server
+    # (rollout/vllm_engine.py). weight_sync=disk only. It checks what the engine loaded, not the
+    # served kernels' layout (on CPU vLLM packs dense weights out of reach): mismatch_logprob_*
+    # metrics compare the served model itself.
+    verify_weights: bool = False
+
+    def __post_init__(self):
+        if self.verify_weights and self.weight_sync != "disk":
+            raise ConfigError("rollout.vllm.verify_weights=true needs rollout.vllm.weight_sync=disk (the worker "
+                              "extension digests the tensors it reads; the NCCL transfer has no such hook)")
 
 
 @dataclass(frozen=True)

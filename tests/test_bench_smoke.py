@@ -111,6 +111,7 @@ SMOKES = {
     "bench_logprobs.py": [],
     "bench_launch.py": [],
     "bench_agents.py": [],
+    "bench_async_save.py": [],  # one sync and one background save of the smallest model, dp2
 }
 SMOKE_WORKERS = 3  # concurrent smokes: more only oversubscribes the CPUs further
 SMOKE_TIMEOUT_S = 600  # per smoke, a hang bound (on a quiet 2-core machine all of them take ~1 min)
@@ -352,3 +353,18 @@ def test_bench_agents_smoke(smokes):
     # another is one call per session per turn (3 turns); no bound on how long anything took
     assert int(alone[-4]) == 3 and int(conc[-4]) == 3 and int(seq[-4]) == 12, (alone, conc, seq)
     assert re.search(rf"^4 concurrent sessions / one alone: {NUM}x \(target <= 2x\)", out, re.M), out
+
+
+def test_bench_async_save_smoke(smokes):
+    out = _ok(smokes, "bench_async_save.py")
+    assert re.search(r"^bench_async_save: dp2, [0-9,]+ MiB checkpoint in \d+ files, 1 repetition", out, re.M), out
+    _row(out, r"^rep\s+sync blocks s\s+async blocks s\s+async write s\s+async/sync\s+copy s\s+sync peak MiB"
+              r"\s+sync \+peak\s+async peak MiB\s+async \+peak$")
+    row = _row(out, r"^0\s+")
+    sync_s, async_s, write_s, ratio, copy_s = (_num(x) for x in row[1:6])
+    assert sync_s > 0 and async_s > 0 and write_s > 0 and copy_s > 0, row
+    assert _close(ratio, async_s / sync_s, 3, rel=0.01), row
+    assert all(_num(x) > 0 for x in row[6:10]), row
+    m = re.search(rf"^blocks async / sync, median over repetitions: ({NUM}) \(target <= 0.1\): (PASS|FAIL); "
+                  r"the async checkpoint equals the synchronous one tensor by tensor$", out, re.M)
+    assert m and _close(_num(m.group(1)), ratio, 3), out

@@ -65,7 +65,10 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     # a multi-turn session (policy turn, environment tokens, policy turn) scored by reward.fn: the
     # calculator demo's own reward is 0 for a random model, which would leave nothing to train
     "agent": {"off": [], "two_turn": ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=24"]},
-    "engine": {"hf": ["rollout.backend=hf"], "sglang": ["rollout.backend=sglang"], "vllm": ["rollout.backend=vllm"]},
+    # every vLLM cell verifies its pushes (the worker's digests against the trainer's): a combination
+    # that changed what reaches the server would stop the cell in one line
+    "engine": {"hf": ["rollout.backend=hf"], "sglang": ["rollout.backend=sglang"],
+               "vllm": ["rollout.backend=vllm", "rollout.vllm.verify_weights=true"]},
     "dtype": {"float32": ["model.dtype=float32"], "bfloat16": ["model.dtype=bfloat16"]},
     "warm_start": {"none": ["train.sft_warmup_steps=0"], "sft1": ["train.sft_warmup_steps=1"]},
     "optimizer": {"distributed": ["optimizer.use_distributed_optimizer=true"],

@@ -146,6 +146,45 @@ def test_served_logprobs_follow_pushes_and_a_skipped_push_shows(server, models, 
         assert {s.weight_version for s in out} == {2} and _max_err(out, a, 0.7) <= 1e-4
 
 
+def test_verified_pushes_pass_and_a_corrupted_expert_is_named(server, models, tmp_path):
+    """rollout.vllm.verify_weights against the real server: the worker extension digests what it
+    reads, the engine compares with what it wrote. A clean push passes with every tensor checked;
+    a push whose files hold one expert tensor scaled by 1.01 (corrupted after the trainer's digest:
+    on the way to the server) is one WeightMismatchError line naming that tensor and the server,
+    raised before the server labels the version."""
+    from gspo_megatron.rollout.vllm_engine import VLLMEngine, WeightMismatchError
+
+    url, key = server
+    _, a, b = models
+    hf = {**HF, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    target = next(n for n, _ in _hub(a) if ".mlp.experts." in n and n.endswith("down_proj.weight"))
+
+    class Corrupting(VLLMEngine):
+        corrupt = False
+
+        def _write_push(self, named_tensors, path):
+            if self.corrupt:
+                named_tensors = ((n, t * 1.01 if n == target else t) for n, t in named_tensors)
+            super()._write_push(named_tensors, path)
+
+    with Corrupting({"urls": [url], "api_key": key, "shared_dir": str(tmp_path / "sync"), "request_timeout_s": 120,
+                     "verify_weights": True}, hf_config=hf) as eng:
+        eng.update_weights(_hub(b), 1)
+        assert eng.metrics["verified_tensors"] == len(_hub(b))
+        eng.corrupt = True
+        with pytest.raises(WeightMismatchError) as e:
+            eng.update_weights(_hub(a), 2)
+        msg = str(e.value)
+        assert "\n" not in msg and f"{target} differs from the trainer's" in msg and url in msg, msg
+        assert eng.server_weight_versions() == {url: "1"}  # the corrupted version was never labelled
+        eng.corrupt = False
+        eng.update_weights(_hub(a), 3)  # the server is usable again after a clean push
+        from gspo_megatron.rollout.base import SamplingParams
+
+        out = eng.generate(PROMPTS, 1, SamplingParams(temperature=0.7, max_new_tokens=6), seed=1)
+        assert _max_err(out, a, 0.7) <= 1e-4
+
+
 class _RoundRecorder:
     """The engine as PartialGenerator sees it (every attribute the engine's), recording what each
     generate() call returned and setting `started` when the first one begins."""
@@ -303,7 +342,8 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
               "train.sft_warmup_steps=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
               "train.minibatches_per_step=2", "checkpoint.interval=1", "checkpoint.keep_last=0",
               "checkpoint.export_hf=true", "logging.progress_bar=false", "logging.plot=false",
-              "rollout.vllm.request_timeout_s=60", "rollout.vllm.max_retries=2", "train.max_steps=5"]
+              "rollout.vllm.request_timeout_s=60", "rollout.vllm.max_retries=2", "train.max_steps=5",
+              "rollout.vllm.verify_weights=true"]  # every push checked (issue 42)
     launch = [f"rollout.vllm.port={_free_port()}"]
     p = subprocess.Popen(torchrun_cmd(2, *common, *launch), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=_env(), cwd=REPO)
@@ -352,6 +392,9 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
     assert steps[-1] == 5 and steps[:done] == list(range(1, done + 1)), steps
     # fp32 trainer and fp32 vLLM, after every push: the same policy to 1e-4 on every sampled token
     assert all(x["mismatch_logprob_max"] <= 1e-4 for x in rows), [x["mismatch_logprob_max"] for x in rows]
+    # rollout.vllm.verify_weights: every push's tensors were checked against the trainer's (a
+    # mismatch would have stopped the run), both with the launched server and with the running one
+    assert all(x.get("weights_verified", 0) > 0 for x in rows), [x.get("weights_verified") for x in rows]
 
     # the server now holds the run's last push: it generates held-out sequences with the exported
     # model's log-probs

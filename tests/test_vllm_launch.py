@@ -300,3 +300,29 @@ def test_engines_accept_a_local_build_of_their_release_and_refuse_another_releas
     finally:
         v.close()
         s.close()
+
+
+def test_push_digests_name_the_first_tensor_that_differs_is_missing_or_extra():
+    """rollout/vllm_engine.py check_digests against the worker's own digest function (the one the
+    server runs, rollout/vllm_worker.py tensor_digest): equal tensors pass in any summation order
+    (a permuted copy), a 1.01-scaled one, a missing one and an extra one are each one line naming
+    it; a worker that sends no digests is a protocol error."""
+    from gspo_megatron.rollout.http_servers import EngineProtocolError
+    from gspo_megatron.rollout.vllm_engine import WeightMismatchError, check_digests
+    from gspo_megatron.rollout.vllm_worker import tensor_digest
+
+    g = torch.Generator().manual_seed(0)
+    ts = {f"model.layers.0.mlp.experts.{e}.down_proj.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16)
+          for e in range(4)}
+    sent = {k: tensor_digest(t) for k, t in ts.items()}
+    shuffled = {k: tensor_digest(t.reshape(-1)[torch.randperm(t.numel(), generator=g)]) for k, t in ts.items()}
+    assert check_digests("http://s", [{"digests": shuffled}, {"digests": dict(sent)}], sent, 3) == 4
+    bad = "model.layers.0.mlp.experts.2.down_proj.weight"
+    for got, needle in (({**sent, bad: tensor_digest(ts[bad] * 1.01)}, f"{bad} differs from the trainer's"),
+                        ({k: v for k, v in sent.items() if k != bad}, f"never read {bad}"),
+                        ({**sent, "lm_head.weight": [0.0, 0.0]}, "read lm_head.weight, which the trainer did not")):
+        with pytest.raises(WeightMismatchError) as e:
+            check_digests("http://s", [{"digests": got}], sent, 3)
+        assert "\n" not in str(e.value) and needle in str(e.value) and "http://s" in str(e.value), str(e.value)
+    with pytest.raises(EngineProtocolError, match="sent no digests"):
+        check_digests("http://s", [{"files": 1}], sent, 3)

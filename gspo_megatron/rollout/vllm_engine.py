@@ -37,6 +37,7 @@ colocated servers.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import threading
@@ -62,6 +63,50 @@ class VLLMVersionError(EngineError):
     pass
 
 
+class WeightMismatchError(EngineError):
+    """A verified push (rollout.vllm.verify_weights): what a server worker read is not what the
+    trainer wrote."""
+
+
+# Relative tolerance of a digest comparison: both sides sum the same values in float64, in
+# possibly different orders (another device, another reduction); a changed tensor moves its sum of
+# squares by far more (one expert scaled by 1.01: 2e-2).
+DIGEST_RTOL = 1e-6
+
+
+def _tee_digests(named_tensors, into: dict, dtype: torch.dtype | None):
+    """The stream, unchanged, recording each tensor's digest as written (cast to the sync dtype,
+    as the HF writer does)."""
+    from .vllm_worker import tensor_digest
+
+    for name, t in named_tensors:
+        into[name] = tensor_digest(t.to(dtype) if dtype is not None else t)
+        yield name, t
+
+
+def check_digests(url: str, results: list, sent: dict[str, list[float]], version: int) -> int:
+    """Compare every worker's digests with the trainer's; one WeightMismatchError line naming the
+    first tensor that differs, is missing or is extra, and the server. Returns tensors checked."""
+    for w, res in enumerate(results):
+        got = res.get("digests")
+        if not isinstance(got, dict):
+            raise EngineProtocolError(f"vLLM server {url}: worker {w} sent no digests for weight version {version} "
+                                      "(is its worker extension this project's?)")
+        missing, extra = sorted(set(sent) - set(got)), sorted(set(got) - set(sent))
+        if missing or extra:
+            what = f"never read {missing[0]}" if missing else f"read {extra[0]}, which the trainer did not write"
+            raise WeightMismatchError(f"weight version {version} on vLLM server {url} (worker {w}): it {what} "
+                                      f"({len(missing)} missing, {len(extra)} extra)")
+        for name, (s, ss) in sent.items():
+            gs, gss = got[name]
+            if not (math.isclose(gs, s, rel_tol=DIGEST_RTOL, abs_tol=1e-9) and
+                    math.isclose(gss, ss, rel_tol=DIGEST_RTOL, abs_tol=1e-9)):
+                raise WeightMismatchError(
+                    f"weight version {version} on vLLM server {url} (worker {w}): {name} differs from the trainer's "
+                    f"(sum {gs:.9g} vs {s:.9g}, sum of squares {gss:.9g} vs {ss:.9g})")
+    return len(sent)
+
+
 def _cfg_dict(cfg: Any) -> dict:
     from dataclasses import asdict, is_dataclass
 
@@ -78,7 +123,11 @@ def _defaults() -> dict:
 
 def _response_cap(method: str, path: str, payload: Any) -> int | None:
     """Byte cap of the answer to a generate request (n choices of at most max_tokens tokens);
-    None (the client's default) for the control routes."""
+    a weight reload's (per worker, a digest per tensor with verify_weights: ~100 bytes each, tens
+    of thousands of tensors for the largest MoE models) 256 MiB; None (the client's default) for
+    the other control routes."""
+    if path == "/collective_rpc":
+        return 256 << 20
     if path != GENERATE or not isinstance(payload, dict) or not isinstance(payload.get("sampling_params"), dict):
         return None
     sp = payload["sampling_params"]
@@ -384,7 +433,7 @@ class VLLMEngine(RolloutEngine):
         """disk: write the tensors once as <shared_dir>/v<version>, then every server reloads them in
         place (paused meanwhile) and labels its weights `version`. nccl: broadcast them to every
         server worker (rollout/vllm_nccl.py), same pause and label."""
-        from .weight_sync import _save_hf, prune_versions, version_dir
+        from .weight_sync import prune_versions, version_dir
 
         self._check_open()
         version = self._weight_version + 1 if version is None else int(version)
@@ -408,16 +457,23 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("VLLMEngine weight_sync=disk needs hf_config (written as the servers' config.json)")
         t0 = time.perf_counter()
         path = version_dir(os.path.abspath(shared), version)
-        _save_hf(named_tensors, path, self.hf_config, self.sync_dtype, self.cfg["model_path"])
+        verify = bool(self.cfg.get("verify_weights"))
+        sent: dict[str, list[float]] = {}
+        if verify:
+            named_tensors = _tee_digests(named_tensors, sent, self.sync_dtype)
+        self._write_push(named_tensors, path)
+        kwargs = {"weights_dir": path, **({"digests": True} if verify else {})}
         done = []
         try:
             for s in self.servers:
                 s.post("/pause?mode=wait", {}, timeout_s=self.request_timeout_s, retries=1, expect_json=False)
-                r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": {"weights_dir": path}},
+                r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": kwargs},
                            timeout_s=self.request_timeout_s, retries=0)
                 results = r.get("results") if isinstance(r, dict) else None
                 if not isinstance(results, list) or not results or not all(isinstance(x, dict) for x in results):
                     raise EngineProtocolError(f"vLLM server {s.url}: /collective_rpc {RELOAD_METHOD} answered {str(r)[:300]}")
+                if verify:  # before the new weights are labelled and served
+                    self.metrics["verified_tensors"] = check_digests(s.url, results, sent, version)
                 s.post("/update_weight_version", {"new_version": str(version)}, timeout_s=60, retries=1,
                        expect_json=False)
                 if not self._interrupted.is_set():
@@ -435,6 +491,12 @@ class VLLMEngine(RolloutEngine):
         self._synced = True
         self._inc("weight_syncs")
         self.metrics["last_sync_s"] = time.perf_counter() - t0
+
+    def _write_push(self, named_tensors, path: str) -> None:
+        """The disk push's files (one method, so that a test can corrupt what reaches the disk)."""
+        from .weight_sync import _save_hf
+
+        _save_hf(named_tensors, path, self.hf_config, self.sync_dtype, self.cfg["model_path"])
 
     # ------------------------------------------------------------------ misc
     def _inc(self, key: str, by: float = 1) -> None:

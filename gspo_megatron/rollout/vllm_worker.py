@@ -92,20 +92,42 @@ def _repack_experts_on_weight_update(counter: list[int]):
 class GSPOWorkerExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); ``self`` is the worker."""
 
-    def gspo_reload_weights(self, weights_dir: str) -> dict:
+    def gspo_reload_weights(self, weights_dir: str, digests: bool = False) -> dict:
         """Reload every weight from ``weights_dir/*.safetensors`` (HF names), in place.
 
-        Returns ``{"files": n, "seconds": s, "repacked_moe_layers": k}`` (per worker).
+        Returns ``{"files": n, "seconds": s, "repacked_moe_layers": k}`` (per worker) and, with
+        ``digests``, ``"digests": {name: [sum, sum of squares]}`` (float64) of every tensor this
+        worker read and handed to the model loader (rollout/vllm_engine.py compares them with the
+        trainer's).
         """
         t0 = time.perf_counter()
         files, weights = _iter_safetensors(weights_dir)
+        seen: dict[str, list[float]] = {}
+        if digests:
+            weights = _digested(weights, seen)
         repacked = [0]
         with _repack_experts_on_weight_update(repacked):
             # Worker.reload_weights sets the current vllm config and, in the model runner,
             # drops LoRA / encoder / multimodal caches derived from the old weights.
             self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        return {
+        out = {
             "files": len(files),
             "seconds": round(time.perf_counter() - t0, 4),
             "repacked_moe_layers": repacked[0],
         }
+        if digests:
+            out["digests"] = seen
+        return out
+
+
+def tensor_digest(t: torch.Tensor) -> list[float]:
+    """[sum, sum of squares] of a tensor's values in float64: the trainer computes the same of
+    what it writes (rollout/vllm_engine.py imports this function: one definition)."""
+    x = t.detach().to(torch.float64)
+    return [float(x.sum()), float((x * x).sum())]
+
+
+def _digested(weights: Iterator[tuple[str, torch.Tensor]], seen: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in weights:
+        seen[name] = tensor_digest(t)
+        yield name, t

@@ -677,6 +677,9 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
                 row = {"step": state.step, "phase": "gspo", **rstats, **metrics, "t_rollout": t_rollout,
                        "t_weight_sync": t_sync, "t_step": dt,
                        "tokens_per_s": metrics.get("train_tokens", 0) / max(dt, 1e-9)}
+                verified = getattr(parts.engine, "metrics", {}).get("verified_tensors")
+                if verified is not None:  # rollout.vllm.verify_weights: tensors the last push checked
+                    row["weights_verified"] = verified
                 writer.write(row)
                 last = row
                 if bar is not None:
