@@ -70,6 +70,55 @@ def test_producer_failure_and_hang_reach_the_trainer():
         hung.close(timeout_s=10)
 
 
+def test_push_wait_is_the_time_the_push_waited_for_the_generation_in_flight():
+    """t_push_wait (issue 42): a push that meets a generation holding the engine waits for it,
+    and t_push_wait covers that wait. By construction: the generation holds the lock until the test
+    releases it, at least 0.2 s after the push began (the push's interrupt call marks that), so
+    t_push_wait >= 0.2 and the update runs only after the release. A later push records its own
+    wait, not the previous one's."""
+    started, release, began = threading.Event(), threading.Event(), threading.Event()
+    version, updated_after_release, t_began = [0], [], []
+
+    def produce(t):
+        started.set()
+        assert release.wait(60)
+        return f"batch{t}"
+
+    class Marker:
+        def interrupt(self):
+            if not began.is_set():
+                t_began.append(time.perf_counter())
+                began.set()
+
+        def resume(self):
+            pass
+
+    p = RolloutProducer(produce, start=0, end=1, max_ahead=1, version=lambda: version[0],
+                        data_state=dict, lock=threading.Condition(), timeout_s=60)
+    try:
+        assert started.wait(60)
+
+        def update():
+            updated_after_release.append(release.is_set())
+            version[0] += 1
+
+        pusher = threading.Thread(target=p.push, args=(update,), kwargs={"interrupt": Marker()})
+        pusher.start()
+        assert began.wait(60)
+        while time.perf_counter() - t_began[0] < 0.2:  # the generation keeps the engine meanwhile
+            time.sleep(0.01)
+        release.set()
+        pusher.join(60)
+        assert updated_after_release == [True] and p.t_push_wait >= 0.2, (updated_after_release, p.t_push_wait)
+        assert p.get(0)[0].payload == "batch0"
+        first = p.t_push_wait
+        p.push(update)  # the producer has finished: nothing holds the engine
+        assert p.t_push_wait != first and version[0] == 2  # this push's own wait, recorded anew
+    finally:
+        release.set()
+        p.close(timeout_s=10)
+
+
 def test_drop_stale_keeps_or_drops_whole_groups():
     def s(v):
         return Sample(0, [1], [2], [-1.0], "stop", v)
@@ -109,6 +158,8 @@ def test_async_run_bounds_staleness_and_resumes_the_prompt_stream(tmp_path):
     assert max(r["staleness_max"] for r in rows) >= 1  # it did run ahead
     assert all(r["samples_dropped_stale"] == 0 for r in rows)
     assert len({json.dumps(r["prompts"]) for r in rows}) == 12  # the stream moves on every step
+    # the push's wait for the engine is logged apart from the push, and is part of it
+    assert all(0 <= r["t_push_wait"] <= r["t_weight_sync"] for r in rows), [r["t_push_wait"] for r in rows]
 
     # kill -9 (every process under torchrun) once a checkpoint exists - the producer is then ahead
     # of training - and resume=auto: every step's prompts are the uninterrupted run's, in order

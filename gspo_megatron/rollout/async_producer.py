@@ -64,6 +64,9 @@ class RolloutProducer:
         self._error: BaseException | None = None
         self._stop = False
         self.t_wait_train = 0.0  # producer idle: ahead by max_ahead, or waiting for weights
+        # seconds the last push waited for the generation in progress to let go of the engine
+        # (with partial rollouts: for the interrupted generation to return)
+        self.t_push_wait = 0.0
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
         self._thread.start()
 
@@ -124,6 +127,7 @@ class RolloutProducer:
         rather than waited for; the interrupt is repeated while the engine is busy (a request sent
         after one abort meets the next) and lifted once the new weights are in."""
         deadline = time.monotonic() + self.timeout_s
+        t0 = time.perf_counter()
         if interrupt is not None:
             interrupt.interrupt()
         while not self.lock.acquire(timeout=0.5):
@@ -131,6 +135,7 @@ class RolloutProducer:
                 raise TimeoutError(f"weight push: the rollout engine stayed busy for {self.timeout_s:.0f} s")
             if interrupt is not None:
                 interrupt.interrupt()
+        self.t_push_wait = time.perf_counter() - t0
         try:
             try:
                 update()

@@ -676,6 +676,8 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
             if ctx.rank == 0:
                 row = {"step": state.step, "phase": "gspo", **rstats, **metrics, "t_rollout": t_rollout,
                        "t_weight_sync": t_sync, "t_step": dt,
+                       # of t_weight_sync: the wait for the generation in flight (async), not the transfer
+                       "t_push_wait": producer.t_push_wait if producer is not None else 0.0,
                        "tokens_per_s": metrics.get("train_tokens", 0) / max(dt, 1e-9)}
                 verified = getattr(parts.engine, "metrics", {}).get("verified_tensors")
                 if verified is not None:  # rollout.vllm.verify_weights: tensors the last push checked
