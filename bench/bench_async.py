@@ -20,8 +20,11 @@ Printed
   wall time of each run (torchrun start to exit, the same fixed start-up cost in both), the
   per-step mean of t_step, the ratio sync / async of the step time and of the whole run, the
   maximum staleness seen (<= async_steps), dropped samples, samples carried over a weight push
-  (partial rollouts), the trainer's waits, and peak RSS of the run's processes (ru_maxrss of the
-  children).
+  (partial rollouts), the trainer's waits, peak RSS of the run's processes (ru_maxrss of the
+  children), and "push wait": the mean t_push_wait, the part of the push spent waiting for the
+  generation in flight. "step time / ideal": an async run's mean step against the ideal overlap
+  measured in the synchronous run, max(rollout, the rest of the step) (issue 42: <= 1.15 at a
+  rollout:train ratio near 1).
 
 --nproc 1: one trainer process at TP1 (no sequence parallel), started without torchrun.
 --smoke: 2 steps per run, --nproc 1 (the fewest processes that run the same loop), a fixed
@@ -90,7 +93,8 @@ def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: 
     return {"async_steps": async_steps, "partial": partial, "carried": sum(x.get("samples_carried", 0) for x in rows),
             "wall_s": wall, "steps": len(rows), "t_step": mean("t_step"),
             "t_rollout": mean("t_rollout"), "t_train": mean("t_train"), "t_old": mean("t_old_logprobs"),
-            "t_wait_rollout": mean("t_wait_rollout"), "t_sync": mean("t_weight_sync"), "staleness_max": max(x.get("staleness_max", 0) for x in rows),
+            "t_wait_rollout": mean("t_wait_rollout"), "t_sync": mean("t_weight_sync"),
+            "t_push_wait": mean("t_push_wait"), "staleness_max": max(x.get("staleness_max", 0) for x in rows),
             "dropped": sum(x.get("samples_dropped_stale", 0) for x in rows),
             "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
             "peak_rss_mib": peak / 1024}
@@ -143,15 +147,20 @@ def main() -> None:
     layout = "2 trainer processes (TP2+SP)" if args.nproc == 2 else "1 trainer process (TP1)"
     print(f"\n{args.steps} steps, {layout}, the double at {per_token * 1e3:.0f} ms/token")
     print(f"{'async_steps':>11} {'partial':>7} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} "
-          f"{'push':>8} {'stale max':>9} {'dropped':>7} {'carried':>7} {'peak MiB':>9}")
+          f"{'push':>8} {'stale max':>9} {'dropped':>7} {'carried':>7} {'peak MiB':>9} {'push wait':>9}")
     for r in res:
         print(f"{r['async_steps']:>11} {str(r['partial']):>7} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} "
               f"{r['t_rollout']:>8.2f} {r['t_old']:>8.2f} {r['t_train']:>8.2f} {r['t_sync']:>8.2f} "
-              f"{r['staleness_max']:>9} {r['dropped']:>7} {r['carried']:>7} {r['peak_rss_mib']:>9.0f}")
+              f"{r['staleness_max']:>9} {r['dropped']:>7} {r['carried']:>7} {r['peak_rss_mib']:>9.0f} "
+              f"{r['t_push_wait']:>9.2f}")
+    # the ideal overlapped step, from the synchronous run: the longer of its rollout and the rest
+    # of its step (pi_old, training, the push), which async training can at best run side by side
+    ideal = max(sync["t_rollout"], sync["t_step"] - sync["t_rollout"])
     for r in res[1:]:
         name = "async + partial rollouts" if r["partial"] else "async"
         print(f"speed-up {name} / sync: step time {sync['t_step'] / r['t_step']:.2f}x, whole run "
-              f"{sync['wall_s'] / r['wall_s']:.2f}x (ideal 2x when rollout = training)")
+              f"{sync['wall_s'] / r['wall_s']:.2f}x (ideal 2x when rollout = training); step time / ideal "
+              f"{r['t_step'] / ideal:.2f} (ideal {ideal:.2f} s = max(sync rollout, sync rest of the step))")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"per_token_s": per_token, "runs": res}, f, indent=1)

@@ -167,13 +167,14 @@ def test_bench_async_smoke(smokes):
     out = _ok(smokes, "bench_async.py")
     assert re.search(r"^2 steps, 1 trainer process \(TP1\), the double at 2 ms/token$", out, re.M), out
     _row(out, r"^async_steps\s+partial\s+wall s\s+t_step\s+rollout\s+pi_old\s+train\s+push\s+stale max\s+dropped"
-              r"\s+carried\s+peak MiB$")
+              r"\s+carried\s+peak MiB\s+push wait$")
     rows = {}
     assert not re.search(r"^\s+1\s+False\s", out, re.M), out  # the smoke leaves plain async out
     for k, partial in (("0", "False"), ("1", "True")):
         row = _row(out, rf"^\s+{k}\s+{partial}\s")
         run_total, t_step, *phases = (_num(x) for x in row[2:8])
-        stale, dropped, carried, peak = (_num(x) for x in row[8:12])
+        stale, dropped, carried, peak, push_wait = (_num(x) for x in row[8:13])
+        assert 0 <= push_wait <= phases[-1] + 0.01, row  # a part of the push (2-decimal rounding)
         # every measurement was printed (a zero total or peak is a column the bench failed to fill);
         # no bound on how long anything took
         assert min(run_total, t_step, peak) > 0 and min(phases) >= 0, row
@@ -182,8 +183,9 @@ def test_bench_async_smoke(smokes):
         if partial == "False":
             assert carried == 0, row  # only partial rollouts carry samples over a push
         rows[(k, partial)] = t_step
-    m = re.search(rf"^speed-up async \+ partial rollouts / sync: step time ({NUM})x, whole run ({NUM})x", out, re.M)
-    assert m, out
+    m = re.search(rf"^speed-up async \+ partial rollouts / sync: step time ({NUM})x, whole run ({NUM})x \(ideal 2x "
+                  rf"when rollout = training\); step time / ideal ({NUM}) \(ideal ({NUM}) s = ", out, re.M)
+    assert m and _num(m[3]) > 0 and _num(m[4]) > 0, out
     sync_t, part_t = rows[("0", "False")], rows[("1", "True")]
     # the printed ratio is of the unrounded step times; the rows show them to 2 decimals
     slack = (sync_t / part_t) * (0.005 / sync_t + 0.005 / part_t) * 1.1
