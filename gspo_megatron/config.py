@@ -569,6 +569,13 @@ class RolloutConfig:
     agent_concurrency: int = 64
     # A session running longer than this (agent or tool hung) gets reward 0, counted in agent_errors.
     agent_timeout_s: float = 600.0
+    # How agent sessions' engine requests are batched. null (default): a turn goes to the engine
+    # once every running session waits for it or has ended, so the batches, and with the run's seed
+    # the samples, are the same in every run on any machine; a slow tool holds the turn back (up to
+    # agent_timeout_s). A number of seconds: a batch also goes once its oldest request has waited
+    # that long, so a slow tool does not hold the others back, and the batches then depend on
+    # timing (a loaded machine samples other tokens).
+    agent_linger_s: Optional[float] = None
     # Engine responses are checked at the boundary (at most max_new_tokens tokens, ids in the
     # vocabulary, one finite log-prob <= 0 per token); a violating one is dropped and counted in
     # engine_rejected. A step that loses more than this fraction of its samples so stops the run
@@ -599,6 +606,8 @@ class RolloutConfig:
             _positive("rollout.max_response_tokens", self.max_response_tokens)
         _positive("rollout.agent_concurrency", self.agent_concurrency)
         _positive("rollout.agent_timeout_s", self.agent_timeout_s)
+        if self.agent_linger_s is not None:
+            _positive("rollout.agent_linger_s", self.agent_linger_s)
         if not 0 <= self.max_rejected_frac <= 1:
             raise ConfigError(f"rollout.max_rejected_frac must be in [0, 1], got {self.max_rejected_frac!r}")
         if self.partial and not self.async_steps:

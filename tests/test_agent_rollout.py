@@ -170,6 +170,52 @@ def test_concurrent_sessions_overlap_their_tools_and_share_engine_calls():
     assert peak[0] == 4 and res.errors == [None] * 16
 
 
+class SeededEngine(FakeEngine):
+    """Like a real engine: what a row samples depends on the call's seed and the row's place in
+    the call, so a turn split into other batches samples other tokens."""
+
+    def generate(self, prompts, n, sampling, *, seed=None):
+        out = super().generate(prompts, n, sampling, seed=seed)
+        for i, s in enumerate(out):
+            s.response_ids = [10 + (seed * 31 + i * 7 + j) % 50 for j in range(len(s.response_ids))]
+        return out
+
+
+def test_a_turn_is_one_batch_whatever_the_timing_so_runs_sample_the_same_tokens():
+    """Default (no linger): a turn goes to the engine only once every running session waits for
+    it, so a session whose tool (or thread, on a loaded machine) is slow never splits the batch:
+    the calls and the sampled tokens are the same whichever session is slow. Before, a tool slower
+    than 50 ms split the turn and the run sampled other tokens (the calculator demo learned more
+    slowly on a loaded machine)."""
+
+    def run(slow):
+        def agent(example, s):
+            s.generate(max_new_tokens=2)
+            if s.prompt_ids == PROMPTS[0] and id(s) in slow_ids:
+                time.sleep(0.2)
+            s.append([60])
+            s.generate(max_new_tokens=2)
+            return 1.0
+
+        slow_ids = set()
+        real_cls = AgentSession
+
+        class Marked(real_cls):
+            count = [0]
+
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                if Marked.count[0] in slow:
+                    slow_ids.add(id(self))
+                Marked.count[0] += 1
+
+        return _run(agent, n=8, engine=SeededEngine(), session_cls=Marked)
+
+    (e1, r1), (e2, r2) = run({0}), run({3, 5})
+    assert [len(c[0]) for c in e1.calls] == [16, 16] == [len(c[0]) for c in e2.calls]
+    assert [s.response_ids for s in r1.samples] == [s.response_ids for s in r2.samples]
+
+
 def test_the_session_api():
     def agent(example, s):
         assert isinstance(s, AgentSession) and s.example is example and s.tokenizer is TOK

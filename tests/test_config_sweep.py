@@ -64,7 +64,10 @@ FACTORS: dict[str, dict[str, list[str]]] = {
                          "on": ["rollout.dynamic_sampling=true", "rollout.max_oversample_rounds=1"]},
     # a multi-turn session (policy turn, environment tokens, policy turn) scored by reward.fn: the
     # calculator demo's own reward is 0 for a random model, which would leave nothing to train
-    "agent": {"off": [], "two_turn": ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=24"]},
+    "agent": {"off": [], "two_turn": ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=24"],
+              # batches that also go on a timer (slow tools do not hold a turn back)
+              "two_turn_linger": ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=24",
+                                  "rollout.agent_linger_s=0.05"]},
     # every vLLM cell verifies its pushes (the worker's digests against the trainer's): a combination
     # that changed what reaches the server would stop the cell in one line
     "engine": {"hf": ["rollout.backend=hf"], "sglang": ["rollout.backend=sglang"],

@@ -21,8 +21,12 @@ sample's token_mask).
 Concurrency. Sessions run in their own threads (at most `concurrency` at once), so a slow tool
 does not serialize the batch. Their generate() requests are batched: the dispatch loop, in the
 caller's thread, sends one engine.generate() call per distinct sampling setting as soon as every
-running session is waiting for the engine (or the oldest request has waited `linger_s`: a session
-in a slow tool does not hold the others back). Engines batch the prompts of one call (the
+running session is waiting for the engine or has ended. A turn's batch is then a function of the
+sessions' logic alone, never of thread timing, and with the run's seed a run samples the same tokens
+on a loaded machine as on a quiet one (the calculator demo's learning curve depended on the machine's
+load before). The price: a session in a slow tool holds its turn back, up to `timeout_s`. With
+`linger_s` set, a batch also goes once its oldest request has waited that long, so a slow tool does
+not hold the others back, and the batches (so the samples) depend on timing. Engines batch the prompts of one call (the
 in-process engine pads them into one generate; SGLang/vLLM send them concurrently). Running the
 engine calls in the caller's thread keeps the async producer's and the partial generator's
 locking as it is (rollout/partial.py waits on a condition the caller holds).
@@ -246,18 +250,20 @@ class AgentRunner:
     """Runs the agent function over a batch of prompts (rank 0). One per run.
 
     Reproducibility: each engine call's seed is derived from the run's seed and its first
-    request's (session, turn), so the same batch of requests gets the same seed in every run; a
-    tool slow enough to split a turn's batch (linger_s) changes the batches, and with them the
-    samples, of that run."""
+    request's (session, turn), so the same batch of requests gets the same seed in every run. With
+    linger_s None the batches are the same in every run; with a linger, a tool (or a thread the
+    machine's load delays) slower than linger_s splits a turn's batch, which changes the batches,
+    and with them the samples, of that run."""
 
     def __init__(self, fn: AgentFn, tokenizer, *, max_response_tokens: int, concurrency: int = 64,
-                 timeout_s: float = 600.0, linger_s: float = 0.05, session_cls: type = AgentSession,
+                 timeout_s: float = 600.0, linger_s: float | None = None, session_cls: type = AgentSession,
                  vocab_size: int | None = None):
         self.fn, self.tokenizer = fn, tokenizer
         self.vocab_size = vocab_size  # the bound of the engine's token ids (None: the engine checks them)
         self.name = getattr(fn, "__qualname__", repr(fn))
         self.max_response_tokens, self.concurrency = int(max_response_tokens), int(concurrency)
-        self.timeout_s, self.linger_s = float(timeout_s), float(linger_s)
+        self.timeout_s = float(timeout_s)
+        self.linger_s = None if linger_s is None else float(linger_s)
         self.session_cls = session_cls
 
     def run(self, generate: Generate, examples: Sequence[dict], prompt_ids: Sequence[list[int]], n: int,
@@ -345,9 +351,12 @@ class AgentRunner:
                                 pending.remove(r)
                                 r.error = AgentTimeout("abandoned")
                                 r.done.set()
-                    ready = pending and (len(pending) >= live[0] or now - pending[0].t >= self.linger_s)
+                    # every live session waits (the batch is the turn's, whatever the timing), or,
+                    # with a linger, the oldest request has waited long enough
+                    ready = pending and (len(pending) >= live[0] or (
+                        self.linger_s is not None and now - pending[0].t >= self.linger_s))
                     if not ready:
-                        cond.wait(timeout=min(self.linger_s, 0.5) if pending else 0.5)
+                        cond.wait(timeout=min(self.linger_s, 0.5) if pending and self.linger_s else 0.5)
                         continue
                     batch = sorted(pending, key=lambda r: r.session)
                     pending.clear()

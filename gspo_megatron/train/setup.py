@@ -504,7 +504,8 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
             raise InputError(str(e)) from None
         r = cfg.rollout
         agent = AgentRunner(fn, tokenizer, max_response_tokens=r.response_budget, concurrency=r.agent_concurrency,
-                            timeout_s=r.agent_timeout_s, vocab_size=arch.vocab_size)
+                            timeout_s=r.agent_timeout_s, linger_s=r.agent_linger_s,
+                            vocab_size=arch.vocab_size)
         prompts.agent_demonstration = getattr(fn, "demonstration", None)
     heldout = None
     if cfg.eval.interval:
