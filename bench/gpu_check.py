@@ -39,7 +39,8 @@ imports (then TE's FusedAdam, whose checkpoint path keeps `step` in the param gr
   8 vllm-nccl      rollout.vllm.weight_sync=nccl's trainer half (rollout/vllm_nccl.py) with no server
                    attached, a group of one rank: on CUDA through torch.cuda.nccl exactly as a push
                    does (unique id, init_rank, the warm-up all_reduce, bucketed bf16 broadcasts from
-                   rank 0); on CPU a stand-in communicator (torch.cuda.nccl is CUDA-only)
+                   rank 0, on the transfer's own stream), then ncclCommAbort as a failed push
+                   calls it; on CPU a stand-in communicator (torch.cuda.nccl is CUDA-only)
 
 It prints a PASS/FAIL table of these 8 rows (a row not reached is a FAIL naming the row it waited
 for) and exits non-zero on any failure. Every launch has a timeout; the whole check is sized for
@@ -105,6 +106,9 @@ class _CpuLoopback:
 
             def synchronize(self):
                 pass
+
+            def abort(self):
+                return "the NCCL communicator was aborted"
 
         return Comm()
 # Step 3 on CUDA: ||B3 - C3|| <= RESUME_RTOL * ||C3 - A2||. Measured on CPU with a fault put into
@@ -647,8 +651,13 @@ def main(argv=None) -> int:
         sent = sync.push(named, 1, dtype=torch.bfloat16)
         if sent != len(named) or sync.world_size != 1 or sync.comm is None:
             raise RuntimeError(f"sent {sent} of {len(named)} tensors, group of {sync.world_size}")
+        # what a failed push does: ncclCommAbort on the communicator torch holds, through the
+        # libnccl torch loaded (vllm_nccl.abort_communicator; its lookups are tested on CPU)
+        said = sync.comm.abort()
+        if said != "the NCCL communicator was aborted":
+            raise RuntimeError(f"abort after the push: {said}")
         how = "torch.cuda.nccl: unique id, init_rank, warm-up all_reduce" if cuda else "CPU stand-in communicator"
-        return f"group of 1 rank ({how}), {sent} bf16 tensors broadcast in 2 buckets"
+        return f"group of 1 rank ({how}), {sent} bf16 tensors broadcast in 2 buckets, then aborted"
 
     def skip(row: str, after: str):
         chk.add(row, False, 0.0, f"not run: {after} failed")

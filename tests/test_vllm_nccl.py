@@ -98,6 +98,66 @@ def test_a_failed_transfer_fails_the_push_and_the_engine_refuses_to_go_on(server
         eng.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_broadcast_that_never_completes_is_aborted_not_left_on_the_gpu(servers):
+    """A peer gone mid-push: NCCL's broadcast never completes. The push fails within its timeout
+    in one line, and rank 0's communicator is aborted (ncclCommAbort), which ends the stalled
+    operation; before, it stayed queued for the rest of the run (torch.cuda.nccl has no abort)."""
+    net, double = servers
+    eng = engine(net, timeout=1.5)
+    try:
+        eng.update_weights(tensors(1), 1)
+        comm = eng._nccl.comm
+        net.stall_broadcasts = True
+        with pytest.raises(EngineError) as e:
+            eng.update_weights(tensors(2), 2)
+        msg = str(e.value)
+        assert "did not complete within 1.5 s" in msg and "\n" not in msg, msg
+        assert comm.aborted.is_set() and comm.synchronize_returned.wait(10)
+        assert eng._nccl.comm is None
+        with pytest.raises(EngineError, match="failed earlier .*the NCCL communicator was aborted"):
+            eng.update_weights(tensors(3), 3)
+    finally:
+        eng.close()
+
+
+def test_abort_finds_torchs_communicator_and_libnccl():
+    """The pieces of the real abort that run without a GPU: the pointer out of a capsule named as
+    torch names its communicators, the libnccl path out of /proc/self/maps, the call with that
+    pointer, and a capsule of another name or a missing library reported in words, never raised."""
+    import ctypes
+
+    from gspo_megatron.rollout.vllm_nccl import (COMM_CAPSULE_NAME, abort_communicator, capsule_pointer,
+                                                 loaded_libnccl)
+
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    name = ctypes.create_string_buffer(COMM_CAPSULE_NAME)  # the capsule keeps a pointer to its name
+    cap = new(0x1234, ctypes.cast(name, ctypes.c_char_p), None)
+    assert capsule_pointer(cap) == 0x1234
+
+    calls = []
+
+    class Lib:
+        class ncclCommAbort:  # noqa: N801 - NCCL's name
+            restype = argtypes = None
+
+            def __new__(cls, ptr):
+                calls.append(ptr)
+                return 0
+
+    assert abort_communicator(cap, lib=Lib) == "the NCCL communicator was aborted" and calls == [0x1234]
+    other = ctypes.create_string_buffer(b"something.else")
+    said = abort_communicator(new(0x1234, ctypes.cast(other, ctypes.c_char_p), None), lib=Lib)
+    assert said.startswith("the NCCL communicator could not be aborted") and calls == [0x1234]
+    assert abort_communicator(cap, lib=object()).startswith("the NCCL communicator could not be aborted")
+    maps = ("7f0000000000-7f0000001000 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n"
+            "7f0000002000-7f0000003000 r-xp 00000000 08:01 13 /opt/nvidia/nccl/lib/libnccl.so.2.27.7\n"
+            "7ffd00000000-7ffd00001000 rw-p 00000000 00:00 0 [stack]\n")
+    assert loaded_libnccl(maps) == "/opt/nvidia/nccl/lib/libnccl.so.2.27.7"
+    assert loaded_libnccl("7f00-7f01 r-xp 0 0:0 0\n") is None
+
+
 @pytest.mark.timeout(60)  # the wait is bounded by request_timeout_s, not by the server
 def test_a_server_that_never_joins_fails_within_the_timeout(servers):
     net, double = servers

@@ -41,6 +41,10 @@ class FakeNccl:
         self.joined = threading.Event()
         self.expected = 0
         self.lock = threading.Lock()
+        # NCCL's behaviour when a peer is gone mid-broadcast: the kernel (synchronize here) never
+        # completes until ncclCommAbort
+        self.stall_broadcasts = False
+        self.comms: list[_FakeComm] = []
 
     def unique_id(self) -> bytes:
         import os
@@ -58,13 +62,16 @@ class FakeNccl:
     def join(self, uid: bytes, world_size: int, rank: int, device):
         assert rank == 0 and uid == self.uid
         self.expected = world_size
-        return _FakeComm(self)
+        self.comms.append(_FakeComm(self))
+        return self.comms[-1]
 
 
 class _FakeComm:
     def __init__(self, net: FakeNccl):
         self.net = net
         self.ops: list[tuple[str, tuple, torch.dtype]] = []
+        self.aborted = threading.Event()
+        self.synchronize_returned = threading.Event()
 
     def _send(self, op: str, t: torch.Tensor) -> None:
         self.ops.append((op, tuple(t.shape), t.dtype))
@@ -78,7 +85,13 @@ class _FakeComm:
         self._send("broadcast", t)
 
     def synchronize(self) -> None:
-        pass
+        if self.net.stall_broadcasts and self.ops and self.ops[-1][0] == "broadcast":
+            self.aborted.wait(600)  # a stalled kernel ends only when the communicator is aborted
+        self.synchronize_returned.set()
+
+    def abort(self) -> str:
+        self.aborted.set()
+        return "the NCCL communicator was aborted"
 
 
 class VLLMNcclDouble:

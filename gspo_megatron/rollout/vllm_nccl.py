@@ -26,15 +26,24 @@ own environment here (as in production). So this module speaks the same protocol
 
 ``torch.cuda.nccl`` is torch's own binding (torch/cuda/nccl.py; its C++ ``broadcast`` takes
 user communicators and ``root`` is the rank inside the communicator, torch/csrc/cuda/nccl.cpp).
-torch never destroys such a communicator (``comm_destroy`` is a no-op there); it lives as long as
-the run. The communicator is injectable (``backend=``) so CPU tests drive the protocol against a
+torch never destroys such a communicator (``comm_destroy`` is a no-op there) and has no abort, so
+a push that fails half-way (a server gone, a timeout) would leave a broadcast kernel waiting for
+peers that never come, and with it every later kernel of its stream. Two guards: the transfer runs
+on a stream of its own (the trainer's stream never queues behind it), and a failed push aborts the
+communicator with NCCL's own ``ncclCommAbort`` (what vLLM's engine does on its side,
+pynccl_wrapper.py), called through ctypes on the pointer torch's communicator capsule holds
+(torch/csrc/cuda/python_nccl.cpp ``unpack_nccl_comm``: capsule "torch.cuda.nccl.Communicator") in
+the libnccl torch loaded. Where that library cannot be found the run still stops in one line, and
+the line says the communicator was left as it was. The communicator is injectable (``backend=``) so CPU tests drive the protocol against a
 double of vLLM's routes; the real NCCL half runs only on GPUs (not on this project's CI machines:
 tests/test_vllm_nccl.py and tests/test_vllm_contract.py cover the protocol and its fields).
 """
 from __future__ import annotations
 
 import base64
+import ctypes
 import logging
+import os
 import threading
 import time
 from typing import Any, Iterable, Protocol, Sequence
@@ -59,6 +68,7 @@ class Communicator(Protocol):
     def all_reduce(self, t: torch.Tensor) -> None: ...
     def broadcast(self, t: torch.Tensor) -> None: ...  # from rank 0 of the group
     def synchronize(self) -> None: ...
+    def abort(self) -> str: ...  # ends every operation in flight; returns what it did, in words
 
 
 class NcclBackend(Protocol):
@@ -85,19 +95,78 @@ class TorchNccl:
 class _TorchNcclComm:
     def __init__(self, comm: Any, device: torch.device):
         self.comm, self.device = comm, device
+        # the transfer's own stream (torch.cuda.nccl enqueues on the stream it is given, nccl.cpp
+        # broadcast/all_reduce): a broadcast that never completes holds this stream only
+        self.stream = torch.cuda.Stream(device)
+
+    def _ready(self, t: torch.Tensor) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t was written on the trainer's stream
+        t.record_stream(self.stream)  # the allocator keeps t until the transfer's stream is past it
 
     def all_reduce(self, t: torch.Tensor) -> None:
         import torch.cuda.nccl as nccl
 
-        nccl.all_reduce([t], comms=[self.comm])
+        self._ready(t)
+        nccl.all_reduce([t], streams=[self.stream], comms=[self.comm])
 
     def broadcast(self, t: torch.Tensor) -> None:
         import torch.cuda.nccl as nccl
 
-        nccl.broadcast([t], root=0, comms=[self.comm])
+        self._ready(t)
+        nccl.broadcast([t], root=0, streams=[self.stream], comms=[self.comm])
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        self.stream.synchronize()
+
+    def abort(self) -> str:
+        return abort_communicator(self.comm)
+
+
+COMM_CAPSULE_NAME = b"torch.cuda.nccl.Communicator"  # torch/csrc/cuda/python_nccl.cpp
+
+
+def capsule_pointer(capsule: Any, name: bytes = COMM_CAPSULE_NAME) -> int:
+    """The pointer a PyCapsule of that name holds (torch's communicator: the ncclComm_t)."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    ptr = get(capsule, name)  # raises ValueError for a capsule of another name
+    if not ptr:
+        raise ValueError("the NCCL communicator capsule holds no pointer")
+    return ptr
+
+
+def loaded_libnccl(maps: str | None = None) -> str | None:
+    """The path of the libnccl this process has loaded (torch's), from /proc/self/maps; None if
+    none is (a torch that links NCCL statically: its symbols are then looked up in the process)."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return None
+    for line in maps.splitlines():
+        path = line.split(None, 5)[-1] if len(line.split(None, 5)) == 6 else ""
+        if os.path.basename(path).startswith("libnccl.so"):
+            return path
+    return None
+
+
+def abort_communicator(comm: Any, *, lib: Any = None) -> str:
+    """ncclCommAbort on torch's communicator: NCCL makes the operations in flight return and frees
+    the communicator (nccl.h: "Frees resources associated with communicator object and aborts any
+    operations that might still be running on the device"). Returns what happened, in words; never
+    raises (it runs while a failure is being reported)."""
+    try:
+        ptr = capsule_pointer(comm)
+        if lib is None:
+            path = loaded_libnccl()
+            lib = ctypes.CDLL(path) if path else ctypes.CDLL(None)
+        fn = lib.ncclCommAbort
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p]
+        rc = fn(ptr)
+    except (AttributeError, OSError, ValueError, TypeError) as e:
+        return f"the NCCL communicator could not be aborted ({type(e).__name__}: {e}); a broadcast may still wait on its stream"
+    return "the NCCL communicator was aborted" if rc == 0 else f"ncclCommAbort returned {rc}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -249,7 +318,7 @@ class NcclWeightSync:
                 calls = _Calls(self.servers, UPDATE, [{"update_info": info}] * len(self.servers), self.timeout_s)
                 if calls.failed() is None:  # a request already refused would leave us alone in the broadcast
                     for _, t in bucket:
-                        self.comm.broadcast(t)  # enqueued on the current stream
+                        self.comm.broadcast(t)  # enqueued on the transfer's stream
                     _bounded(self.comm.synchronize, deadline, calls,
                              f"the broadcast of {len(bucket)} tensors did not complete within {self.timeout_s:g} s")
                 calls.wait(deadline)
@@ -262,4 +331,16 @@ class NcclWeightSync:
             return sent
         except BaseException as e:
             self.broken = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._abort()
             raise
+
+    def _abort(self) -> None:
+        """After a failed push the group is unusable (the servers' workers may sit in a broadcast
+        that never ends): abort rank 0's communicator so that no operation of ours waits on it."""
+        comm, self.comm = self.comm, None
+        if comm is None:
+            return
+        abort = getattr(comm, "abort", None)
+        what = abort() if abort is not None else "the communicator has no abort"
+        self.broken += f"; {what}"
+        log.error("vLLM NCCL weight transfer failed (%s)", self.broken)
