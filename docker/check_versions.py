@@ -1,7 +1,9 @@
 """Build-time check of the trainer image against pyproject.toml (docker/Dockerfile runs it).
 
-pyproject.toml is the one source of the ranges: the torch range of `dependencies`, the
-Transformer Engine range of the `gpu` extra, `requires-python`; nothing here repeats them.
+pyproject.toml is the one source of the ranges: the image's torch range
+([tool.gspo-megatron.image], megatron-core's floor rather than CI's CPU pin: NGC builds its own
+torch), the Transformer Engine range of the `gpu` extra, `requires-python`, and `dependencies` for
+everything installed on top; nothing here repeats them.
 
     python3 check_versions.py base  --pyproject P --write-constraints C
         before anything is installed: the base image's Python, torch and Transformer Engine must
@@ -46,14 +48,29 @@ class CheckError(Exception):
     """What is wrong with the image, as one line."""
 
 
-def load_project(path: str) -> dict:
+def load_pyproject(path: str) -> dict:
+    """The whole pyproject.toml ("project" and "tool" tables)."""
     try:
         import tomllib
     except ImportError:  # Python < 3.11
         raise CheckError(f"Python {sys.version.split()[0]} has no tomllib: the project needs Python >= 3.11 "
                          "(pyproject.toml requires-python); pick a newer base image") from None
     with open(path, "rb") as f:
-        return tomllib.load(f)["project"]
+        return tomllib.load(f)
+
+
+def image_table(pyproject: dict) -> dict:
+    table = pyproject.get("tool", {}).get("gspo-megatron", {}).get("image")
+    if not isinstance(table, dict) or "torch" not in table:
+        raise CheckError("pyproject.toml: no [tool.gspo-megatron.image] table with the image's torch range")
+    return table
+
+
+def image_torch(pyproject: dict) -> tuple[SpecifierSet, SpecifierSet | None]:
+    """The base image's admitted torch range and the part of it tested (None: all of it)."""
+    table = image_table(pyproject)
+    tested = table.get("tested-torch")
+    return SpecifierSet(table["torch"]), (SpecifierSet(tested) if tested else None)
 
 
 def project_requirement(project: dict, name: str, extra: str | None = None) -> Requirement:
@@ -101,30 +118,38 @@ def installed_version(names, versions: dict | None = None) -> tuple[str, str] | 
     return None
 
 
-def check_base(project: dict, versions: dict | None = None, python: str | None = None) -> dict[str, str]:
+def check_base(pyproject: dict, versions: dict | None = None, python: str | None = None,
+               warnings: list[str] | None = None) -> dict[str, str]:
     """Raise CheckError unless the base's Python, torch and TE are in pyproject's ranges; return
-    the exact versions to pin ({"torch": ..., "transformer-engine": ...})."""
+    the exact versions to pin ({"torch": ..., "transformer-engine": ...}). A torch in the image's
+    range but outside its tested part is appended to `warnings` (one line each)."""
+    project = pyproject["project"]
     python = python or ".".join(map(str, sys.version_info[:3]))
     problems = []
     rp = SpecifierSet(project.get("requires-python", ""))
     if not rp.contains(python, prereleases=True):
         problems.append(f"Python {python} is outside pyproject.toml's requires-python {rp}")
+    torch_range, tested = image_torch(pyproject)
     pins = {}
-    for label, req, names in (
-        ("torch", project_requirement(project, "torch"), ("torch",)),
-        ("Transformer Engine", project_requirement(project, "transformer-engine", "gpu"), TE_NAMES),
+    for label, spec, names, where in (
+        ("torch", torch_range, ("torch",), "[tool.gspo-megatron.image] torch"),
+        ("Transformer Engine", project_requirement(project, "transformer-engine", "gpu").specifier, TE_NAMES,
+         "the gpu extra's transformer-engine"),
     ):
         got = installed_version(names, versions)
         if got is None:
-            problems.append(f"the base image has no {label} (pyproject.toml wants {req.name}{req.specifier})")
+            problems.append(f"the base image has no {label} (pyproject.toml's {where}: {spec})")
             continue
         try:
-            ok = release_in_range(req.specifier, got[1])
+            ok = release_in_range(spec, got[1])
         except InvalidVersion:
             ok = False
         if not ok:
-            problems.append(f"the base image's {label} {got[1]} is outside pyproject.toml's "
-                            f"{req.name}{req.specifier}")
+            problems.append(f"the base image's {label} {got[1]} is outside pyproject.toml's {where} {spec}")
+        elif label == "torch" and tested is not None and not release_in_range(tested, got[1]):
+            if warnings is not None:
+                warnings.append(f"the base image's torch {got[1]} is in megatron-core's range but outside the "
+                                f"tested {tested} (CI runs the 2.13.0 CPU wheel): run `make gpu-check` in the image")
         pins[canonicalize_name(got[0])] = got[1]
     if problems:
         raise CheckError("; ".join(problems) + " (choose another nvcr.io/nvidia/pytorch tag: "
@@ -132,9 +157,10 @@ def check_base(project: dict, versions: dict | None = None, python: str | None =
     return pins
 
 
-def check_final(project: dict, extras: list[str], pins: dict[str, str], versions: dict | None = None) -> None:
+def check_final(pyproject: dict, extras: list[str], pins: dict[str, str], versions: dict | None = None) -> None:
     """Raise CheckError unless the pinned base packages are unchanged and every runtime
     requirement (and the project) is installed in its range."""
+    project = pyproject["project"]
     problems = []
     for name, want in pins.items():
         got = installed_version((name,), versions)
@@ -147,7 +173,7 @@ def check_final(project: dict, extras: list[str], pins: dict[str, str], versions
         if got is None:
             problems.append(f"{req.name} is not installed (pyproject.toml: {req})")
         elif canonicalize_name(req.name) in pins:
-            continue  # the base's own, checked by release number in check_base
+            continue  # the base's own, checked against the image's range in check_base
         elif not req.specifier.contains(got[1], prereleases=True):
             problems.append(f"{req.name} {got[1]} does not satisfy pyproject.toml's {req}")
     got = installed_version((project["name"],), versions)
@@ -178,9 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extras", nargs="*", default=[], help="final: extras whose requirements were installed")
     args = ap.parse_args(argv)
     try:
-        project = load_project(args.pyproject)
+        pyproject = load_pyproject(args.pyproject)
+        project = pyproject["project"]
         if args.stage == "base":
-            pins = check_base(project)
+            warnings: list[str] = []
+            pins = check_base(pyproject, warnings=warnings)
+            for w in warnings:
+                print(f"{PROG}: warning: {w}", file=sys.stderr)
             if args.write_constraints:
                 with open(args.write_constraints, "w") as f:
                     f.writelines(f"{n}=={v}\n" for n, v in pins.items())
@@ -188,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if not args.constraints:
                 raise CheckError("final needs --constraints (the file the base stage wrote)")
-            check_final(project, args.extras, read_constraints(args.constraints))
+            check_final(pyproject, args.extras, read_constraints(args.constraints))
             print(f"{PROG}: final ok: {project['name']} {project['version']} and its requirements")
     except CheckError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -22,6 +22,7 @@ from importlib import metadata
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from gspo_megatron.rollout.sglang_api import SGLANG_VERSION
 
@@ -381,16 +382,15 @@ def test_sglang_image_drift_is_caught():
 
 def test_version_check_reads_pyprojects_ranges():
     cv = load_checker()
-    proj = pyproject()
-    ours = {canonicalize_name(Requirement(r).name): Requirement(r) for r in proj["dependencies"]}
+    full = tomllib.loads(read(PYPROJECT))
+    proj = full["project"]
     te = Requirement(proj["optional-dependencies"]["gpu"][0])
-    assert cv.project_requirement(proj, "torch").specifier == ours["torch"].specifier
     assert cv.project_requirement(proj, "transformer-engine", "gpu").specifier == te.specifier
     ok = {"torch": "2.13.0a0+5228986c39.nv26.6", "transformer-engine": "2.10.0+769ed778"}  # NGC-style snapshots
-    assert cv.check_base(proj, ok, "3.12.3") == ok
-    assert cv.check_base(proj, {"torch": "2.14.1", "transformer_engine": "2.9.0"}, "3.12.3")
+    assert cv.check_base(full, ok, "3.12.3") == ok
+    assert cv.check_base(full, {"torch": "2.14.1", "transformer_engine": "2.9.0"}, "3.12.3")
     for versions, python, words in [
-        ({"torch": "2.12.0a0+abc", "transformer-engine": "2.10.0"}, "3.12.3", "torch 2.12.0a0+abc is outside"),
+        ({"torch": "2.5.1a0+abc", "transformer-engine": "2.10.0"}, "3.12.3", "torch 2.5.1a0+abc is outside"),
         ({"torch": "2.15.0a0+abc", "transformer-engine": "2.10.0"}, "3.12.3", "torch 2.15.0a0+abc is outside"),
         ({"torch": "2.14.0", "transformer-engine": "2.12.0"}, "3.12.3", "Transformer Engine 2.12.0 is outside"),
         ({"torch": "2.14.0", "transformer-engine": "2.8.0"}, "3.12.3", "Transformer Engine 2.8.0 is outside"),
@@ -398,33 +398,57 @@ def test_version_check_reads_pyprojects_ranges():
         ({"torch": "2.14.0", "transformer-engine": "2.10.0"}, "3.10.12", "Python 3.10.12 is outside"),
     ]:
         with pytest.raises(cv.CheckError, match=re.escape(words)):
-            cv.check_base(proj, versions, python)
+            cv.check_base(full, versions, python)
     # it follows pyproject.toml, not a copy: move the range and the same base is refused / admitted
-    moved = pyproject(read(PYPROJECT).replace('"torch>=2.13.0,<2.15"', '"torch>=2.14.0,<2.16"'))
+    moved = tomllib.loads(read(PYPROJECT).replace('torch = ">=2.6.0,<2.15"', 'torch = ">=2.14.0,<2.16"'))
     with pytest.raises(cv.CheckError, match="torch 2.13.0a0"):
         cv.check_base(moved, ok, "3.12.3")
     assert cv.check_base(moved, {**ok, "torch": "2.15.0a0+abc"}, "3.12.3")
-    moved = pyproject(read(PYPROJECT).replace('"transformer-engine[pytorch]>=2.9.0a0,<2.12.0"',
-                                              '"transformer-engine[pytorch]>=2.15,<2.19"'))
+    moved = tomllib.loads(read(PYPROJECT).replace('"transformer-engine[pytorch]>=2.9.0a0,<2.12.0"',
+                                                  '"transformer-engine[pytorch]>=2.15,<2.19"'))
     assert cv.check_base(moved, {**ok, "transformer-engine": "2.17.1"}, "3.12.3")
+
+
+def test_the_images_torch_floor_is_megatron_cores_not_the_cpu_pin():
+    """Issue 41 5f: the build judged the base's torch by CI's CPU pin (>= 2.13), which could refuse
+    every NGC tag whose Transformer Engine is in megatron-core's range (those ship torch 2.10-2.11).
+    The image's floor is megatron-core 0.16.1's own (its installed metadata); an NGC torch 2.10
+    snapshot with TE 2.10 is admitted, with one warning that it is outside the tested 2.13+."""
+    cv = load_checker()
+    full = tomllib.loads(read(PYPROJECT))
+    floor = next(Requirement(r) for r in metadata.requires("megatron-core") if Requirement(r).name == "torch")
+    image, tested = cv.image_torch(full)
+    low = lambda spec: min(Version(s.version) for s in spec if s.operator == ">=")  # noqa: E731
+    assert low(image) == low(floor.specifier), (image, floor)
+    assert image.contains("2.14.1") and not image.contains("2.15.0")  # SGLang 0.5.23's torch; our ceiling
+    ours = next(Requirement(r) for r in full["project"]["dependencies"] if Requirement(r).name == "torch")
+    assert low(tested) == low(ours.specifier)  # what CI tests is the dependency range's floor
+    warnings = []
+    ngc_25_12 = {"torch": "2.10.0a0+b4e4ee8.nv25.12", "transformer-engine": "2.10.0+769ed778"}
+    assert cv.check_base(full, ngc_25_12, "3.12.3", warnings=warnings) == ngc_25_12
+    assert len(warnings) == 1 and "torch 2.10.0a0+b4e4ee8.nv25.12" in warnings[0] and "make gpu-check" in warnings[0]
+    warnings.clear()
+    cv.check_base(full, {"torch": "2.13.0a0+abc", "transformer-engine": "2.10.0"}, "3.12.3", warnings=warnings)
+    assert warnings == []
 
 
 def test_version_check_final_stage():
     cv = load_checker()
-    proj = pyproject()
+    full = tomllib.loads(read(PYPROJECT))
+    proj = full["project"]
     env = {canonicalize_name(Requirement(r).name): "99" for r in proj["dependencies"]}
     env.update({"torch": "2.13.0a0+abc", "megatron-core": "0.16.1", "transformers": "5.19.0", "numpy": "2.1.0",
                 "safetensors": "0.5.0", "pyyaml": "6.0.2", "tqdm": "4.67.0", "math-verify": "0.8.0",
                 "datasets": "4.0.0", "matplotlib": "3.10.0", "tensorboard": "2.20.0", "gspo-megatron": "0.1.0",
                 "transformer-engine": "2.10.0"})
     pins = {"torch": "2.13.0a0+abc", "transformer-engine": "2.10.0"}
-    cv.check_final(proj, ["tensorboard"], pins, env)
+    cv.check_final(full, ["tensorboard"], pins, env)
     for change, words in [({"torch": "2.14.1"}, "torch 2.13.0a0+abc of the base image was replaced by 2.14.1"),
                           ({"megatron-core": "0.16.0"}, "megatron-core 0.16.0 does not satisfy"),
                           ({"tensorboard": None}, "tensorboard is not installed"),
                           ({"gspo-megatron": None}, "gspo-megatron 0.1.0 is not installed")]:
         with pytest.raises(cv.CheckError, match=re.escape(words)):
-            cv.check_final(proj, ["tensorboard"], pins, {**env, **change})
+            cv.check_final(full, ["tensorboard"], pins, {**env, **change})
 
 
 def test_version_check_cli_one_line(tmp_path):
