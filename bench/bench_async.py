@@ -1,30 +1,31 @@
 """Synchronous vs asynchronous training (rollout.async_steps 0 vs 1, and 1 with partial rollouts),
 side by side in one run.
 
-    python bench/bench_async.py                  # 20 steps each, ~3 min on 2 cores
-    python bench/bench_async.py --steps 8 --json out.json
-    python bench/bench_async.py --smoke          # 2 steps, 1 trainer process, fixed delay: the harness runs
+    python bench/bench_async.py                            # ratio 1, 20 steps each, ~2 min on 2 cores
+    python bench/bench_async.py --ratios 0.5,1,2 --repeats 3 --json out.json   # issue 42's table
+    python bench/bench_async.py --model-rollouts           # the double generates on this CPU
+    python bench/bench_async.py --smoke                    # 2 steps, 1 trainer process: the harness runs
 
 Setup
   Two trainer processes (torchrun, TP2+SP, the demo's tiny Qwen3-MoE, fp32, CPU) train against
-  the SGLang HTTP test double (tests/sglang_double.py, in this process, weight_sync=disk),
-  which answers each /generate after a fixed time per generated token (--per-token-s, a GPU
-  server's decode time; concurrent requests overlap as in a batching server). By default the
-  per-token time is calibrated so that a step's rollout takes about as long as its training
-  (measured in a short synchronous calibration run): the case async training is for, with an
-  ideal speed-up of 2x. The double generates with transformers on the same CPU, with one thread
-  (it stands in for rollout GPUs), so some rollout compute still competes with training; with
-  torch's default threads it takes both cores and the speed-up falls to ~1.3x.
+  the SGLang HTTP test double (tests/sglang_double.py, in this process, weight_sync=disk), which
+  answers each /generate after a fixed time per generated token (a GPU server's decode time;
+  concurrent requests overlap as in a batching server). By default its answers are canned tokens
+  that cost no compute: rollout GPUs do not take the trainer's CPU, and on this 2-core machine a
+  generating double would (--model-rollouts: the double generates with transformers on one thread,
+  which competes with the two trainer processes, so async training there is short of its ideal for
+  a reason no cluster has). The per-token time is calibrated from a short synchronous run without
+  a decode delay so that a step's rollout takes `ratio` times the rest of its step.
 
 Printed
-  wall time of each run (torchrun start to exit, the same fixed start-up cost in both), the
-  per-step mean of t_step, the ratio sync / async of the step time and of the whole run, the
+  per (ratio, run): wall time of each run (torchrun start to exit, the same fixed start-up cost in
+  both), the per-step means of t_step, t_rollout, t_old_logprobs, t_train and t_weight_sync
+  ("push"), t_push_wait (the part of the push spent waiting for the generation in flight), the
   maximum staleness seen (<= async_steps), dropped samples, samples carried over a weight push
-  (partial rollouts), the trainer's waits, peak RSS of the run's processes (ru_maxrss of the
-  children), and "push wait": the mean t_push_wait, the part of the push spent waiting for the
-  generation in flight. "step time / ideal": an async run's mean step against the ideal overlap
-  measured in the synchronous run, max(rollout, the rest of the step) (issue 42: <= 1.15 at a
-  rollout:train ratio near 1).
+  (partial rollouts), peak RSS of the run's processes (ru_maxrss of the children), and "/ideal":
+  the run's mean step against the ideal overlap measured in the synchronous run, max(rollout, the
+  rest of the step) (issue 42: <= 1.15 at a rollout:train ratio near 1). Then, with several
+  ratios or repeats, the median over the repeats.
 
 --nproc 1: one trainer process at TP1 (no sequence parallel), started without torchrun.
 --smoke: 2 steps per run, --nproc 1 (the fewest processes that run the same loop), a fixed
@@ -100,10 +101,28 @@ def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: 
             "peak_rss_mib": peak / 1024}
 
 
+def _table(res: list[dict], ideal: float) -> None:
+    print(f"{'async_steps':>11} {'partial':>7} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} "
+          f"{'push':>8} {'push wait':>9} {'stale max':>9} {'dropped':>7} {'carried':>7} {'peak MiB':>9} {'/ideal':>7}")
+    for r in res:
+        print(f"{r['async_steps']:>11} {str(r['partial']):>7} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} "
+              f"{r['t_rollout']:>8.2f} {r['t_old']:>8.2f} {r['t_train']:>8.2f} {r['t_sync']:>8.2f} "
+              f"{r['t_push_wait']:>9.2f} {r['staleness_max']:>9} {r['dropped']:>7} {r['carried']:>7} "
+              f"{r['peak_rss_mib']:>9.0f} {r['t_step'] / ideal:>7.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--per-token-s", type=float, default=None, help="default: calibrated (rollout ~ training)")
+    ap.add_argument("--per-token-s", type=float, default=None,
+                    help="the double's decode time per token; default: calibrated from --ratios")
+    ap.add_argument("--ratios", default="1",
+                    help="comma-separated rollout:train time ratios, each a per-token time from the calibration "
+                         "run (issue 42: 0.5,1,2)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each (ratio, mode), one after another")
+    ap.add_argument("--model-rollouts", action="store_true",
+                    help="the double generates with the model on this CPU (competing with the trainer) instead "
+                         "of answering canned tokens after the decode time: a GPU server as the trainer sees it")
     ap.add_argument("--nproc", type=int, choices=(1, 2), default=2,
                     help="trainer processes: 2 = TP2+SP as tiny_cpu.yaml, 1 = TP1")
     ap.add_argument("--json", default=None)
@@ -115,55 +134,69 @@ def main() -> None:
         args.steps, args.nproc = 2, 1
         if args.per_token_s is None:
             args.per_token_s = 0.002
+    ratios = [float(x) for x in args.ratios.split(",")] if args.per_token_s is None else [None]
+
+    import statistics
 
     import torch
     from sglang_double import Faults, SGLangDouble
 
-    # the double stands in for rollout GPUs: its transformers generation should take as little of
-    # the trainers' two cores as it can (one thread, as the double's own server mode uses)
+    # with --model-rollouts the double stands in for rollout GPUs with its own transformers
+    # generation: one thread, as little of the trainers' two cores as it can
     torch.set_num_threads(1)
-
+    layout = "2 trainer processes (TP2+SP)" if args.nproc == 2 else "1 trainer process (TP1)"
+    stand_in = "the model's generation on this CPU" if args.model_rollouts else "canned tokens (no compute)"
+    summary: dict = {}
+    report = {"steps": args.steps, "nproc": args.nproc, "model_rollouts": args.model_rollouts, "cells": []}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = _hf_dir(os.path.join(tmp, "hf"))
-        with SGLangDouble(hf_dir, faults=Faults()) as dbl:
-            per_token = args.per_token_s
-            if per_token is None:  # rollout time ~ training time
+        with SGLangDouble(hf_dir, faults=Faults(canned=not args.model_rollouts)) as dbl:
+            train = None
+            if args.per_token_s is None:
                 cal = _run(os.path.join(tmp, "cal"), hf_dir, dbl.url, 3, 0, os.path.join(tmp, "sync_cal"),
                            nproc=args.nproc)
                 train = cal["t_step"] - cal["t_rollout"]
-                # the double sleeps per_token * tokens minus its own generation time: a step's
-                # rollout then takes ~ 8 * per_token (max_new_tokens of tiny_cpu.yaml) = the rest
-                per_token = train / 8
-                print(f"calibration (3 sync steps, no delay): rollout {cal['t_rollout']:.2f} s, "
-                      f"rest of the step {train:.2f} s -> per-token delay {per_token * 1e3:.0f} ms")
-            dbl.faults.per_token_s = per_token
+                print(f"calibration (3 sync steps, no decode delay): rollout {cal['t_rollout']:.2f} s, "
+                      f"rest of the step {train:.2f} s")
             # (async_steps, partial); the smoke leaves out plain async: async + partial runs the same
             # producer code and more, and each run costs a trainer start-up (~13 CPU-s)
-            runs = ((0, False), (1, True)) if args.smoke else ((0, False), (1, False), (1, True))
-            res = [_run(os.path.join(tmp, f"async{k}{'p' * p}"), hf_dir, dbl.url, args.steps, k,
-                        os.path.join(tmp, f"s{k}{'p' * p}"), partial=p, nproc=args.nproc)
-                   for k, p in runs]
-    sync = res[0]
-    layout = "2 trainer processes (TP2+SP)" if args.nproc == 2 else "1 trainer process (TP1)"
-    print(f"\n{args.steps} steps, {layout}, the double at {per_token * 1e3:.0f} ms/token")
-    print(f"{'async_steps':>11} {'partial':>7} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} "
-          f"{'push':>8} {'stale max':>9} {'dropped':>7} {'carried':>7} {'peak MiB':>9} {'push wait':>9}")
-    for r in res:
-        print(f"{r['async_steps']:>11} {str(r['partial']):>7} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} "
-              f"{r['t_rollout']:>8.2f} {r['t_old']:>8.2f} {r['t_train']:>8.2f} {r['t_sync']:>8.2f} "
-              f"{r['staleness_max']:>9} {r['dropped']:>7} {r['carried']:>7} {r['peak_rss_mib']:>9.0f} "
-              f"{r['t_push_wait']:>9.2f}")
-    # the ideal overlapped step, from the synchronous run: the longer of its rollout and the rest
-    # of its step (pi_old, training, the push), which async training can at best run side by side
-    ideal = max(sync["t_rollout"], sync["t_step"] - sync["t_rollout"])
-    for r in res[1:]:
-        name = "async + partial rollouts" if r["partial"] else "async"
-        print(f"speed-up {name} / sync: step time {sync['t_step'] / r['t_step']:.2f}x, whole run "
-              f"{sync['wall_s'] / r['wall_s']:.2f}x (ideal 2x when rollout = training); step time / ideal "
-              f"{r['t_step'] / ideal:.2f} (ideal {ideal:.2f} s = max(sync rollout, sync rest of the step))")
+            modes = ((0, False), (1, True)) if args.smoke else ((0, False), (1, False), (1, True))
+            for ratio in ratios:
+                # the double answers after per_token * tokens (less its own generation time): a step's
+                # rollout then takes ~ 8 * per_token (max_new_tokens of tiny_cpu.yaml) = ratio * the rest
+                per_token = args.per_token_s if ratio is None else ratio * train / 8
+                dbl.faults.per_token_s = per_token
+                for rep in range(args.repeats):
+                    res = [_run(os.path.join(tmp, f"r{ratio}_{rep}_{k}{'p' * p}"), hf_dir, dbl.url, args.steps, k,
+                                os.path.join(tmp, f"s{ratio}_{rep}_{k}{'p' * p}"), partial=p, nproc=args.nproc)
+                           for k, p in modes]
+                    sync = res[0]
+                    # the ideal overlapped step, from the synchronous run: the longer of its rollout
+                    # and the rest of its step (pi_old, training, the push), which async training can
+                    # at best run side by side
+                    ideal = max(sync["t_rollout"], sync["t_step"] - sync["t_rollout"])
+                    print(f"\n{args.steps} steps, {layout}, stand-in: {stand_in} at {per_token * 1e3:.0f} ms/token"
+                          + (f", rollout:train {ratio:g}" if ratio is not None else "") + f", run {rep + 1}")
+                    _table(res, ideal)
+                    for r in res[1:]:
+                        name = "async + partial rollouts" if r["partial"] else "async"
+                        print(f"speed-up {name} / sync: step time {sync['t_step'] / r['t_step']:.2f}x, whole run "
+                              f"{sync['wall_s'] / r['wall_s']:.2f}x; step time / ideal {r['t_step'] / ideal:.2f} "
+                              f"(ideal {ideal:.2f} s = max(sync rollout, sync rest of the step))")
+                        summary.setdefault((ratio, name), []).append(
+                            (r["t_step"] / ideal, sync["t_step"] / r["t_step"]))
+                    report["cells"].append({"ratio": ratio, "repeat": rep, "per_token_s": per_token,
+                                            "ideal_s": ideal, "runs": res})
+    if len(summary) > 0 and (args.repeats > 1 or len(ratios) > 1):
+        print(f"\nsummary over {args.repeats} run(s) each: median step time / ideal (range), median speed-up")
+        for (ratio, name), xs in summary.items():
+            over = [x for x, _ in xs]
+            print(f"  rollout:train {ratio if ratio is not None else '-'!s:>4} {name:<25} "
+                  f"{statistics.median(over):.2f} ({min(over):.2f}-{max(over):.2f}), "
+                  f"{statistics.median(y for _, y in xs):.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"per_token_s": per_token, "runs": res}, f, indent=1)
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,11 @@ class Faults:
     # /generate answers after this many seconds per token of its longest response (a GPU server's
     # decode time; concurrent requests overlap, as a batching server's do; bench/bench_async.py)
     per_token_s: float = 0.0
+    # no model run: every row gets max_new_tokens ids drawn from a generator seeded by its rid (no
+    # eos, no stop strings), each with log-prob -ln(vocab). With per_token_s this is a GPU server
+    # as the trainer sees it: answers after a decode time, costing the trainer's CPU nothing
+    # (bench/bench_async.py; with the model's generation the double competes with the trainer)
+    canned: bool = False
     # weight updates are checked and answered (and set the weight version) as usual, but the served
     # weights stay the old ones: a server that silently keeps stale weights (train/smoke.py must fail)
     stale_weights: bool = False
@@ -112,6 +117,13 @@ class Faults:
     # "NaN" (Python's json, allow_nan) or "null" (orjson, SGLang's ORJSONResponse, writes NaN as null)
     nan_as: str = "NaN"
     oov_ids: int = 0  # each row's last token id is the model's vocab_size + 3
+
+
+class _Server(ThreadingHTTPServer):
+    # socketserver's default listen backlog is 5: a burst of concurrent requests (a partial
+    # rollout's continuations, one per row) overflows it, and the dropped connections retry their
+    # SYN after 1 s, a stall real SGLang (uvicorn's backlog: 2048) never shows
+    request_queue_size = 2048
 
 
 @dataclass
@@ -190,7 +202,7 @@ class SGLangDouble:
     def start(self) -> "SGLangDouble":
         self.load()
         handler = type("Handler", (_Handler,), {"double": self})
-        self.httpd = ThreadingHTTPServer((self.host, self.port), handler)
+        self.httpd = _Server((self.host, self.port), handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
@@ -365,7 +377,8 @@ class SGLangDouble:
             with self._lock:
                 if self.memory_released:
                     return 400, {"error": {"message": "memory released: resume_memory_occupation first"}}
-                samples = self.engine.generate([rows[i] for i in idx], 1, params)
+                samples = (self._canned([rows[i] for i in idx], [rids[i] for i in idx], params)
+                           if self.faults.canned else self.engine.generate([rows[i] for i in idx], 1, params))
                 version = self.weight_version
                 routed = ([self._routed_experts(s, routing_start) for s in samples]
                           if routing_start is not None else [None] * len(samples))
@@ -382,6 +395,25 @@ class SGLangDouble:
                 if re_ is not None:
                     meta["routed_experts"] = re_
                 out[i] = {"text": s.text or "", "output_ids": list(s.response_ids), "meta_info": meta}
+        return out
+
+    def _canned(self, rows, rids, params):
+        import math
+        import random
+        import zlib
+
+        from gspo_megatron.rollout.base import Sample
+
+        tok = self.engine.tokenizer
+        vocab = int(self.engine.model.config.vocab_size)
+        specials = set(tok.all_special_ids) if tok is not None else set()
+        pool = [t for t in range(min(vocab, 512)) if t not in specials]
+        out = []
+        for i, (row, rid) in enumerate(zip(rows, rids)):
+            rng = random.Random(zlib.crc32(str(rid).encode()))
+            ids = [rng.choice(pool) for _ in range(params.max_new_tokens)]
+            out.append(Sample(i, list(row), ids, [-math.log(vocab)] * len(ids), "length", self.weight_version,
+                              text=tok.decode(ids) if tok is not None else None))
         return out
 
     def route_experts(self, ids: list[int]):

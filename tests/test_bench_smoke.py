@@ -165,31 +165,34 @@ def test_smokes_all_ran():
 @pytest.mark.timeout(1200)
 def test_bench_async_smoke(smokes):
     out = _ok(smokes, "bench_async.py")
-    assert re.search(r"^2 steps, 1 trainer process \(TP1\), the double at 2 ms/token$", out, re.M), out
-    _row(out, r"^async_steps\s+partial\s+wall s\s+t_step\s+rollout\s+pi_old\s+train\s+push\s+stale max\s+dropped"
-              r"\s+carried\s+peak MiB\s+push wait$")
+    assert re.search(r"^2 steps, 1 trainer process \(TP1\), stand-in: canned tokens \(no compute\) at 2 ms/token, "
+                     r"run 1$", out, re.M), out
+    _row(out, r"^async_steps\s+partial\s+wall s\s+t_step\s+rollout\s+pi_old\s+train\s+push\s+push wait\s+stale max"
+              r"\s+dropped\s+carried\s+peak MiB\s+/ideal$")
     rows = {}
     assert not re.search(r"^\s+1\s+False\s", out, re.M), out  # the smoke leaves plain async out
     for k, partial in (("0", "False"), ("1", "True")):
         row = _row(out, rf"^\s+{k}\s+{partial}\s")
         run_total, t_step, *phases = (_num(x) for x in row[2:8])
-        stale, dropped, carried, peak, push_wait = (_num(x) for x in row[8:13])
+        push_wait, stale, dropped, carried, peak, over_ideal = (_num(x) for x in row[8:14])
         assert 0 <= push_wait <= phases[-1] + 0.01, row  # a part of the push (2-decimal rounding)
         # every measurement was printed (a zero total or peak is a column the bench failed to fill);
         # no bound on how long anything took
-        assert min(run_total, t_step, peak) > 0 and min(phases) >= 0, row
+        assert min(run_total, t_step, peak, over_ideal) > 0 and min(phases) >= 0, row
         assert stale <= int(k), row  # staleness never exceeds rollout.async_steps
         assert dropped >= 0 and carried >= 0, row
         if partial == "False":
             assert carried == 0, row  # only partial rollouts carry samples over a push
-        rows[(k, partial)] = t_step
-    m = re.search(rf"^speed-up async \+ partial rollouts / sync: step time ({NUM})x, whole run ({NUM})x \(ideal 2x "
-                  rf"when rollout = training\); step time / ideal ({NUM}) \(ideal ({NUM}) s = ", out, re.M)
+        rows[(k, partial)] = (t_step, over_ideal)
+    m = re.search(rf"^speed-up async \+ partial rollouts / sync: step time ({NUM})x, whole run ({NUM})x; "
+                  rf"step time / ideal ({NUM}) \(ideal ({NUM}) s = ", out, re.M)
     assert m and _num(m[3]) > 0 and _num(m[4]) > 0, out
-    sync_t, part_t = rows[("0", "False")], rows[("1", "True")]
+    (sync_t, _), (part_t, part_over) = rows[("0", "False")], rows[("1", "True")]
     # the printed ratio is of the unrounded step times; the rows show them to 2 decimals
     slack = (sync_t / part_t) * (0.005 / sync_t + 0.005 / part_t) * 1.1
     assert abs(_num(m[1]) - sync_t / part_t) <= 0.005 + slack, (m[0], rows)
+    assert abs(_num(m[3]) - part_over) <= 0.0051, (m[0], rows)  # the row's /ideal column is the same figure
+    assert abs(part_t / _num(m[4]) - part_over) <= 0.005 / _num(m[4]) + 0.0051, (m[0], rows)
 
 
 @pytest.mark.timeout(1200)
