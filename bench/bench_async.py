@@ -4,6 +4,7 @@ side by side in one run.
     python bench/bench_async.py                            # ratio 1, 20 steps each, ~2 min on 2 cores
     python bench/bench_async.py --ratios 0.5,1,2 --repeats 3 --json out.json   # issue 42's table
     python bench/bench_async.py --model-rollouts           # the double generates on this CPU
+    python bench/bench_async.py --engine vllm --steps 10   # each run launches the real vLLM server
     python bench/bench_async.py --smoke                    # 2 steps, 1 trainer process: the harness runs
 
 Setup
@@ -24,8 +25,10 @@ Printed
   maximum staleness seen (<= async_steps), dropped samples, samples carried over a weight push
   (partial rollouts), peak RSS of the run's processes (ru_maxrss of the children), and "/ideal":
   the run's mean step against the ideal overlap measured in the synchronous run, max(rollout, the
-  rest of the step) (issue 42: <= 1.15 at a rollout:train ratio near 1). Then, with several
-  ratios or repeats, the median over the repeats.
+  rest of the step) (issue 42: <= 1.15 at a rollout:train ratio near 1), and "overlap": the run's
+  own mean overlap_efficiency metric (max(generation, the trainer's own work) / step; 1 = fully
+  overlapped, a synchronous step 1/2 at ratio 1). Then, with several ratios or repeats, the median
+  over the repeats.
 
 --nproc 1: one trainer process at TP1 (no sequence parallel), started without torchrun.
 --smoke: 2 steps per run, --nproc 1 (the fewest processes that run the same loop), a fixed
@@ -49,21 +52,22 @@ sys.path.insert(0, REPO)
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
 
 
-def _hf_dir(path: str) -> str:
+def _hf_dir(path: str, **changes) -> str:
     import yaml
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
     with open(TINY) as f:
-        hf = yaml.safe_load(f)["model"]["hf_config"]
+        hf = dict(yaml.safe_load(f)["model"]["hf_config"], **changes)
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf)).save_pretrained(path)
     build_tokenizer(path)
     return path
 
 
-def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: str, partial: bool = False,
+def _run(out: str, hf_dir: str, url: str | None, steps: int, async_steps: int, shared: str, partial: bool = False,
          nproc: int = 2) -> dict:
+    """One training run; url None: the run launches its own vLLM server (rollout.vllm.launch)."""
     from sglang_double import sglang_overrides
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -81,7 +85,9 @@ def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: 
            "train.minibatches_per_step=2", f"rollout.async_steps={async_steps}", f"rollout.partial={str(partial).lower()}",
            # the synchronous loop's pi_old default; the same in both runs, so only the overlap differs
            "loss.old_logprobs=recompute",
-           *sglang_overrides(url, weight_sync="disk", shared_dir=shared)]
+           *(sglang_overrides(url, weight_sync="disk", shared_dir=shared) if url is not None else
+             ["rollout.backend=vllm", "rollout.vllm.launch=true", "model.dtype=float32",
+              f"rollout.vllm.shared_dir={shared}"])]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, env=env, cwd=REPO)
@@ -95,7 +101,7 @@ def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: 
             "wall_s": wall, "steps": len(rows), "t_step": mean("t_step"),
             "t_rollout": mean("t_rollout"), "t_train": mean("t_train"), "t_old": mean("t_old_logprobs"),
             "t_wait_rollout": mean("t_wait_rollout"), "t_sync": mean("t_weight_sync"),
-            "t_push_wait": mean("t_push_wait"), "staleness_max": max(x.get("staleness_max", 0) for x in rows),
+            "t_push_wait": mean("t_push_wait"), "overlap": mean("overlap_efficiency"), "staleness_max": max(x.get("staleness_max", 0) for x in rows),
             "dropped": sum(x.get("samples_dropped_stale", 0) for x in rows),
             "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
             "peak_rss_mib": peak / 1024}
@@ -103,12 +109,13 @@ def _run(out: str, hf_dir: str, url: str, steps: int, async_steps: int, shared: 
 
 def _table(res: list[dict], ideal: float) -> None:
     print(f"{'async_steps':>11} {'partial':>7} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} "
-          f"{'push':>8} {'push wait':>9} {'stale max':>9} {'dropped':>7} {'carried':>7} {'peak MiB':>9} {'/ideal':>7}")
+          f"{'push':>8} {'push wait':>9} {'stale max':>9} {'dropped':>7} {'carried':>7} {'peak MiB':>9} {'/ideal':>7} "
+          f"{'overlap':>7}")
     for r in res:
         print(f"{r['async_steps']:>11} {str(r['partial']):>7} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} "
               f"{r['t_rollout']:>8.2f} {r['t_old']:>8.2f} {r['t_train']:>8.2f} {r['t_sync']:>8.2f} "
               f"{r['t_push_wait']:>9.2f} {r['staleness_max']:>9} {r['dropped']:>7} {r['carried']:>7} "
-              f"{r['peak_rss_mib']:>9.0f} {r['t_step'] / ideal:>7.2f}")
+              f"{r['peak_rss_mib']:>9.0f} {r['t_step'] / ideal:>7.2f} {r['overlap']:>7.2f}")
 
 
 def main() -> None:
@@ -123,6 +130,9 @@ def main() -> None:
     ap.add_argument("--model-rollouts", action="store_true",
                     help="the double generates with the model on this CPU (competing with the trainer) instead "
                          "of answering canned tokens after the decode time: a GPU server as the trainer sees it")
+    ap.add_argument("--engine", choices=("double", "vllm"), default="double",
+                    help="vllm: each run launches the real vLLM server on this CPU (its cached venv; "
+                         "head_dim 32, fp32); no decode delay to set, so --ratios does not apply")
     ap.add_argument("--nproc", type=int, choices=(1, 2), default=2,
                     help="trainer processes: 2 = TP2+SP as tiny_cpu.yaml, 1 = TP1")
     ap.add_argument("--json", default=None)
@@ -135,6 +145,8 @@ def main() -> None:
         if args.per_token_s is None:
             args.per_token_s = 0.002
     ratios = [float(x) for x in args.ratios.split(",")] if args.per_token_s is None else [None]
+    if args.engine == "vllm":
+        return _main_vllm(args)
 
     import statistics
 
@@ -194,6 +206,42 @@ def main() -> None:
             print(f"  rollout:train {ratio if ratio is not None else '-'!s:>4} {name:<25} "
                   f"{statistics.median(over):.2f} ({min(over):.2f}-{max(over):.2f}), "
                   f"{statistics.median(y for _, y in xs):.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _main_vllm(args) -> None:
+    """The same runs against the real vLLM server each run launches (rollout/vllm_server.py): it
+    computes on this CPU next to the trainer, so the overlap is short of a cluster's, where the
+    servers have GPUs of their own; vLLM takes no push mid-generation, so plain async pushes wait
+    for the generation in flight (push wait) and partial rollouts interrupt it."""
+    import statistics
+
+    layout = "2 trainer processes (TP2+SP)" if args.nproc == 2 else "1 trainer process (TP1)"
+    modes = ((0, False), (1, False), (1, True))
+    summary: dict = {}
+    report = {"steps": args.steps, "nproc": args.nproc, "engine": "vllm", "cells": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = _hf_dir(os.path.join(tmp, "hf"), head_dim=32)  # vLLM's CPU attention: 32, 64, 80, ...
+        for rep in range(args.repeats):
+            res = [_run(os.path.join(tmp, f"v{rep}_{k}{'p' * p}"), hf_dir, None, args.steps, k,
+                        os.path.join(tmp, f"vs{rep}_{k}{'p' * p}"), partial=p, nproc=args.nproc) for k, p in modes]
+            sync = res[0]
+            ideal = max(sync["t_rollout"], sync["t_step"] - sync["t_rollout"])
+            print(f"\n{args.steps} steps, {layout}, the real vLLM server on this CPU, run {rep + 1} (wall includes "
+                  "each run's server start)")
+            _table(res, ideal)
+            for r in res[1:]:
+                name = "async + partial rollouts" if r["partial"] else "async"
+                print(f"speed-up {name} / sync: step time {sync['t_step'] / r['t_step']:.2f}x; step time / ideal "
+                      f"{r['t_step'] / ideal:.2f} (ideal {ideal:.2f} s; rollout:train {sync['t_rollout'] / max(sync['t_step'] - sync['t_rollout'], 1e-9):.2f})")
+                summary.setdefault(name, []).append(r["t_step"] / ideal)
+            report["cells"].append({"repeat": rep, "ideal_s": ideal, "runs": res})
+    if args.repeats > 1:
+        print(f"\nsummary over {args.repeats} runs: median step time / ideal (range)")
+        for name, xs in summary.items():
+            print(f"  {name:<25} {statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -105,6 +105,11 @@ class Faults:
     # as the trainer sees it: answers after a decode time, costing the trainer's CPU nothing
     # (bench/bench_async.py; with the model's generation the double competes with the trainer)
     canned: bool = False
+    # every /generate row decodes this many tokens, then holds until a retract pause has come and
+    # gone (/pause_generation {"mode": "retract"} ... /continue_generation): a weight push then lands
+    # mid-generation by construction, not by timing. 0 = off.
+    hold_after_tokens: int = 0
+    hold_from_request: int = 0  # ... for the (hold_from_request+1)-th /generate request to arrive on
     # weight updates are checked and answered (and set the weight version) as usual, but the served
     # weights stay the old ones: a server that silently keeps stale weights (train/smoke.py must fail)
     stale_weights: bool = False
@@ -181,6 +186,17 @@ class SGLangDouble:
         # --enable-return-routed-experts: without it, return_routed_experts requests get no field
         self.enable_return_routed_experts = enable_return_routed_experts
         self.session_open = False  # a /begin_weight_update ... /end_weight_update session
+        # SGLang's pause (tokenizer_manager.py is_pause / is_pause_cond) and its model_update_lock:
+        # /generate requests in flight hold the reader side; a weight update waits for them unless
+        # generation is paused (tokenizer_manager.py update_weights_from_disk: `writer_lock if not
+        # is_paused else nullcontext()`; tokenizer_control_mixin.py the same for the other routes)
+        self._flow = threading.Condition()
+        self._paused: str | None = None  # the pause mode, None while generating
+        self._pause_t = 0.0  # when the current pause began
+        self._pauses = 0  # pauses that ended (continue_generation)
+        self._inflight = 0  # /generate requests past the pause gate, not yet answered
+        self.holding = 0  # requests held by Faults.hold_after_tokens right now
+        self.writer_timeout_s = 600.0  # how long a weight update waits for the requests in flight
         self.httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._rr = 0
@@ -274,6 +290,18 @@ class SGLangDouble:
         rids = [rids] if isinstance(rids, str) else rids
         if len(sps) != n or len(rids) != n:
             return 400, {"error": {"message": "sampling_params / rid lists must match input_ids"}}
+        with self._flow:  # a request arriving during a pause waits for continue_generation
+            if not self._flow.wait_for(lambda: self._paused is None, timeout=600):
+                return 503, {"error": {"message": "generation stayed paused for 600 s"}}
+            self._inflight += 1
+        try:
+            return self._serve(body, rows, sps, rids, single, routing)
+        finally:
+            with self._flow:
+                self._inflight -= 1
+                self._flow.notify_all()
+
+    def _serve(self, body, rows, sps, rids, single, routing) -> tuple[int, Any]:
         epoch = self._abort_epoch
         with self._meta:
             arrival = self._arrived
@@ -290,25 +318,157 @@ class SGLangDouble:
             out = self._generate_rows(rows, sps, rids, body.get("return_logprob", False), routing)
             if isinstance(out, tuple):
                 return out
-            if f.per_token_s > 0:  # the decode time, less what generating here took already
-                longest = max((o["meta_info"]["completion_tokens"] for o in out), default=0)
-                end = t_gen + f.per_token_s * longest
-                while time.monotonic() < end and not self._is_aborted(epoch, rids):
-                    time.sleep(min(0.005, max(0.0, end - time.monotonic())))
-                if self._is_aborted(epoch, rids):  # running requests answer with what they have
-                    done = int((time.monotonic() - t_gen) / f.per_token_s)
-                    out = [self._cut(o, done) for o in out]
+            if f.per_token_s > 0 or f.hold_after_tokens > 0:
+                out = self._decode(out, rows, sps, rids, epoch, t_gen, body.get("return_logprob", False), routing,
+                                   hold=f.hold_after_tokens if arrival >= f.hold_from_request else 0)
         if not any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out):
             self._misbehave(out, sps)
         if self.take("stale"):
             for o in out:
                 o["meta_info"]["weight_version"] = "stale-0"
-        if self.take("no_version"):
+                for span in o["meta_info"].get("weight_versions", []):
+                    span["version"] = "stale-0"
+        if self.take("no_version"):  # an SGLang from before weight versions: neither field
             for o in out:
                 o["meta_info"].pop("weight_version", None)
+                o["meta_info"].pop("weight_versions", None)
         with self._meta:
             self._answered += 1
         return 200, (out[0] if single else out)
+
+    def _decode(self, out, rows, sps, rids, epoch, t_gen, return_logprob, routing, hold: int = 0):
+        """The decode time of generation done up front: the rows' tokens appear one per
+        per_token_s (concurrent requests overlap, as in a batching server). An abort answers what
+        was decoded; a retract pause freezes the clock, and if the weights changed by
+        continue_generation every row still decoding is continued from its tokens so far with the
+        new weights (SGLang's retract puts the request back in the queue and, the cache flushed,
+        recomputes its prefix under the new weights: scheduler.py pause_generation, flush_cache
+        `is_fully_idle(ignore_waiting=self._engine_paused)`), its weight_versions spans saying which
+        version decoded which tokens (weight_versions.py compute_weight_version_spans)."""
+        return self._decode_loop(out, rows, sps, rids, epoch, t_gen, return_logprob, routing, hold)
+
+    def _decode_loop(self, out, rows, sps, rids, epoch, t_gen, return_logprob, routing, hold):
+        f = self.faults
+        longest = max((o["meta_info"]["completion_tokens"] for o in out), default=0)
+        decoded, last = 0.0, t_gen
+        held = 0 < hold < longest
+        counted = False  # this request is counted in self.holding
+        while decoded < longest and not self._is_aborted(epoch, rids):
+            with self._flow:
+                paused, pause_t = self._paused, self._pause_t
+            if paused == "retract":
+                if f.per_token_s > 0 and pause_t > last:
+                    decoded = min(longest, decoded + (pause_t - last) / f.per_token_s)
+                    if held:
+                        decoded = min(decoded, hold)
+                k = int(decoded)
+                with self._flow:
+                    self._flow.wait_for(lambda: self._paused is None or self._is_aborted(epoch, rids), timeout=600)
+                out = [self._retracted(o, row, sp, rid, k, return_logprob, routing)
+                       for o, row, sp, rid in zip(out, rows, sps, rids)]
+                longest = max((o["meta_info"]["completion_tokens"] for o in out), default=0)
+                held, last = False, time.monotonic()
+                if counted:
+                    with self._flow:
+                        self.holding -= 1
+                    counted = False
+                continue
+            now = time.monotonic()
+            decoded = (min(longest, decoded + (now - last) / f.per_token_s) if f.per_token_s > 0
+                       else float(longest))
+            if held:
+                decoded = min(decoded, hold)
+                if decoded >= hold and not counted:
+                    with self._flow:
+                        self.holding += 1
+                    counted = True
+            last = now
+            if decoded < longest:
+                time.sleep(0.005)
+        if counted:
+            with self._flow:
+                self.holding -= 1
+        if self._is_aborted(epoch, rids):  # running requests answer with what they have
+            out = [self._cut(o, int(decoded)) for o in out]
+        return out
+
+    def _retracted(self, o, prompt, sp, rid, k, return_logprob, routing):
+        """Row `o` after a retract pause at decode step k: unchanged if it had finished by then or
+        the weights did not change; else its tokens from k on come from the current weights."""
+        meta = o["meta_info"]
+        spans = meta.get("weight_versions") or [{"version": meta["weight_version"], "start": 0,
+                                                "end": meta["completion_tokens"]}]
+        if meta["completion_tokens"] <= k or self.weight_version == spans[-1]["version"]:
+            return o
+        from gspo_megatron.rollout.base import SamplingParams
+
+        stop = sp.get("stop") or ()
+        left = int(sp.get("max_new_tokens", 128)) - k
+        params = SamplingParams(
+            temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
+            top_k=int(sp.get("top_k", -1)), max_new_tokens=left,
+            stop_token_ids=tuple(sp.get("stop_token_ids") or ()), stop=(stop,) if isinstance(stop, str) else tuple(stop))
+        head_ids = o["output_ids"][:k]
+        head_lps = (meta.get("output_token_logprobs") or [])[:k]
+        with self._lock:
+            tail = (self._canned([list(prompt) + head_ids], [f"{rid}/{self.weight_version}"], params)[0]
+                    if self.faults.canned else self.engine.generate([list(prompt) + head_ids], 1, params)[0])
+            version = self.weight_version
+            ids = head_ids + list(tail.response_ids)
+            routed = None
+            if routing is not None:
+                from gspo_megatron.rollout.base import Sample
+
+                routed = self._routed_experts(Sample(0, list(prompt), ids, [0.0] * len(ids), "stop", 0), routing)
+        if tail.finish_reason == "stop":
+            fr = {"type": "stop", "matched": tail.response_ids[-1]}
+        else:
+            fr = {"type": "length", "length": len(ids)}
+        spans = [dict(x, end=min(x["end"], k)) for x in spans if x["start"] < k]
+        spans.append({"version": version, "start": k, "end": len(ids)})
+        new_meta = dict(meta, finish_reason=fr, completion_tokens=len(ids), weight_version=version,
+                        weight_versions=spans)
+        if return_logprob:
+            new_meta["output_token_logprobs"] = head_lps + [[lp, t, None] for lp, t in
+                                                            zip(tail.response_logprobs, tail.response_ids)]
+        if routed is not None:
+            new_meta["routed_experts"] = routed
+        tok = self.engine.tokenizer
+        return {"text": tok.decode(ids) if tok is not None else "", "output_ids": ids, "meta_info": new_meta}
+
+    def _writer(self) -> bool:
+        """A weight update's model_update_lock.writer_lock: wait for the requests in flight, unless
+        generation is paused. False after writer_timeout_s."""
+        with self._flow:
+            return self._flow.wait_for(lambda: self._paused is not None or self._inflight == 0,
+                                       timeout=self.writer_timeout_s)
+
+    def pause_generation(self, body: dict) -> tuple[int, Any]:
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):  # PauseGenerationReqInput.mode: a Literal
+            return 422, {"detail": [{"type": "literal_error", "loc": ["body", "mode"],
+                                     "msg": "Input should be 'abort', 'retract' or 'in_place'"}]}
+        if mode == "in_place":  # the engine never sends it: continued tokens would attend to old KV
+            return 400, {"detail": "the test double does not model pause mode in_place"}
+        with self._flow:
+            if self._paused is None:
+                self._pause_t = time.monotonic()
+            self._paused = mode
+            self._flow.notify_all()
+        if mode == "abort":  # tokenizer_manager.py pause_generation: abort all, wait until none runs
+            with self._meta:
+                self._abort_epoch += 1
+            with self._flow:
+                self._flow.wait_for(lambda: self._inflight == 0, timeout=600)
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, body: dict) -> tuple[int, Any]:
+        with self._flow:
+            if self._paused is not None:
+                self._pauses += 1
+            self._paused = None
+            self._flow.notify_all()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     def _misbehave(self, out: list[dict], sps: list[dict]) -> None:
         """Faults overlong / nan_logprobs / oov_ids (one response each per unit)."""
@@ -346,6 +506,10 @@ class SGLangDouble:
                     finish_reason={"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
         if "output_token_logprobs" in meta:
             meta["output_token_logprobs"] = meta["output_token_logprobs"][:done]
+        if "weight_versions" in meta:  # weight_versions.py add_weight_versions_to_meta_info: cut at the tokens
+            spans = [dict(x, end=min(x["end"], done)) for x in meta["weight_versions"]
+                     if x["start"] < done or x["start"] == 0]
+            meta["weight_versions"], meta["weight_version"] = spans, spans[-1]["version"]
         meta.pop("routed_experts", None)
         return {"text": "", "output_ids": row["output_ids"][:done], "meta_info": meta}
 
@@ -353,7 +517,8 @@ class SGLangDouble:
         return {"text": "", "output_ids": [], "meta_info": {
             "id": rid, "finish_reason": {"type": "abort", "message": "Abort before prefill"},
             "prompt_tokens": len(prompt), "completion_tokens": 0, "output_token_logprobs": [],
-            "weight_version": self.weight_version}}
+            "weight_version": self.weight_version,
+            "weight_versions": [{"version": self.weight_version, "start": 0, "end": 0}]}}
 
     def _generate_rows(self, rows, sps, rids, return_logprob, routing_start: int | None = None):
         from gspo_megatron.rollout.base import SamplingParams
@@ -389,7 +554,9 @@ class SGLangDouble:
                     fr = {"type": "length", "length": len(s.response_ids)}
                 meta = {"id": rids[i], "finish_reason": fr, "prompt_tokens": len(rows[i]),
                         "completion_tokens": len(s.response_ids), "cached_tokens": 0,
-                        "weight_version": version}
+                        "weight_version": version,
+                        # every finished request's spans (output_streamer.py: compute_weight_version_spans)
+                        "weight_versions": [{"version": version, "start": 0, "end": len(s.response_ids)}]}
                 if return_logprob:
                     meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.response_logprobs, s.response_ids)]
                 if re_ is not None:
@@ -468,7 +635,9 @@ class SGLangDouble:
         return 200, None
 
     def flush_cache(self) -> tuple[int, str]:
-        if self.take("flush_busy"):
+        with self._flow:  # requests running and not paused: SGLang refuses (scheduler.py flush_cache)
+            busy = self._paused is None and self._inflight > 0
+        if busy or self.take("flush_busy"):
             return 400, ("Cache not flushed. Please check backend logs for more details. (When there are "
                          "running or waiting requests, the operation will not be performed.)\n")
         return 200, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
@@ -667,8 +836,13 @@ class SGLangDouble:
         if path == "/resume_memory_occupation":
             self.memory_released = False
             return 200, None
-        if path in ("/pause_generation", "/continue_generation"):
-            return 200, {"message": "ok"}
+        if path == "/pause_generation":
+            return self.pause_generation(body or {})
+        if path == "/continue_generation":
+            return self.continue_generation(body or {})
+        if path.startswith("/update_weights") and not self._writer():
+            return 500, {"detail": f"{path}: requests in flight held the model update lock for "
+                                   f"{self.writer_timeout_s:g} s"}
         handler = {
             "/update_weights_from_disk": self.update_weights_from_disk,
             "/init_weights_update_group": self.init_weights_update_group,

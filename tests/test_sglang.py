@@ -1078,3 +1078,87 @@ def test_from_config_reads_the_routing_option(model_dir, tmp_path):
             eng = SGLangEngine.from_config(ns, retry_backoff_s=0.01)
             assert eng.return_routing and eng.routing_shape == (2, 2)
             eng.close()
+
+
+# ------------------------------------------------------------------------------ pushes mid-generation
+def test_a_push_mid_generation_waits_for_nothing_and_labels_every_token(model_dir, prompts, model_a, model_b,
+                                                                        tmp_path):
+    """update_weights_mid_generation (SGLang 0.5.23's retract pause, issue 42): every request holds
+    after 3 of its tokens until a pause has come and gone (Faults.hold_after_tokens), so a push that
+    waited for the generation in flight could never return; this one does, the generation then
+    finishes, and each sample's first 3 tokens are model A's (version 1), the rest model B's given
+    the whole prefix (version 2): token_versions say so and the log-probs are those policies'
+    own. The sample's weight_version is its oldest token's (the staleness bound)."""
+    import threading
+
+    sp = SamplingParams(temperature=0.9, max_new_tokens=8)
+    with start_double_and_engine(model_dir, faults=Faults(hold_after_tokens=3), shared_dir=str(tmp_path / "s"),
+                                 **FAST) as (dbl, eng):
+        assert eng.supports_push_mid_generation
+        eng.update_weights(hub_tensors(model_a), version=1)
+        got: dict = {}
+        gen = threading.Thread(target=lambda: got.__setitem__("out", eng.generate(prompts, 2, sp)), daemon=True)
+        gen.start()
+        deadline = time.monotonic() + 60
+        while dbl.holding < len(prompts) and time.monotonic() < deadline:  # every request decoded 3 tokens
+            time.sleep(0.01)
+        assert dbl.holding == len(prompts), dbl.holding
+        eng.update_weights_mid_generation(hub_tensors(model_b), version=2)
+        gen.join(60)
+        assert not gen.is_alive() and eng.weight_version == 2
+        out = got["out"]
+        spanning = [s for s in out if len(s.response_ids) > 3]
+        assert spanning, [s.response_ids for s in out]  # 6 samples of 8 tokens: an eos in the first 3 of all is ~0
+        for s in out:
+            n = len(s.response_ids)
+            assert s.weight_version == 1
+            if n <= 3:  # ended before the push
+                assert s.token_versions is None
+                continue
+            assert s.token_versions == [1] * 3 + [2] * (n - 3), s.token_versions
+            lp = torch.tensor(s.response_logprobs)
+            torch.testing.assert_close(lp[:3], teacher_forced_logprobs(model_a, s.prompt_ids, s.response_ids[:3], 0.9),
+                                       atol=ATOL, rtol=0)
+            torch.testing.assert_close(lp[3:], teacher_forced_logprobs(model_b, s.prompt_ids + s.response_ids[:3],
+                                                                       s.response_ids[3:], 0.9), atol=ATOL, rtol=0)
+        # SGLang's order: pause (retract), the update with no wait, the flush a paused server allows, continue
+        ctl = [r.path for r in dbl.records if r.path in ("/pause_generation", "/update_weights_from_disk",
+                                                         "/flush_cache", "/continue_generation")]
+        assert ctl[-4:] == ["/pause_generation", "/update_weights_from_disk", "/flush_cache", "/continue_generation"]
+        assert dbl.calls("/pause_generation")[-1] == {"mode": "retract"}
+        # later generations (no hold) are plain version 2
+        dbl.faults.hold_after_tokens = 0
+        assert {s.weight_version for s in eng.generate(prompts[:1], 1, SamplingParams(max_new_tokens=4))} == {2}
+
+
+def test_the_double_holds_a_weight_update_behind_running_requests_unless_paused(model_dir, prompts, model_b):
+    """Fidelity of the double: SGLang's weight update takes the model-update writer lock, which waits
+    for every running request (tokenizer_manager.py update_weights_from_disk), unless generation is
+    paused; /flush_cache refuses while requests run; an unknown pause mode is refused."""
+    from gspo_megatron.rollout.sglang_server import ServerClient as Client
+
+    with SGLangDouble(model_dir, faults=Faults(hold_after_tokens=2)) as dbl:
+        c = Client(dbl.url)
+        import threading
+
+        req = threading.Thread(target=lambda: c.request_once(
+            "POST", "/generate", {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 6},
+                                  "return_logprob": True}, timeout_s=60), daemon=True)
+        req.start()
+        deadline = time.monotonic() + 30
+        while dbl.holding < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dbl.holding == 1
+        assert c.request_once("POST", "/flush_cache", None, timeout_s=10)[0] == 400
+        dbl.writer_timeout_s = 0.5  # not paused: the update waits for the running request (here: gives up)
+        status, body = c.request_once("POST", "/update_weights_from_disk", {"model_path": model_dir}, timeout_s=10)
+        assert status == 500 and b"model update lock" in body
+        dbl.writer_timeout_s = 600.0
+        status, _ = c.request_once("POST", "/pause_generation", {"mode": "sideways"}, timeout_s=10)
+        assert status == 422
+        assert c.request_once("POST", "/pause_generation", {"mode": "retract"}, timeout_s=10)[0] == 200
+        assert c.request_once("POST", "/flush_cache", None, timeout_s=10)[0] == 200  # paused: queued requests allowed
+        assert dbl._writer()  # paused: the update does not wait for the held request (else: 600 s, then False)
+        assert c.request_once("POST", "/continue_generation", {}, timeout_s=10)[0] == 200
+        req.join(30)
+        assert not req.is_alive()

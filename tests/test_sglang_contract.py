@@ -677,3 +677,79 @@ def test_routed_experts_start_len_rule(routing_src):
                  "is higher than the ", "number of input tokens ", "use a smaller routed_experts_start_len."):
         assert text in src, f"{SCHEDULER}: message text {text!r} changed (the test double repeats it)"
     print(f"  {SCHEDULER}:{guard.lineno}: 0 <= routed_experts_start_len <= len(origin_input_ids), else abort")
+
+
+# ---- pushes mid-generation (SGLangEngine.update_weights_mid_generation; the double's pause) ------
+WEIGHT_VERSIONS = "sglang/srt/utils/weight_versions.py"
+OUTPUT_STREAMER = "sglang/srt/managers/scheduler_components/output_streamer.py"
+WEIGHT_UPDATER = "sglang/srt/managers/scheduler_components/weight_updater.py"
+TOKENIZER_CONTROL = "sglang/srt/managers/tokenizer_control_mixin.py"
+PAUSE_FILES = (TOKENIZER_MANAGER, SCHEDULER, WEIGHT_VERSIONS, OUTPUT_STREAMER, WEIGHT_UPDATER, TOKENIZER_CONTROL)
+
+
+@pytest.fixture(scope="module")
+def pause_src(sgl) -> dict[str, str]:
+    with zipfile.ZipFile(sgl.wheel) as zf:
+        names = set(zf.namelist())
+        missing = [p for p in PAUSE_FILES if p not in names]
+        assert not missing, f"{sgl.wheel.name} lacks {missing}: SGLang moved its pause / weight-version code"
+        return {p: zf.read(p).decode("utf-8") for p in PAUSE_FILES}
+
+
+def test_a_paused_server_takes_weights_without_waiting_and_labels_tokens(pause_src):
+    """What update_weights_mid_generation relies on, and tests/sglang_double.py models: a weight
+    update waits for running requests (the model-update writer lock) unless generation is paused;
+    a retract pause puts the running requests back in the queue; the cache may then be flushed with
+    requests queued, so they recompute their prefixes under the new weights; a version change is
+    recorded for every live request, and each finished request reports contiguous spans
+    meta_info.weight_versions [{version, start, end}] with weight_version the last one's."""
+    src = pause_src
+    _require(src[TOKENIZER_MANAGER], TOKENIZER_MANAGER, "update_weights_from_disk", [
+        "lock_context = self.model_update_lock.writer_lock if not is_paused else nullcontext()",
+    ], why="a paused server no longer skips the writer lock: the push would wait for running requests")
+    for func in ("update_weights_from_distributed", "update_weights_from_tensor"):
+        fn = _function(src[TOKENIZER_CONTROL], func)
+        assert fn is not None, f"{TOKENIZER_CONTROL} {func}() is gone"
+        body = ast.unparse(fn)
+        assert "is_paused = self.is_pause" in body and "if not is_paused:" in body, (
+            f"{TOKENIZER_CONTROL}:{fn.lineno} {func}() no longer skips the writer lock while paused")
+    _require(src[TOKENIZER_MANAGER], TOKENIZER_MANAGER, "pause_generation", [
+        "self.is_pause = True",
+    ], why="pause_generation no longer holds new requests back")
+    _require(src[SCHEDULER], SCHEDULER, "pause_generation", [
+        "assert recv_req.mode in ('in_place', 'retract')",
+        "retract_reqs = [r for r in self.running_batch.reqs if not r.finished()]",
+        "self._add_request_to_queue(req)",
+    ], why="a retract pause no longer puts the running requests back in the queue")
+    _require(src[SCHEDULER], SCHEDULER, "flush_cache", ["self.tree_cache.reset()"],
+             why="flush_cache no longer resets the tree cache")
+    fn = _function(src[SCHEDULER], "flush_cache")
+    assert "self.is_fully_idle(ignore_waiting=self._engine_paused)" in ast.unparse(fn), (
+        f"{SCHEDULER}:{fn.lineno} flush_cache() no longer ignores queued requests while paused: the "
+        "retracted requests would keep the old weights' prefix KV")
+    _require(src[SCHEDULER], SCHEDULER, "record_weight_version_change", [
+        "num_recorded = record_weight_version_events(live_reqs, old_version=old_version)",
+    ], why="a version change is no longer recorded for the live requests")
+    _require(src[WEIGHT_UPDATER], WEIGHT_UPDATER, "update_weights_from_disk", [
+        "self.record_weight_version_after_update(recv_req.weight_version)",
+    ], why="an update from disk no longer records the version change")
+    _require(src[WEIGHT_VERSIONS], WEIGHT_VERSIONS, "add_weight_versions_to_meta_info", [
+        "meta_info['weight_versions'] = [{'version': span.version, 'start': span.start, "
+        "'end': min(span.end, num_output_tokens)} for span in visible]",
+        "meta_info['weight_version'] = visible[-1].version",
+    ], why="meta_info.weight_versions is no longer [{version, start, end}] (SGLangEngine._token_versions)")
+    _require(src[WEIGHT_VERSIONS], WEIGHT_VERSIONS, "compute_weight_version_spans", [
+        "start = spans[-1].end if spans else 0",
+    ], why="the spans are no longer contiguous from token 0")
+    _require(src[OUTPUT_STREAMER], OUTPUT_STREAMER, _finished_spans_function(src[OUTPUT_STREAMER]), [
+        "self.weight_versions.append(compute_weight_version_spans(req.weight_version_events, "
+        "current_version=self.current_weight_version, num_output_tokens=len(output_ids_)))",
+    ], why="finished requests no longer report their spans")
+
+
+def _finished_spans_function(source: str) -> str:
+    """The function of output_streamer.py that appends a finished request's spans."""
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and "compute_weight_version_spans" in ast.unparse(n):
+            return n.name
+    return "<none>"

@@ -174,3 +174,59 @@ def test_colocated_engines_release_train_resume_push_every_step(tmp_path):
         seq = "".join(code[m] for m in re.findall(r"^\[request\] \w+ (\S+)$", path.read_text(), re.M) if m in code)
         # startup: release; then per step: resume, push, generate, release (then the step trains)
         assert re.fullmatch(rf"R(WdG*R){{{STEPS}}}Wd", seq), (path.name, seq)
+
+
+@pytest.mark.timeout(600)
+def test_async_pushes_land_mid_generation_without_waiting(tmp_path):
+    """rollout.async_steps=1 against the SGLang double (issue 42): the engine takes pushes
+    mid-generation (a capability), so a push never waits for the batch in flight. By construction:
+    from step 1's batch on, every request holds after 2 tokens until a retract pause has come and
+    gone, so a push that waited would never return; the run finishes, every push after the first is
+    pause(retract) -> update -> flush -> continue, and t_push_wait is 0 on every row. Staleness stays
+    exact: the samples the trainer counts as spanning two versions (samples_carried) are exactly the
+    rows the double answered with two weight_versions spans (a request not prefilled when the
+    pause came is generated wholly by the new weights: SGLang's waiting requests are, too), none is
+    more than one version old, none dropped, and the losses are finite."""
+    import json
+    import math
+
+    from sglang_double import Faults
+
+    hf_dir = _tiny_hf_dir(tmp_path / "hf0")
+    with SGLangDouble(hf_dir, faults=Faults(hold_after_tokens=2, hold_from_request=8)) as server:
+        spanning = []  # rows the double answered with tokens of two versions
+        real_generate = server.generate
+
+        def generate(body):
+            status, res = real_generate(body)
+            rows = res if isinstance(res, list) else [res] if status == 200 else []
+            spanning.append(sum(len(r["meta_info"].get("weight_versions", [])) > 1 for r in rows))
+            return status, res
+
+        server.generate = generate
+        out = tmp_path / "run"
+        args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
+                f"train.max_steps={STEPS}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
+                "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
+                "rollout.async_steps=1", "rollout.dynamic_sampling=false",
+                *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))]
+        r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+        assert r.returncode == 0, r.stderr[-4000:]
+        records = list(server.records)
+    ctl = [x.path for x in records if x.path in ("/pause_generation", "/update_weights_from_disk", "/flush_cache",
+                                                 "/continue_generation")]
+    # the first push (before any rollout) is plain; every later one is mid-generation
+    assert ctl[:2] == ["/update_weights_from_disk", "/flush_cache"], ctl
+    later = ctl[2:]
+    assert later and later == ["/pause_generation", "/update_weights_from_disk", "/flush_cache",
+                               "/continue_generation"] * (len(later) // 4), ctl
+    assert all(x.body == {"mode": "retract"} for x in records if x.path == "/pause_generation")
+    rows = gspo_rows(out)
+    assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
+    assert all(x["t_push_wait"] == 0.0 for x in rows), [x["t_push_wait"] for x in rows]
+    assert all(x["staleness_max"] <= 1 and x["samples_dropped_stale"] == 0 for x in rows), rows
+    assert sum(x["samples_carried"] for x in rows) == sum(spanning), ([x["samples_carried"] for x in rows], spanning)
+    assert all(math.isfinite(x["loss"]) for x in rows), [x["loss"] for x in rows]
+    assert all(0 < x["overlap_efficiency"] <= 1 for x in rows), [x["overlap_efficiency"] for x in rows]
+    print(json.dumps([{k: x[k] for k in ("step", "t_push_wait", "t_weight_sync", "samples_carried",
+                                         "staleness_max", "overlap_efficiency")} for x in rows]))

@@ -13,7 +13,11 @@ in-process engine cannot update weights mid-generate): `push` waits for the gene
 progress to finish, and the next generation starts from the new weights. With partial rollouts
 (`push(..., interrupt=engine)`) the push interrupts the generation instead; the producer's
 `PartialGenerator` (rollout/partial.py) hands the engine over while it waits for the new weights,
-then continues the interrupted rows with them.
+then continues the interrupted rows with them. An engine that takes weights mid-generation
+(`RolloutEngine.supports_push_mid_generation`: its servers set the requests in flight aside and
+continue them under the new weights, reporting each token's version) is pushed to without the
+lock (`push(..., concurrent=True)`): the push waits for nothing, and the generation in progress
+goes on with the new weights.
 
 Data stream. The producer draws prompts ahead of training. Each batch carries the prompt-stream
 state right after its prompts were drawn; a checkpoint after step s stores batch s's, so a
@@ -121,11 +125,22 @@ class RolloutProducer:
     def stopped(self) -> bool:
         return self._stop
 
-    def push(self, update: Callable[[], None], *, interrupt: _Interruptible | None = None) -> None:
+    def push(self, update: Callable[[], None], *, interrupt: _Interruptible | None = None,
+             concurrent: bool = False) -> None:
         """Run `update` (replace the engine's weights) while holding the engine, then wake the
         producer. With `interrupt` (partial rollouts) the generation in progress is interrupted
         rather than waited for; the interrupt is repeated while the engine is busy (a request sent
-        after one abort meets the next) and lifted once the new weights are in."""
+        after one abort meets the next) and lifted once the new weights are in. `concurrent`: the
+        engine takes weights mid-generation (update is its update_weights_mid_generation), so the
+        push runs beside the generation, without the engine's lock, and waits for nothing."""
+        if concurrent:
+            if interrupt is not None:
+                raise ValueError("push: concurrent and interrupt exclude each other")
+            self.t_push_wait = 0.0
+            update()  # never takes self.lock: the producer holds it for the whole generation
+            with self._cv:
+                self._cv.notify_all()
+            return
         deadline = time.monotonic() + self.timeout_s
         t0 = time.perf_counter()
         if interrupt is not None:

@@ -140,6 +140,19 @@ class RolloutEngine(abc.ABC):
         """End interrupt(): generate() runs normally again."""
         raise NotImplementedError(f"{type(self).__name__} cannot interrupt generation")
 
+    # Pushing weights while generate() runs in another thread, without waiting for it. An engine
+    # that sets supports_push_mid_generation implements update_weights_mid_generation: its
+    # servers set the requests in flight aside, take the new weights, recompute those requests'
+    # prefixes with them and continue, and report which weight version generated each token
+    # (Sample.token_versions; weight_version is the oldest). Engines whose servers would continue
+    # from keys/values of the old weights (vLLM 0.32's /pause?mode=keep, SGLang's in_place pause)
+    # do not set it: their continued tokens would be no single policy's.
+    supports_push_mid_generation = False
+
+    def update_weights_mid_generation(self, named_tensors: NamedTensors, version: int) -> None:
+        """update_weights while a generate() may be in progress in another thread."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take weights mid-generation")
+
     def close(self) -> None:  # engines holding servers/processes release them here
         pass
 

@@ -54,6 +54,10 @@ ENDPOINTS: dict[str, Endpoint] = {e.route: e for e in (
     _ep("POST", "/generate", "GenerateReqInput", "input_ids", "sampling_params", "return_logprob", "rid",
         "return_routed_experts", "routed_experts_start_len"),
     _ep("POST", "/abort_request", "AbortReq", "abort_all"),
+    # a push that does not wait for the generation in flight: retract-pause, update, continue
+    # (io_struct.py PauseGenerationReqInput.mode, ContinueGenerationReqInput.torch_empty_cache)
+    _ep("POST", "/pause_generation", "PauseGenerationReqInput", "mode"),
+    _ep("POST", "/continue_generation", "ContinueGenerationReqInput", "torch_empty_cache"),
     _ep("POST", "/flush_cache", None),
     _ep("POST", "/update_weights_from_disk", "UpdateWeightFromDiskReqInput",
         "model_path", "load_format", "weight_version", "flush_cache"),

@@ -315,6 +315,7 @@ class SGLangEngine(RolloutEngine):
         self._weight_version = int(weight_version)
         self._synced = False  # True after our first successful update_weights
         self._inconsistent: str | None = None
+        self._pushing: int | None = None  # the version a mid-generation push is installing
         self._warned_unsynced = False
         self._warned_unversioned = False
         self._warned_vocab = False
@@ -534,7 +535,9 @@ class SGLangEngine(RolloutEngine):
         # with their own generators (per-request seeds are not reproducible across server layouts)
     ) -> list[Sample]:
         self._check_open()
-        if self._inconsistent is not None:
+        # during a mid-generation push the servers are paused: a request waits there for the new
+        # weights (tokenizer_manager.py generate_request waits on is_pause_cond)
+        if self._inconsistent is not None and self._pushing is None:
             raise SGLangError(
                 f"SGLang servers hold partially updated weights after a failed update_weights "
                 f"({self._inconsistent}); send a complete update first"
@@ -619,6 +622,7 @@ class SGLangEngine(RolloutEngine):
             server = self._pick_server(avoid=tried[-1] if tried else None)
             tried.append(server.url)
             self._inc("requests")
+            sent = self._weight_version  # the oldest version the answer may carry
             try:
                 status, data = server.request_once("POST", "/generate", payload, timeout_s=self.request_timeout_s)
             except RetryableHTTPError as e:
@@ -642,7 +646,7 @@ class SGLangEngine(RolloutEngine):
                     f"{data[:300].decode('utf-8', 'replace')}", url=server.url, status=status,
                 )
             rows = parse_json(data, server.url, "/generate")
-            samples = self._parse_generate(rows, gi, prompt, n, server.url)
+            samples = self._parse_generate(rows, gi, prompt, n, server.url, sent=sent)
             if any(s.finish_reason == "abort" for s in samples) and cancel.is_set():
                 raise _Aborted()
             bad = self._violations(samples, sp["max_new_tokens"], server.url, gi)
@@ -707,7 +711,8 @@ class SGLangEngine(RolloutEngine):
                 log.warning("%s", out[r])
         return out
 
-    def _parse_generate(self, rows: Any, gi: int, prompt: list[int], n: int, url: str) -> list[Sample]:
+    def _parse_generate(self, rows: Any, gi: int, prompt: list[int], n: int, url: str,
+                        sent: int | None = None) -> list[Sample]:
         def bad(msg: str) -> SGLangProtocolError:
             return SGLangProtocolError(f"SGLang server {url}: malformed /generate response: {msg}")
 
@@ -745,13 +750,45 @@ class SGLangEngine(RolloutEngine):
             # must cover exactly prompt + response - 1 positions; aborted rows are never kept
             routed = (self._routed_experts(meta, r, len(prompt), len(ids), url)
                       if self.return_routing and ftype != "abort" else None)
-            version = self._check_version(meta.get("weight_version"), url, len(ids))
+            spans = meta.get("weight_versions")
+            if spans is not None and self._synced:  # each span's version checked
+                token_versions = self._token_versions(spans, len(ids), url, r, sent)
+                version = min(token_versions) if token_versions else self._check_version(
+                    spans[-1].get("version") if isinstance(spans[-1], dict) else None, url, 0, sent)
+                if len(set(token_versions)) < 2:
+                    token_versions = None
+            else:
+                version = self._check_version(meta.get("weight_version"), url, len(ids), sent)
+                token_versions = None
             out.append(Sample(
                 prompt_index=gi, prompt_ids=list(prompt), response_ids=ids, response_logprobs=lps,
                 finish_reason=ftype, weight_version=version, text=row.get("text"),
                 meta={"server": url, "finish_reason": fr, "rid": meta.get("id")},
-                routed_experts=routed,
+                routed_experts=routed, token_versions=token_versions,
             ))
+        return out
+
+    def _token_versions(self, spans: Any, ntok: int, url: str, r: int, sent: int | None) -> list[int]:
+        """meta_info.weight_versions ([{version, start, end}], SGLang 0.5.23 weight_versions.py
+        add_weight_versions_to_meta_info: contiguous spans from token 0) -> each token's version,
+        each version checked as weight_version is."""
+        def bad(msg: str) -> SGLangProtocolError:
+            return SGLangProtocolError(f"SGLang server {url}: malformed /generate response: result {r} "
+                                       f"meta_info.weight_versions {msg}")
+
+        if not isinstance(spans, list) or not spans:
+            raise bad(f"is {str(spans)[:100]!r}, not a list of spans")
+        out: list[int] = []
+        for span in spans:
+            if not isinstance(span, dict) or not all(isinstance(span.get(k), int) and not isinstance(span.get(k), bool)
+                                                     for k in ("start", "end")):
+                raise bad(f"entry {str(span)[:100]!r} is not {{version, start, end}}")
+            if span["start"] != len(out) or span["end"] < span["start"]:
+                raise bad(f"are not contiguous from token 0: {str(spans)[:200]}")
+            v = self._check_version(span.get("version"), url, ntok, sent)
+            out += [v] * (span["end"] - span["start"])
+        if len(out) != ntok:
+            raise bad(f"cover {len(out)} tokens of {ntok}")
         return out
 
     def _routed_experts(self, meta: dict, r: int, n_prompt: int, n_response: int, url: str) -> torch.Tensor:
@@ -784,7 +821,10 @@ class SGLangEngine(RolloutEngine):
         # the server's native byte order: little-endian on every platform SGLang runs on (and here)
         return torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, layers, top_k)
 
-    def _check_version(self, reported: Any, url: str, ntok: int) -> int:
+    def _check_version(self, reported: Any, url: str, ntok: int, sent: int | None = None) -> int:
+        """The version a server reported, checked: between the version held when the request was
+        sent (`sent`) and the newest installed or being installed (a push mid-generation: answers
+        finished before it carry the old version, later ones the new)."""
         parsed: int | None
         if reported is None and self._synced:
             # an SGLang without weight_version in meta_info: nothing to check against
@@ -800,12 +840,16 @@ class SGLangEngine(RolloutEngine):
             parsed = None
         if not self._synced:
             return parsed if parsed is not None else self._weight_version
-        if parsed == self._weight_version:
+        pushing = self._pushing
+        lo = self._weight_version if sent is None else sent
+        hi = max(self._weight_version, pushing if pushing is not None else self._weight_version)
+        if parsed is not None and lo <= parsed <= hi:
             return parsed
         if self.on_stale == "error":
+            want = f"{lo}" if lo == hi else f"{lo}..{hi}"
             raise SGLangStaleWeightsError(
                 f"SGLang server {url} answered with weight_version={reported!r}, expected "
-                f"{self._weight_version} (the server missed a weight update?)"
+                f"{want} (the server missed a weight update?)"
             )
         self._inc("stale_samples")
         return parsed if parsed is not None else -1
@@ -912,6 +956,47 @@ class SGLangEngine(RolloutEngine):
         self.metrics["flush_attempts"] = attempts
         self.metrics["last_sync_s"] = time.perf_counter() - t0
         self.metrics["last_sync_bytes"] = stats.get("bytes", 0)
+
+    supports_push_mid_generation = True
+
+    def update_weights_mid_generation(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+        """update_weights while generate() may run in another thread, without waiting for it:
+        every server is paused in "retract" mode (its running requests go back to the queue, their
+        KV freed), updated (a paused server skips the model-update lock that waits for running
+        requests: tokenizer_manager.py update_weights_from_disk, tokenizer_control_mixin.py for the
+        other routes), its cache flushed (allowed while paused with requests queued: scheduler.py
+        flush_cache `is_fully_idle(ignore_waiting=self._engine_paused)`), and continued: the
+        retracted requests recompute their prefixes under the new weights and go on, each token's
+        version reported in meta_info.weight_versions (recorded for every live request when the
+        version changes: scheduler.py record_weight_version_change). Requests sent meanwhile wait in
+        the paused server. Servers are continued even when the update fails (which is raised)."""
+        self._check_open()
+        version = int(self._weight_version + 1 if version is None else version)
+        self._pushing = version
+        paused: list[ServerClient] = []
+        unpaused: BaseException | None = None
+        try:
+            for s in self.workers:
+                self._control(s, "/pause_generation", api_payload("/pause_generation", mode="retract"))
+                paused.append(s)
+            self.update_weights(named_tensors, version)
+        finally:
+            for s in paused:  # every paused server, whatever failed
+                try:
+                    self._control(s, "/continue_generation", api_payload("/continue_generation"))
+                except BaseException as e:  # noqa: BLE001 - the others are continued first
+                    log.error("SGLang server %s: /continue_generation failed: %s", s.url, e)
+                    unpaused = unpaused or e
+            self._pushing = None
+        if unpaused is not None:  # the update went in, but a server stays paused: generation would hang
+            self._inconsistent = f"a server was not continued after the push: {unpaused}"
+            raise unpaused
+
+    def _control(self, s: ServerClient, path: str, body: dict) -> None:
+        status, data = s.request_once("POST", path, body, timeout_s=self.request_timeout_s)
+        if status != 200:
+            raise SGLangServerError(f"SGLang server {s.url}: POST {path} returned HTTP {status}: "
+                                    f"{data[:300].decode('utf-8', 'replace')}", url=s.url, status=status)
 
     def server_weight_versions(self) -> dict[str, str | None]:
         """The weight version every worker serves, from GET /model_info (SGLang 0.5.23 has no

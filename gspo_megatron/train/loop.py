@@ -140,7 +140,9 @@ def push_weights(parts: RunParts, version: int, producer=None) -> float:
     """Stream the current policy into the rollout engine (rank 0 owns the engine). Colocated
     engines first take their GPU memory back (rollout/colocate.py). With an async `producer`,
     the push waits for the generation in progress (they share the engine), or with
-    rollout.partial interrupts it (rollout/partial.py), then wakes it."""
+    rollout.partial interrupts it (rollout/partial.py), or, where the engine takes weights
+    mid-generation (a capability: RolloutEngine.supports_push_mid_generation), runs beside it and
+    waits for nothing; then wakes it."""
     t0 = time.perf_counter()
     if parts.colocation is not None:
         parts.colocation.before_push()
@@ -148,9 +150,12 @@ def push_weights(parts: RunParts, version: int, producer=None) -> float:
     if parts.engine is not None:
         if producer is None:
             parts.engine.update_weights(stream, version)
-        else:  # partial rollouts: interrupt the generation in progress instead of waiting for it
-            producer.push(lambda: parts.engine.update_weights(stream, version),
-                          interrupt=parts.engine if parts.cfg.rollout.partial else None)
+        elif parts.cfg.rollout.partial:  # interrupt the generation in progress instead of waiting for it
+            producer.push(lambda: parts.engine.update_weights(stream, version), interrupt=parts.engine)
+        elif parts.engine.supports_push_mid_generation:  # the engine continues it with the new weights
+            producer.push(lambda: parts.engine.update_weights_mid_generation(stream, version), concurrent=True)
+        else:  # wait for the generation in progress
+            producer.push(lambda: parts.engine.update_weights(stream, version))
     else:
         for _ in stream:  # other ranks take part in the gathers
             pass
@@ -679,6 +684,12 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
                        # of t_weight_sync: the wait for the generation in flight (async), not the transfer
                        "t_push_wait": producer.t_push_wait if producer is not None else 0.0,
                        "tokens_per_s": metrics.get("train_tokens", 0) / max(dt, 1e-9)}
+                # the ideal step over this one: the longer of the batch's generation and the
+                # trainer's own work (the step less its wait for the batch), over the step. 1 =
+                # perfectly overlapped; synchronous steps run the two in turn (1/2 when they are equal)
+                gen = rstats.get("t_generate", t_rollout)
+                own = dt - rstats.get("t_wait_rollout", t_rollout)
+                row["overlap_efficiency"] = min(1.0, max(gen, own) / max(dt, 1e-9))
                 verified = getattr(parts.engine, "metrics", {}).get("verified_tensors")
                 if verified is not None:  # rollout.vllm.verify_weights: tensors the last push checked
                     row["weights_verified"] = verified
@@ -770,8 +781,9 @@ def _take_rollout(parts: RunParts, producer, step: int):
     kept, rewards, ages, dropped = drop_stale(kept, rewards, step, cfg.async_steps, cfg.samples_per_prompt)
     rstats = dict(rstats, staleness_mean=sum(ages) / max(len(ages), 1), staleness_max=max(ages, default=0),
                   samples_dropped_stale=dropped, t_wait_rollout=waited, t_wait_train=producer.t_wait_train,
-                  rollout_version=batch.version)
-    if cfg.partial:  # samples whose tokens come from more than one weight version
-        rstats["samples_carried"] = sum(1 for s in kept if s.token_versions and len(set(s.token_versions)) > 1)
+                  rollout_version=batch.version, t_generate=batch.t_generate)
+    # samples whose tokens come from more than one weight version: carried over a push (partial
+    # rollouts) or continued by an engine that took the push mid-generation
+    rstats["samples_carried"] = sum(1 for s in kept if s.token_versions and len(set(s.token_versions)) > 1)
     producer.t_wait_train = 0.0
     return kept, rewards, rstats, batch.data_state
