@@ -523,14 +523,19 @@ ROUTING_FILES = (ROUTED_EXPERTS, CAPTURER_BASE, DETOKENIZER, TOKENIZER_MANAGER, 
                  EXEC_FIELDS, ARG_UTILS, FIELD_ORDER, COMMON)
 
 
+def _wheel_sources(sgl, files: tuple[str, ...], what: str) -> dict[str, str]:
+    """path -> source of `files` in the wheel; one line naming the missing ones."""
+    with zipfile.ZipFile(sgl.wheel) as zf:
+        names = set(zf.namelist())
+        missing = [p for p in files if p not in names]
+        assert not missing, f"{sgl.wheel.name} lacks {missing}: SGLang moved its {what}"
+        return {p: zf.read(p).decode("utf-8") for p in files}
+
+
 @pytest.fixture(scope="module")
 def routing_src(sgl) -> dict[str, str]:
     """path -> source of the wheel files behind the routed-experts wire format."""
-    with zipfile.ZipFile(sgl.wheel) as zf:
-        names = set(zf.namelist())
-        missing = [p for p in ROUTING_FILES if p not in names]
-        assert not missing, f"{sgl.wheel.name} lacks {missing}: SGLang moved its routed-experts code"
-        return {p: zf.read(p).decode("utf-8") for p in ROUTING_FILES}
+    return _wheel_sources(sgl, ROUTING_FILES, "routed-experts code")
 
 
 def _function(source: str, name: str, cls: str | None = None) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
@@ -689,11 +694,7 @@ PAUSE_FILES = (TOKENIZER_MANAGER, SCHEDULER, WEIGHT_VERSIONS, OUTPUT_STREAMER, W
 
 @pytest.fixture(scope="module")
 def pause_src(sgl) -> dict[str, str]:
-    with zipfile.ZipFile(sgl.wheel) as zf:
-        names = set(zf.namelist())
-        missing = [p for p in PAUSE_FILES if p not in names]
-        assert not missing, f"{sgl.wheel.name} lacks {missing}: SGLang moved its pause / weight-version code"
-        return {p: zf.read(p).decode("utf-8") for p in PAUSE_FILES}
+    return _wheel_sources(sgl, PAUSE_FILES, "pause / weight-version code")
 
 
 def test_a_paused_server_takes_weights_without_waiting_and_labels_tokens(pause_src):

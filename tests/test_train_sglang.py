@@ -28,6 +28,19 @@ def _tiny_hf_dir(path):
     return str(path)
 
 
+def _watch_answers(server, see) -> None:
+    """Call see(status, rows, updates_before) with every /generate answer of the double."""
+    real_generate = server.generate
+
+    def generate(body):
+        n_updates = len(server.calls("/update_weights_from_disk"))
+        status, res = real_generate(body)
+        see(status, res if isinstance(res, list) else [res] if status == 200 else [], n_updates)
+        return status, res
+
+    server.generate = generate
+
+
 @pytest.mark.timeout(600)
 def test_training_loop_with_sglang_disk_sync(tmp_path):
     import re
@@ -42,16 +55,8 @@ def test_training_loop_with_sglang_disk_sync(tmp_path):
     with SGLangDouble(hf_dir) as server:
         # what each /generate answered, and how many weight updates had reached the double before it
         served = []
-        real_generate = server.generate
-
-        def generate(body):
-            n_updates = len(server.calls("/update_weights_from_disk"))
-            status, res = real_generate(body)
-            rows = res if isinstance(res, list) else [res] if status == 200 else []
-            served.append((n_updates, status, [r["meta_info"].get("weight_version") for r in rows]))
-            return status, res
-
-        server.generate = generate
+        _watch_answers(server, lambda status, rows, n_updates: served.append(
+            (n_updates, status, [r["meta_info"].get("weight_version") for r in rows])))
         out = tmp_path / "run"
         args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
                 f"train.max_steps={STEPS}", "train.sft_warmup_steps=2", "checkpoint.interval=0",
@@ -195,15 +200,8 @@ def test_async_pushes_land_mid_generation_without_waiting(tmp_path):
     hf_dir = _tiny_hf_dir(tmp_path / "hf0")
     with SGLangDouble(hf_dir, faults=Faults(hold_after_tokens=2, hold_from_request=8)) as server:
         spanning = []  # rows the double answered with tokens of two versions
-        real_generate = server.generate
-
-        def generate(body):
-            status, res = real_generate(body)
-            rows = res if isinstance(res, list) else [res] if status == 200 else []
-            spanning.append(sum(len(r["meta_info"].get("weight_versions", [])) > 1 for r in rows))
-            return status, res
-
-        server.generate = generate
+        _watch_answers(server, lambda status, rows, n_updates: spanning.append(
+            sum(len(r["meta_info"].get("weight_versions", [])) > 1 for r in rows)))
         out = tmp_path / "run"
         args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
                 f"train.max_steps={STEPS}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
