@@ -124,6 +124,42 @@ class Faults:
     oov_ids: int = 0  # each row's last token id is the model's vocab_size + 3
 
 
+class _Decoding:
+    """One request's decode clock: `decoded` steps so far (a float: per_token_s each), held at
+    `hold` tokens until a retract pause when held; retract_k: the step a retract pause froze it at
+    (SGLangDouble.pause_generation sets it at once, whatever this request's thread is doing)."""
+
+    def __init__(self, per_token_s: float, hold: int):
+        self.longest, self.per_token_s, self.hold = 0, per_token_s, hold
+        self.held = False
+        self.decoded, self.last = 0.0, 0.0
+        self.started = False  # False while the request's tokens are being generated up front
+        self.retract_k: int | None = None
+
+    def start(self, longest: int, t0: float) -> None:
+        self.longest, self.last, self.started = longest, t0, True
+        self.held = 0 < self.hold < longest and self.retract_k is None
+
+    def advance(self, now: float) -> None:
+        if self.per_token_s > 0:
+            self.decoded = min(self.longest, self.decoded + max(0.0, now - self.last) / self.per_token_s)
+        else:
+            self.decoded = float(self.longest)
+        if self.held:
+            self.decoded = min(self.decoded, self.hold)
+        self.last = now
+
+    def retract(self, now: float) -> None:
+        if self.retract_k is None:
+            if self.started:
+                self.advance(now)
+            self.retract_k = int(self.decoded)  # 0 before its generation: all of it comes after
+
+    def resume(self, k: int, longest: int, now: float) -> None:
+        self.decoded, self.longest, self.last = float(k), longest, now
+        self.retract_k, self.held = None, False
+
+
 class _Server(ThreadingHTTPServer):
     # socketserver's default listen backlog is 5: a burst of concurrent requests (a partial
     # rollout's continuations, one per row) overflows it, and the dropped connections retry their
@@ -196,6 +232,7 @@ class SGLangDouble:
         self._pauses = 0  # pauses that ended (continue_generation)
         self._inflight = 0  # /generate requests past the pause gate, not yet answered
         self.holding = 0  # requests held by Faults.hold_after_tokens right now
+        self._decoding: set = set()  # the _Decoding of every request in its decode time
         self.writer_timeout_s = 600.0  # how long a weight update waits for the requests in flight
         self.httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -314,13 +351,23 @@ class SGLangDouble:
         if self._is_aborted(epoch, rids) or self.take("server_abort"):
             out = [self._abort_row(r, rid) for r, rid in zip(rows, rids)]
         else:
-            t_gen = time.monotonic()
-            out = self._generate_rows(rows, sps, rids, body.get("return_logprob", False), routing)
-            if isinstance(out, tuple):
-                return out
-            if f.per_token_s > 0 or f.hold_after_tokens > 0:
-                out = self._decode(out, rows, sps, rids, epoch, t_gen, body.get("return_logprob", False), routing,
-                                   hold=f.hold_after_tokens if arrival >= f.hold_from_request else 0)
+            hold = f.hold_after_tokens if arrival >= f.hold_from_request else 0
+            st = _Decoding(f.per_token_s, hold) if f.per_token_s > 0 or hold > 0 else None
+            if st is not None:
+                with self._flow:  # from now on a retract pause sets this request aside (pause_generation)
+                    self._decoding.add(st)
+            try:
+                t_gen = time.monotonic()
+                out = self._generate_rows(rows, sps, rids, body.get("return_logprob", False), routing)
+                if isinstance(out, tuple):
+                    return out
+                if st is not None:
+                    out = self._decode(out, rows, sps, rids, epoch, t_gen, body.get("return_logprob", False),
+                                       routing, st)
+            finally:
+                if st is not None:
+                    with self._flow:
+                        self._decoding.discard(st)
         if not any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out):
             self._misbehave(out, sps)
         if self.take("stale"):
@@ -336,7 +383,7 @@ class SGLangDouble:
             self._answered += 1
         return 200, (out[0] if single else out)
 
-    def _decode(self, out, rows, sps, rids, epoch, t_gen, return_logprob, routing, hold: int = 0):
+    def _decode(self, out, rows, sps, rids, epoch, t_gen, return_logprob, routing, st):
         """The decode time of generation done up front: the rows' tokens appear one per
         per_token_s (concurrent requests overlap, as in a batching server). An abort answers what
         was decoded; a retract pause freezes the clock, and if the weights changed by
@@ -345,51 +392,44 @@ class SGLangDouble:
         recomputes its prefix under the new weights: scheduler.py pause_generation, flush_cache
         `is_fully_idle(ignore_waiting=self._engine_paused)`), its weight_versions spans saying which
         version decoded which tokens (weight_versions.py compute_weight_version_spans)."""
-        return self._decode_loop(out, rows, sps, rids, epoch, t_gen, return_logprob, routing, hold)
+        return self._decode_loop(out, rows, sps, rids, epoch, t_gen, return_logprob, routing, st)
 
-    def _decode_loop(self, out, rows, sps, rids, epoch, t_gen, return_logprob, routing, hold):
-        f = self.faults
+    def _decode_loop(self, out, rows, sps, rids, epoch, t_gen, return_logprob, routing, st):
         longest = max((o["meta_info"]["completion_tokens"] for o in out), default=0)
-        decoded, last = 0.0, t_gen
-        held = 0 < hold < longest
         counted = False  # this request is counted in self.holding
-        while decoded < longest and not self._is_aborted(epoch, rids):
-            with self._flow:
-                paused, pause_t = self._paused, self._pause_t
-            if paused == "retract":
-                if f.per_token_s > 0 and pause_t > last:
-                    decoded = min(longest, decoded + (pause_t - last) / f.per_token_s)
-                    if held:
-                        decoded = min(decoded, hold)
-                k = int(decoded)
+        with self._flow:
+            st.start(longest, t_gen)
+        try:
+            while True:
                 with self._flow:
-                    self._flow.wait_for(lambda: self._paused is None or self._is_aborted(epoch, rids), timeout=600)
-                out = [self._retracted(o, row, sp, rid, k, return_logprob, routing)
-                       for o, row, sp, rid in zip(out, rows, sps, rids)]
-                longest = max((o["meta_info"]["completion_tokens"] for o in out), default=0)
-                held, last = False, time.monotonic()
-                if counted:
-                    with self._flow:
-                        self.holding -= 1
-                    counted = False
-                continue
-            now = time.monotonic()
-            decoded = (min(longest, decoded + (now - last) / f.per_token_s) if f.per_token_s > 0
-                       else float(longest))
-            if held:
-                decoded = min(decoded, hold)
-                if decoded >= hold and not counted:
-                    with self._flow:
+                    if st.retract_k is None:
+                        st.advance(time.monotonic())
+                    k, done = st.retract_k, st.decoded >= st.longest
+                    if st.held and st.decoded >= st.hold and not counted:
                         self.holding += 1
-                    counted = True
-            last = now
-            if decoded < longest:
+                        counted = True
+                if k is not None:  # retracted at decode step k: continue once generation resumes
+                    with self._flow:
+                        self._flow.wait_for(lambda: self._paused is None or self._is_aborted(epoch, rids),
+                                            timeout=600)
+                    out = [self._retracted(o, row, sp, rid, k, return_logprob, routing)
+                           for o, row, sp, rid in zip(out, rows, sps, rids)]
+                    with self._flow:
+                        st.resume(k, max((o["meta_info"]["completion_tokens"] for o in out), default=0),
+                                  time.monotonic())
+                        if counted:
+                            self.holding -= 1
+                            counted = False
+                    continue
+                if done or self._is_aborted(epoch, rids):
+                    break
                 time.sleep(0.005)
-        if counted:
-            with self._flow:
-                self.holding -= 1
+        finally:
+            if counted:
+                with self._flow:
+                    self.holding -= 1
         if self._is_aborted(epoch, rids):  # running requests answer with what they have
-            out = [self._cut(o, int(decoded)) for o in out]
+            out = [self._cut(o, int(st.decoded)) for o in out]
         return out
 
     def _retracted(self, o, prompt, sp, rid, k, return_logprob, routing):
@@ -454,6 +494,9 @@ class SGLangDouble:
             if self._paused is None:
                 self._pause_t = time.monotonic()
             self._paused = mode
+            if mode == "retract":  # every running request is set aside now, at the step it reached
+                for st in self._decoding:
+                    st.retract(self._pause_t)
             self._flow.notify_all()
         if mode == "abort":  # tokenizer_manager.py pause_generation: abort all, wait until none runs
             with self._meta:

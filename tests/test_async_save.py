@@ -17,6 +17,8 @@ import time
 import pytest
 import torch
 
+from gspo_megatron.train.metrics import wall_clock
+
 from megatron_utils import dcp_tensors
 from test_train_loop import DP2_DISTOPT, REPO, TINY, _descendants, _env, _hf_tensors, run_train
 
@@ -30,7 +32,7 @@ HOLD = os.path.join(os.path.dirname(__file__), "async_save_hold.py")
 def rows(out_dir) -> list[dict]:
     """metrics.jsonl's GSPO rows without the timings."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in r.items() if not k.startswith("t_") and k != "tokens_per_s"}
+        return [{k: v for k, v in r.items() if not wall_clock(k)}
                 for r in map(json.loads, f) if r.get("phase") == "gspo"]
 
 

@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+from gspo_megatron.train.metrics import wall_clock
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
 BASE = ["parallel.tp=1", "parallel.sequence_parallel=false", "train.sft_warmup_steps=2",
@@ -216,7 +218,7 @@ def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(tmp_path):
     assert f"resumed from" in r.stderr and steps(out) == [1, 2, 3, 4, 5]
     a, b = dcp_tensors(str(ref / "checkpoints" / "iter_0000005")), dcp_tensors(str(out / "checkpoints" / "iter_0000005"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    rows = lambda d: [{k: v for k, v in json.loads(x).items() if not k.startswith("t_") and k != "tokens_per_s"}  # noqa: E731
+    rows = lambda d: [{k: v for k, v in json.loads(x).items() if not wall_clock(k)}  # noqa: E731
                       for x in (d / "metrics.jsonl").read_text().splitlines() if '"gspo"' in x]
     assert rows(out) == rows(ref)
 
@@ -348,7 +350,7 @@ def test_sigterm_during_the_warm_start_saves_it_and_resume_is_bit_identical(tmp_
     assert "resumed from" in r.stderr and steps(out) == [1, 2]
     a, b = dcp_tensors(str(ref / "checkpoints" / "iter_0000002")), dcp_tensors(str(out / "checkpoints" / "iter_0000002"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    rows = lambda d: [{k: v for k, v in json.loads(x).items() if not k.startswith("t_") and k != "tokens_per_s"}  # noqa: E731
+    rows = lambda d: [{k: v for k, v in json.loads(x).items() if not wall_clock(k)}  # noqa: E731
                       for x in (d / "metrics.jsonl").read_text().splitlines() if '"gspo"' in x]
     assert rows(out) == rows(ref)
 

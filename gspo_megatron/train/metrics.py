@@ -11,6 +11,15 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+# Row keys read off the wall clock besides the t_* timers: two runs of the same steps log the same
+# values for every other key (what resume tests compare), never for these
+WALL_CLOCK_KEYS = frozenset({"tokens_per_s", "overlap_efficiency"})
+
+
+def wall_clock(key: str) -> bool:
+    """Whether a metrics row's `key` is a wall-clock measurement (t_*, throughput, overlap)."""
+    return key.startswith("t_") or key in WALL_CLOCK_KEYS
+
 
 def reduce_report(reports: list[dict], reporter: bool, keys: tuple[str, ...],
                   device: torch.device | str = "cpu") -> dict[str, float]:
