@@ -752,9 +752,8 @@ class SGLangEngine(RolloutEngine):
                       if self.return_routing and ftype != "abort" else None)
             spans = meta.get("weight_versions")
             if spans is not None and self._synced:  # each span's version checked
-                token_versions = self._token_versions(spans, len(ids), url, r, sent)
-                version = min(token_versions) if token_versions else self._check_version(
-                    spans[-1].get("version") if isinstance(spans[-1], dict) else None, url, 0, sent)
+                token_versions, span_versions = self._token_versions(spans, len(ids), url, r, sent)
+                version = min(token_versions) if token_versions else span_versions[-1]  # no tokens: the last span's
                 if len(set(token_versions)) < 2:
                     token_versions = None
             else:
@@ -768,10 +767,11 @@ class SGLangEngine(RolloutEngine):
             ))
         return out
 
-    def _token_versions(self, spans: Any, ntok: int, url: str, r: int, sent: int | None) -> list[int]:
+    def _token_versions(self, spans: Any, ntok: int, url: str, r: int,
+                        sent: int | None) -> tuple[list[int], list[int]]:
         """meta_info.weight_versions ([{version, start, end}], SGLang 0.5.23 weight_versions.py
-        add_weight_versions_to_meta_info: contiguous spans from token 0) -> each token's version,
-        each version checked as weight_version is."""
+        add_weight_versions_to_meta_info: contiguous spans from token 0) -> (each token's version,
+        each span's version), each version checked once as weight_version is."""
         def bad(msg: str) -> SGLangProtocolError:
             return SGLangProtocolError(f"SGLang server {url}: malformed /generate response: result {r} "
                                        f"meta_info.weight_versions {msg}")
@@ -779,6 +779,7 @@ class SGLangEngine(RolloutEngine):
         if not isinstance(spans, list) or not spans:
             raise bad(f"is {str(spans)[:100]!r}, not a list of spans")
         out: list[int] = []
+        checked: list[int] = []  # each span's version, checked once
         for span in spans:
             if not isinstance(span, dict) or not all(isinstance(span.get(k), int) and not isinstance(span.get(k), bool)
                                                      for k in ("start", "end")):
@@ -786,10 +787,11 @@ class SGLangEngine(RolloutEngine):
             if span["start"] != len(out) or span["end"] < span["start"]:
                 raise bad(f"are not contiguous from token 0: {str(spans)[:200]}")
             v = self._check_version(span.get("version"), url, ntok, sent)
+            checked.append(v)
             out += [v] * (span["end"] - span["start"])
         if len(out) != ntok:
             raise bad(f"cover {len(out)} tokens of {ntok}")
-        return out
+        return out, checked
 
     def _routed_experts(self, meta: dict, r: int, n_prompt: int, n_response: int, url: str) -> torch.Tensor:
         """meta_info.routed_experts -> int32 [n_prompt + n_response - 1, L, k] (start_len 0)."""
