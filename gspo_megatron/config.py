@@ -510,18 +510,6 @@ class VLLMConfig:
     concurrency: int = 64
     # More arguments for the launched server (e.g. [--tensor-parallel-size, "4"]).
     extra_args: list[str] = field(default_factory=list)
-    # Verify every weight push: each server worker reports, per tensor it read, a digest (float64
-    # sum and sum of squares), compared with the trainer's of the tensors it wrote; a mismatch, a
-    # missing or an extra tensor stops the run in one line naming the tensor and the server
-    # (rollout/vllm_engine.py). weight_sync=disk only. It checks what the engine loaded, not the
-    # served kernels' layout (on CPU vLLM packs dense weights out of reach): mismatch_logprob_*
-    # metrics compare the served model itself.
-    verify_weights: bool = False
-
-    def __post_init__(self):
-        if self.verify_weights and self.weight_sync != "disk":
-            raise ConfigError("rollout.vllm.verify_weights=true needs rollout.vllm.weight_sync=disk (the worker "
-                              "extension digests the tensors it reads; the NCCL transfer has no such hook)")
 
 
 @dataclass(frozen=True)
@@ -581,6 +569,18 @@ class RolloutConfig:
     # engine_rejected. A step that loses more than this fraction of its samples so stops the run
     # with one line naming the server.
     max_rejected_frac: float = 0.5
+    # Verified refits (train/refit_check.py): after each checked weight push, every engine server
+    # scores a fixed probe sequence and its log-probs are compared with the trainer's of the same
+    # tokens; a mean |difference| above verify_logprob_tol stops the run in one line naming the
+    # server. Engines that can also digest what they loaded (vLLM with weight_sync=disk) check
+    # every tensor, and a mismatch names it. Checked: the run's first push and then every
+    # verify_every-th weight version.
+    verify_weights: bool = False
+    verify_every: int = 1
+    # Mean |engine - trainer| log-prob over the probe's tokens. Both sides in float32 agree to ~1e-6;
+    # a bf16 engine against the trainer's bf16 model differs by ~1e-2 on real models (round-off),
+    # a wrong or missing tensor by far more.
+    verify_logprob_tol: float = 0.05
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -608,6 +608,8 @@ class RolloutConfig:
         _positive("rollout.agent_timeout_s", self.agent_timeout_s)
         if self.agent_linger_s is not None:
             _positive("rollout.agent_linger_s", self.agent_linger_s)
+        _positive("rollout.verify_every", self.verify_every)
+        _positive("rollout.verify_logprob_tol", self.verify_logprob_tol)
         if not 0 <= self.max_rejected_frac <= 1:
             raise ConfigError(f"rollout.max_rejected_frac must be in [0, 1], got {self.max_rejected_frac!r}")
         if self.partial and not self.async_steps:

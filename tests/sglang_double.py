@@ -113,6 +113,13 @@ class Faults:
     # weight updates are checked and answered (and set the weight version) as usual, but the served
     # weights stay the old ones: a server that silently keeps stale weights (train/smoke.py must fail)
     stale_weights: bool = False
+    # weight-update requests (a disk update is one; distributed / tensor updates send one per
+    # bucket) from the (scale_from_update+1)-th on store the tensor `scale_tensor` (a hub name)
+    # multiplied by `scale_by`: a server that corrupts one tensor of a push, silently
+    # (train/refit_check.py's probe must name it). "" = off.
+    scale_tensor: str = ""
+    scale_by: float = 1.0
+    scale_from_update: int = 0
     # A server whose answers break the response contract (rollout/validate.py must refuse them;
     # SGLang itself never sends these). Each counter is a number of /generate responses; in each,
     # every row is altered after a normal generation (routing, if any, is left as generated).
@@ -368,6 +375,11 @@ class SGLangDouble:
                 if st is not None:
                     with self._flow:
                         self._decoding.discard(st)
+        start = body.get("logprob_start_len")
+        if body.get("return_logprob") and start is not None and start != -1:
+            bad = self._input_logprobs(out, rows, int(start))
+            if bad is not None:
+                return bad
         if not any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in out):
             self._misbehave(out, sps)
         if self.take("stale"):
@@ -382,6 +394,26 @@ class SGLangDouble:
         with self._meta:
             self._answered += 1
         return 200, (out[0] if single else out)
+
+    def _input_logprobs(self, out, rows, start: int):
+        """meta_info.input_token_logprobs from logprob_start_len `start`, as SGLang 0.5.23: one
+        [logprob, token id, None] per prompt token from `start` on, None as the first logprob
+        (scheduler_components/logprob_result_processor.py:37-38) and ids >= vocab_size - 1 reported
+        as 0 (:54-57); a start past the prompt is refused (managers/scheduler.py:3275-3277).
+        Computed with the served model at temperature 1. Returns an error answer or None."""
+        vocab = int(self.engine.model.config.vocab_size)
+        for o, row in zip(out, rows):
+            if start > len(row):
+                return 400, {"error": {"message": f"req.logprob_start_len={start} is higher than the number of input "
+                                                  f"tokens len(req.origin_input_ids)={len(row)}. Please use a smaller "
+                                                  "logprob_start_len."}}
+            with self._lock:
+                lps = teacher_forced_logprobs(self.engine.model, row[:start + 1], row[start + 1:], 1.0).tolist() \
+                    if start + 1 < len(row) else []
+            vals = [None] + lps
+            o["meta_info"]["input_token_logprobs"] = [[v, t if t < vocab - 1 else 0, None]
+                                                      for v, t in zip(vals, row[start:])]
+        return None
 
     def _decode(self, out, rows, sps, rids, epoch, t_gen, return_logprob, routing, st):
         """The decode time of generation done up front: the rows' tokens appear one per
@@ -692,6 +724,9 @@ class SGLangDouble:
 
         targets = hub_weight_targets(self.engine.model)
         seen = set()
+        f = self.faults
+        self._weight_updates = getattr(self, "_weight_updates", 0) + 1
+        corrupt = f.scale_tensor and self._weight_updates > f.scale_from_update
         with torch.no_grad():
             for name, t in named:
                 tgt = targets.get(name)
@@ -699,7 +734,9 @@ class SGLangDouble:
                     raise ValueError(f"unknown parameter {name}")
                 if tuple(t.shape) != tgt.shape:
                     raise ValueError(f"{name}: shape {tuple(t.shape)} != {tgt.shape}")
-                if not self.faults.stale_weights:
+                if corrupt and name == f.scale_tensor:
+                    t = t * f.scale_by
+                if not f.stale_weights:
                     tgt.get().copy_(t)
                 seen.add(tgt.key)
         missing = {t.key for t in targets.values()} - seen

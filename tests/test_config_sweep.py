@@ -68,10 +68,13 @@ FACTORS: dict[str, dict[str, list[str]]] = {
               # batches that also go on a timer (slow tools do not hold a turn back)
               "two_turn_linger": ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=24",
                                   "rollout.agent_linger_s=0.05"]},
-    # every vLLM cell verifies its pushes (the worker's digests against the trainer's): a combination
-    # that changed what reaches the server would stop the cell in one line
-    "engine": {"hf": ["rollout.backend=hf"], "sglang": ["rollout.backend=sglang"],
-               "vllm": ["rollout.backend=vllm", "rollout.vllm.verify_weights=true"]},
+    # every cell verifies its pushes (rollout.verify_weights: the engine's log-probs of the probe
+    # against the trainer's forward in the cell's layout; vLLM also digests every tensor): a
+    # combination that changed what reaches the engine would stop the cell in one line. vLLM checks
+    # every second version only (the run's first push, then 2)
+    "engine": {"hf": ["rollout.backend=hf", "rollout.verify_weights=true"],
+               "sglang": ["rollout.backend=sglang", "rollout.verify_weights=true"],
+               "vllm": ["rollout.backend=vllm", "rollout.verify_weights=true", "rollout.verify_every=2"]},
     "dtype": {"float32": ["model.dtype=float32"], "bfloat16": ["model.dtype=bfloat16"]},
     "warm_start": {"none": ["train.sft_warmup_steps=0"], "sft1": ["train.sft_warmup_steps=1"]},
     "optimizer": {"distributed": ["optimizer.use_distributed_optimizer=true"],
@@ -107,7 +110,7 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
         "model.init_seed", "model.moe_aux_loss_coef", "loss.eps_low", "loss.eps_high", "rollout.prompts_per_step",
         "rollout.samples_per_prompt", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens",
         "rollout.agent_concurrency",
-        "rollout.max_rejected_frac", "data.seed", "data.max_prompt_tokens", "data.max_record_bytes",
+        "rollout.max_rejected_frac", "rollout.verify_logprob_tol", "data.seed", "data.max_prompt_tokens", "data.max_record_bytes",
         "reward.max_error_frac", "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.adam_beta1",
         "optimizer.adam_beta2", "optimizer.adam_eps", "optimizer.clip_grad",
         "train.max_steps", "train.minibatches_per_step", "train.micro_batch_tokens", "train.seed", "train.sft_lr",
@@ -369,7 +372,7 @@ def test_cell_trains_or_is_refused_in_one_line(cell, model_dir, tmp_path, reques
     assert "refused" not in res, f"a combination outside REFUSED was refused: {res['refused']}"
     rows = res["rows"]
     print(_cell_id(cell), {k: [r.get(k) for r in rows] for k in ("loss", "grad_norm", "reward_mean",
-                                                                 "mismatch_logprob_max")})
+                                                                 "mismatch_logprob_max", "refit_probe_abs")})
     assert [r["step"] for r in rows] == [1, 2], rows
     assert all(_finite(r) for r in rows), rows
     assert any((r.get("grad_norm") or 0) > 0 for r in rows), rows  # it did update the policy
@@ -377,6 +380,12 @@ def test_cell_trains_or_is_refused_in_one_line(cell, model_dir, tmp_path, reques
     ck = tmp_path / "run" / "checkpoints"
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (ck / "iter_0000002" / "checksums.json").exists()
+    # every checked push passed the refit probe (rollout.verify_weights; vLLM checks version 2 only
+    # of the two steps): the engine's log-probs of the probe against the trainer's forward in the
+    # cell's layout, fp32 to 1e-4 (bf16 under the 0.05 default, or the run would have stopped)
+    probed = [r["refit_probe_abs"] for r in rows if "refit_probe_abs" in r]
+    assert [r["step"] for r in rows if "refit_probe_abs" in r] == ([2] if cell["engine"] == "vllm" else [1, 2]), rows
+    assert cell["dtype"] != "float32" or max(probed) <= 1e-4, probed
     # the engine served the weights the trainer holds (a synchronous step, fp32 on both sides)
     if cell["dtype"] == "float32" and cell["engine"] in ("sglang", "vllm") and cell["async"] == "sync":
         mm = [r.get("mismatch_logprob_max") for r in rows]  # None where π_old is the engine's own

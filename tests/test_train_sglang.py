@@ -228,3 +228,43 @@ def test_async_pushes_land_mid_generation_without_waiting(tmp_path):
     assert all(0 < x["overlap_efficiency"] <= 1 for x in rows), [x["overlap_efficiency"] for x in rows]
     print(json.dumps([{k: x[k] for k in ("step", "t_push_wait", "t_weight_sync", "samples_carried",
                                          "staleness_max", "overlap_efficiency")} for x in rows]))
+
+
+@pytest.mark.timeout(600)
+def test_a_refit_that_serves_other_weights_stops_the_run_in_one_line(tmp_path):
+    """rollout.verify_weights against the SGLang double (issue 42): every push is followed by the
+    log-prob probe, the double's input_token_logprobs of the probe sequence against the trainer's
+    forward (TP2 + SP). The first pushes are clean and pass (fp32 on both sides: ~1e-7, under the
+    1e-4 tolerance); from the third on, the double stores one expert tensor scaled by 2 while it
+    answers the update as a success (a push corrupted on the way). The run stops at that push's
+    check in one line naming the server, the weight version and the probe, exit 1."""
+    import json
+
+    from sglang_double import Faults
+
+    hf_dir = _tiny_hf_dir(tmp_path / "hf0")
+    target = "model.layers.0.mlp.experts.0.down_proj.weight"
+    with SGLangDouble(hf_dir, faults=Faults(scale_tensor=target, scale_by=2.0, scale_from_update=2)) as server:
+        out = tmp_path / "run"
+        args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
+                "train.max_steps=4", "train.sft_warmup_steps=0", "checkpoint.interval=0",
+                "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
+                "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                "rollout.verify_weights=true", "rollout.verify_logprob_tol=1e-4",
+                *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))]
+        r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+        records = list(server.records)
+    probes = [x for x in records if x.path == "/generate" and x.body.get("logprob_start_len") == 0]
+    updates = [x for x in records if x.path == "/update_weights_from_disk"]
+    assert len(updates) == 3 and len(probes) == 3, (len(updates), len(probes))  # versions 0, 1 clean; 2 corrupted
+    assert r.returncode == 1, r.stderr[-3000:]
+    ours = [x for x in r.stderr.splitlines() if "gspo_megatron.train: error:" in x]
+    # torchrun prints its own ChildFailedError traceback; none comes from the trainer's code
+    frames = [x for x in r.stderr.splitlines() if x.strip().startswith("File ") and "gspo_megatron" in x]
+    assert len(ours) == 1 and not frames, r.stderr[-3000:]
+    assert ("refit check failed for weight version 2" in ours[0] and server.url in ours[0]
+            and "log-prob probe" in ours[0]), ours[0]
+    rows = gspo_rows(out)
+    print(json.dumps([{k: x.get(k) for k in ("step", "refit_probe_abs", "t_verify")} for x in rows]), ours[0])
+    assert [x["step"] for x in rows] == [1]  # step 2's push (version 2) failed its check
+    assert rows[0]["refit_probe_abs"] < 1e-5

@@ -147,11 +147,12 @@ def test_served_logprobs_follow_pushes_and_a_skipped_push_shows(server, models, 
 
 
 def test_verified_pushes_pass_and_a_corrupted_expert_is_named(server, models, tmp_path):
-    """rollout.vllm.verify_weights against the real server: the worker extension digests what it
+    """rollout.verify_weights against the real server: the worker extension digests what it
     reads, the engine compares with what it wrote. A clean push passes with every tensor checked;
     a push whose files hold one expert tensor scaled by 1.01 (corrupted after the trainer's digest:
     on the way to the server) is one WeightMismatchError line naming that tensor and the server,
-    raised before the server labels the version."""
+    raised before the server labels the version. The log-prob probe (prompt_logprobs) reads the
+    served model: transformers' log-probs of the probe under the pushed weights, to 1e-4 (fp32)."""
     from gspo_megatron.rollout.vllm_engine import VLLMEngine, WeightMismatchError
 
     url, key = server
@@ -167,10 +168,19 @@ def test_verified_pushes_pass_and_a_corrupted_expert_is_named(server, models, tm
                 named_tensors = ((n, t * 1.01 if n == target else t) for n, t in named_tensors)
             super()._write_push(named_tensors, path)
 
-    with Corrupting({"urls": [url], "api_key": key, "shared_dir": str(tmp_path / "sync"), "request_timeout_s": 120,
-                     "verify_weights": True}, hf_config=hf) as eng:
+    from gspo_megatron.train.refit_check import probe_ids
+
+    with Corrupting({"urls": [url], "api_key": key, "shared_dir": str(tmp_path / "sync"), "request_timeout_s": 120},
+                    hf_config=hf) as eng:
+        assert eng.supports_weight_digests
+        eng.digest_next_push = True
         eng.update_weights(_hub(b), 1)
         assert eng.metrics["verified_tensors"] == len(_hub(b))
+        ids = probe_ids(HF["vocab_size"], 128)
+        got = eng.probe_logprobs(ids)
+        ref = teacher_forced_logprobs(b, ids[:1], ids[1:], 1.0)
+        assert list(got) == [url] and len(got[url]) == len(ids) - 1
+        assert float((torch.tensor(got[url]) - ref).abs().max()) <= 1e-4
         eng.corrupt = True
         with pytest.raises(WeightMismatchError) as e:
             eng.update_weights(_hub(a), 2)
@@ -343,7 +353,7 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
               "train.minibatches_per_step=2", "checkpoint.interval=1", "checkpoint.keep_last=0",
               "checkpoint.export_hf=true", "logging.progress_bar=false", "logging.plot=false",
               "rollout.vllm.request_timeout_s=60", "rollout.vllm.max_retries=2", "train.max_steps=5",
-              "rollout.vllm.verify_weights=true"]  # every push checked (issue 42)
+              "rollout.verify_weights=true"]  # every push checked: digests and the probe (issue 42)
     launch = [f"rollout.vllm.port={_free_port()}"]
     p = subprocess.Popen(torchrun_cmd(2, *common, *launch), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=_env(), cwd=REPO)
@@ -392,9 +402,11 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
     assert steps[-1] == 5 and steps[:done] == list(range(1, done + 1)), steps
     # fp32 trainer and fp32 vLLM, after every push: the same policy to 1e-4 on every sampled token
     assert all(x["mismatch_logprob_max"] <= 1e-4 for x in rows), [x["mismatch_logprob_max"] for x in rows]
-    # rollout.vllm.verify_weights: every push's tensors were checked against the trainer's (a
-    # mismatch would have stopped the run), both with the launched server and with the running one
+    # rollout.verify_weights: every push's tensors were checked against the trainer's and the
+    # served model scored the probe as the trainer does (a mismatch would have stopped the run),
+    # both with the launched server and with the running one
     assert all(x.get("weights_verified", 0) > 0 for x in rows), [x.get("weights_verified") for x in rows]
+    assert all(x["refit_probe_abs"] <= 1e-4 for x in rows), [x.get("refit_probe_abs") for x in rows]
 
     # the server now holds the run's last push: it generates held-out sequences with the exported
     # model's log-probs

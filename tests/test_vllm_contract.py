@@ -718,7 +718,9 @@ RESPONSE_READS = (("GenerateTokensResponse", "choices", "GenerateTokensChoice"),
                   ("GenerateLogProbsContent", "token_id", None), ("GenerateLogProbsContent", "logprob", None),
                   ("GenerateTokensChoice", "weight_versions", "WeightVersionSpan"),
                   ("WeightVersionSpan", "version", None), ("WeightVersionSpan", "start", None),
-                  ("WeightVersionSpan", "end", None))
+                  ("WeightVersionSpan", "end", None),
+                  # VLLMEngine.probe_logprobs (the refit probe): per prompt token a dict token id -> Logprob
+                  ("GenerateResponseBase", "prompt_logprobs", "Logprob"), ("Logprob", "logprob", None))
 
 
 def response_failures(src: VLLMSource, module: str, reads=RESPONSE_READS) -> list[str]:

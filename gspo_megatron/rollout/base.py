@@ -64,6 +64,10 @@ class Sample:
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
+class WeightVerificationError(RuntimeError):
+    """A verified refit found that an engine does not serve the weights the trainer pushed."""
+
+
 def check_generate_args(prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
     """Argument checks every engine's generate() applies before doing any work."""
     if n < 1:
@@ -152,6 +156,19 @@ class RolloutEngine(abc.ABC):
     def update_weights_mid_generation(self, named_tensors: NamedTensors, version: int) -> None:
         """update_weights while a generate() may be in progress in another thread."""
         raise NotImplementedError(f"{type(self).__name__} cannot take weights mid-generation")
+
+    # Verified refits (train/refit_check.py). Every engine answers a log-prob probe: what the model
+    # it serves assigns to a fixed sequence, compared with the trainer's. An engine whose servers
+    # can also report a digest of every tensor a push delivered sets supports_weight_digests; the
+    # trainer then sets digest_next_push before a push it wants checked, and the push itself fails
+    # with WeightVerificationError naming the tensor and the server.
+    supports_weight_digests = False
+    digest_next_push = False
+
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """For each place that serves the policy (a server's URL; "in-process"), the log-probs at
+        temperature 1 of token_ids[1:], each given the tokens before it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a probe sequence")
 
     def close(self) -> None:  # engines holding servers/processes release them here
         pass

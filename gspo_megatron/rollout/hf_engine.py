@@ -252,6 +252,16 @@ class HFEngine(RolloutEngine):
                 out.extend(self._generate_rows(rows[start : start + self.max_batch_size], sampling))
         return out
 
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """The in-process model's log-probs of token_ids[1:] at temperature 1 (one forward; the
+        sampling RNG and the seed counter are untouched, so a probed run samples what an unprobed
+        one does)."""
+        ids = torch.tensor([list(map(int, token_ids))], device=self.device)
+        with torch.no_grad():
+            logits = self.model(input_ids=ids).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+        return {"in-process": lp.tolist()}
+
     def _shared_prefill(self, rows: list[tuple[int, list[int]]], input_ids: torch.Tensor,
                         attention_mask: torch.Tensor) -> dict:
         """`generate`'s cache argument holding every row's prompt but its last column, computed once

@@ -51,8 +51,9 @@ ENDPOINTS: dict[str, Endpoint] = {e.route: e for e in (
     _ep("GET", "/server_info", None),
     # return_routed_experts / routed_experts_start_len: io_struct.py:264-268 (the api/v1 contract
     # gate's GenerateRequest lacks return_routed_experts but ignores unknown keys, api_types.py:237)
+    # logprob_start_len (io_struct.py:233): 0 asks for every prompt token's log-prob, the refit probe
     _ep("POST", "/generate", "GenerateReqInput", "input_ids", "sampling_params", "return_logprob", "rid",
-        "return_routed_experts", "routed_experts_start_len"),
+        "return_routed_experts", "routed_experts_start_len", "logprob_start_len"),
     _ep("POST", "/abort_request", "AbortReq", "abort_all"),
     # a push that does not wait for the generation in flight: retract-pause, update, continue
     # (io_struct.py PauseGenerationReqInput.mode, ContinueGenerationReqInput.torch_empty_cache)

@@ -15,8 +15,9 @@ RELOAD_METHOD = "gspo_reload_weights"  # GSPOWorkerExtension's method, called th
 # them in the installed vLLM's source). Control routes need VLLM_SERVER_DEV_MODE=1.
 GENERATE = "/inference/v1/generate"  # --enable-scale-out
 GENERATE_FIELDS = ("request_id", "token_ids", "sampling_params")
+# prompt_logprobs: the refit probe (VLLMEngine.probe_logprobs)
 SAMPLING_FIELDS = ("n", "seed", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs",
-                   "detokenize")
+                   "detokenize", "prompt_logprobs")
 ROUTES = {
     "GET": ("/health", "/version", "/weight_info", "/get_world_size"),
     "POST": (GENERATE, "/pause", "/resume", "/update_weight_version", "/collective_rpc", "/abort_requests",

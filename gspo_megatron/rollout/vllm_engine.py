@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from .base import NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args, cut_at_stop_string
+from .base import (NamedTensors, RolloutEngine, Sample, SamplingParams, WeightVerificationError, check_generate_args,
+                   cut_at_stop_string)
 from .http_servers import (EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError,
                            generate_response_cap, parse_json)
 from .validate import check_response, rejected_sample, vocab_size_of
@@ -63,9 +64,9 @@ class VLLMVersionError(EngineError):
     pass
 
 
-class WeightMismatchError(EngineError):
-    """A verified push (rollout.vllm.verify_weights): what a server worker read is not what the
-    trainer wrote."""
+class WeightMismatchError(EngineError, WeightVerificationError):
+    """A verified push (rollout.verify_weights, disk sync): what a server worker read is not what
+    the trainer wrote."""
 
 
 # Relative tolerance of a digest comparison: both sides sum the same values in float64, in
@@ -122,16 +123,19 @@ def _defaults() -> dict:
 
 
 def _response_cap(method: str, path: str, payload: Any) -> int | None:
-    """Byte cap of the answer to a generate request (n choices of at most max_tokens tokens);
-    a weight reload's (per worker, a digest per tensor with verify_weights: ~100 bytes each, tens
-    of thousands of tensors for the largest MoE models) 256 MiB; None (the client's default) for
-    the other control routes."""
+    """Byte cap of the answer to a generate request (n choices of at most max_tokens tokens, and
+    with a probe's prompt_logprobs a dict per prompt token); a weight reload's (per worker, a
+    digest per tensor with rollout.verify_weights: ~100 bytes each, tens of thousands of tensors
+    for the largest MoE models) 256 MiB; None (the client's default) for the other routes."""
     if path == "/collective_rpc":
         return 256 << 20
     if path != GENERATE or not isinstance(payload, dict) or not isinstance(payload.get("sampling_params"), dict):
         return None
     sp = payload["sampling_params"]
-    return generate_response_cap(int(sp.get("n") or 1), int(sp.get("max_tokens") or 1))
+    cap = generate_response_cap(int(sp.get("n") or 1), int(sp.get("max_tokens") or 1))
+    if sp.get("prompt_logprobs") is not None:  # a probe (probe_logprobs): a log-prob dict per prompt token
+        cap += 256 * len(payload.get("token_ids") or ())
+    return cap
 
 
 def _version_of(label: Any, fallback: int) -> int:
@@ -150,6 +154,11 @@ class VLLMEngine(RolloutEngine):
     ids are checked for >= 0 only)."""
 
     supports_interrupt = True
+    # disk sync: the worker extension digests every tensor it reads (vllm_worker.py); the NCCL
+    # transfer has no such hook, so those pushes are checked by the log-prob probe alone
+    @property
+    def supports_weight_digests(self) -> bool:
+        return self._nccl is None
 
     def __init__(self, cfg: Any = None, *, hf_config: dict | None = None, sync_dtype: torch.dtype | None = None,
                  server_env: dict[str, str] | None = None, log_dir: str | None = None, weight_version: int = 0,
@@ -331,6 +340,31 @@ class VLLMEngine(RolloutEngine):
             out = [cut_at_stop_string(s, self.tokenizer, tuple(sampling.stop)) for s in out]
         return out
 
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """Each server's prompt log-probs of `token_ids` (sampling_params.prompt_logprobs=0: the
+        given token's own; the answer's prompt_logprobs holds None for the first token and a
+        {token id: {logprob, ...}} dict for every later one, token_in_token_out/protocol.py:507;
+        -inf is clamped to -9999, serving.py:498)."""
+        self._check_open()
+        sp = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 1, "logprobs": 0,
+              "prompt_logprobs": 0, "detokenize": False, "seed": 0}
+        out = {}
+        for server in self.servers:
+            body = {"request_id": uuid.uuid4().hex, "token_ids": [int(t) for t in token_ids], "sampling_params": sp}
+            r = server.post(GENERATE, body, timeout_s=self.request_timeout_s, retries=self.max_retries)
+            rows = r.get("prompt_logprobs") if isinstance(r, dict) else None
+            if not isinstance(rows, list) or len(rows) != len(token_ids):
+                raise EngineProtocolError(f"vLLM server {server.url}: {GENERATE} with prompt_logprobs answered no "
+                                          f"prompt_logprobs for {len(token_ids)} tokens: {str(r)[:300]}")
+            lps = []
+            for t, row in zip(token_ids[1:], rows[1:]):
+                got = row.get(str(int(t))) if isinstance(row, dict) else None
+                if not isinstance(got, dict) or not isinstance(got.get("logprob"), (int, float)):
+                    raise EngineProtocolError(f"vLLM server {server.url}: prompt_logprobs lack token {t}: {str(row)[:200]}")
+                lps.append(float(got["logprob"]))
+            out[server.url] = lps
+        return out
+
     def _empty_rows(self, gi: int, prompt: list[int], n: int) -> list[Sample]:
         self._inc("interrupted_rows", n)
         return [Sample(gi, list(prompt), [], [], "abort", self._weight_version, text="") for _ in range(n)]
@@ -457,7 +491,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError("VLLMEngine weight_sync=disk needs hf_config (written as the servers' config.json)")
         t0 = time.perf_counter()
         path = version_dir(os.path.abspath(shared), version)
-        verify = bool(self.cfg.get("verify_weights"))
+        verify = bool(self.digest_next_push)
         sent: dict[str, list[float]] = {}
         if verify:
             named_tensors = _tee_digests(named_tensors, sent, self.sync_dtype)

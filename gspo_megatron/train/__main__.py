@@ -79,12 +79,13 @@ def main(argv=None) -> int:
         try:
             if rank == 0:
                 cfg.dump_yaml(os.path.join(cfg.out_dir, "config.yaml"))
+            from gspo_megatron.rollout.base import WeightVerificationError
             from gspo_megatron.rollout.http_servers import EngineError
             from gspo_megatron.train.loop import NonFiniteError, train
 
             try:
                 train(cfg, world_size=world, inputs=inputs, stop=stop)
-            except NonFiniteError as e:  # every rank decides it together; one line, exit 1
+            except (NonFiniteError, WeightVerificationError) as e:  # every rank decides it together; one line, exit 1
                 if rank == 0:
                     print(f"gspo_megatron.train: error: {e}", file=sys.stderr, flush=True)
                 return 1

@@ -31,7 +31,7 @@ from gspo_megatron.algorithms.mismatch import SUM_KEYS as MISMATCH_SUMS
 from gspo_megatron.algorithms.mismatch import mismatch_metrics
 from gspo_megatron.model.export import iter_hf_tensors
 from gspo_megatron.parallel.dataplane import DataPlane
-from gspo_megatron.rollout.base import Sample, SamplingParams
+from gspo_megatron.rollout.base import Sample, SamplingParams, WeightVerificationError
 from gspo_megatron.rollout.validate import check_rejected_frac, rejected_reason
 from gspo_megatron.train import checkpoint
 from gspo_megatron.train.batch import (RemoteSample, TrainSample, decode_share, dp_owners, encode_shares,
@@ -146,6 +146,8 @@ def push_weights(parts: RunParts, version: int, producer=None) -> float:
     t0 = time.perf_counter()
     if parts.colocation is not None:
         parts.colocation.before_push()
+    if parts.refit is not None and parts.engine is not None:
+        parts.refit.before_push(parts.engine, version)  # digests of this push's tensors, when checked
     stream = iter_hf_tensors(parts.model, parts.ctx, parts.arch)
     if parts.engine is not None:
         if producer is None:
@@ -160,6 +162,38 @@ def push_weights(parts: RunParts, version: int, producer=None) -> float:
         for _ in stream:  # other ranks take part in the gathers
             pass
     return time.perf_counter() - t0
+
+
+def verify_refit(parts: RunParts, plane: DataPlane, version: int) -> dict:
+    """Collective, after push_weights(version): rollout.verify_weights' log-prob probe when the
+    version is due (train/refit_check.py). Every engine server's log-probs of the probe sequence
+    against the trainer's, one forward-only pass per server through the training layout; past the
+    tolerance every rank raises the same WeightVerificationError. Returns the step's metrics."""
+    check, ctx = parts.refit, parts.ctx
+    if check is None or not check.due(version):
+        return {}
+    t0 = time.perf_counter()
+    got, failure = None, None
+    if ctx.rank == 0:
+        try:
+            got = check.engine_logprobs(parts.engine)
+        except Exception as e:  # the other ranks raise it too instead of waiting in the forward
+            failure = f"refit check of weight version {version}: {str(e).splitlines()[0] if str(e) else e!r}"
+    where, failure = _broadcast((sorted(got) if got else [], failure))
+    if failure is not None:
+        raise WeightVerificationError(failure)
+    worst = 0.0
+    for w in where:
+        samples = None
+        if ctx.rank == 0:  # one copy per DP rank: each runs its own
+            samples = [TrainSample(check.ids[:1], check.ids[1:], 0.0, got[w], None)] * ctx.dp
+        samples = distribute(plane, samples, minibatches=1)
+        mbs, _ = parts.plan(samples)
+        step_fn = fill_logprobs_step(ctx, parts.arch.vocab_size, 1.0, "old_logprobs", compare_engine=True)
+        mismatch = _mismatch(parts, _run_schedule(parts, step_fn, mbs, forward_only=True))
+        check.judge(version, w, mismatch)
+        worst = max(worst, mismatch["mismatch_logprob_abs"])
+    return {"refit_probe_abs": worst, "t_verify": time.perf_counter() - t0}
 
 
 def sft_warmup(parts: RunParts, writer: MetricsWriter | None, plane: DataPlane | None = None, *, start: int = 0,
@@ -638,6 +672,7 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
         # Servers/engines may hold other weights (another checkpoint, a fresh random init): push ours
         # before the first rollout of every run, fresh or resumed.
         push_weights(parts, state.step)
+        verify_refit(parts, plane, state.step)
         preemption_point()
         if state.step == 0:
             evaluate(parts, 0, writer)
@@ -674,6 +709,7 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
             t_rollout = time.perf_counter() - t0
             metrics = gspo_step(parts, samples, guard) if samples else {}
             t_sync = push_weights(parts, step + 1, producer)
+            metrics.update(verify_refit(parts, plane, step + 1))  # rollout.verify_weights, when due
             state.step = step + 1
             state.data = data_state  # the stream right after this step's prompts (async: not the producer's)
             saved[0] = False
@@ -691,7 +727,7 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
                 own = dt - rstats.get("t_wait_rollout", t_rollout)
                 row["overlap_efficiency"] = min(1.0, max(gen, own) / max(dt, 1e-9))
                 verified = getattr(parts.engine, "metrics", {}).get("verified_tensors")
-                if verified is not None:  # rollout.vllm.verify_weights: tensors the last push checked
+                if verified is not None:  # rollout.verify_weights with digests: tensors the last checked push had
                     row["weights_verified"] = verified
                 writer.write(row)
                 last = row

@@ -252,6 +252,7 @@ class RunParts:
     heldout: Any = None  # train/evaluation.py HeldOut (eval.interval > 0)
     agent: Any = None  # rollout/agent.py AgentRunner (rollout.agent), rank 0 uses it
     saves: Any = None  # train/async_save.py BackgroundSaves (checkpoint.async_save), every rank
+    refit: Any = None  # train/refit_check.py RefitCheck (rollout.verify_weights), every rank
 
     def plan_rows(self, samples: list) -> tuple[list[list[int]], list]:
         """`plan`'s microbatches with, for each, the indices into `samples` of its rows."""
@@ -598,6 +599,10 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
 
         t = cfg.collective_timeout_s()[0]
         parts.saves = BackgroundSaves(background_group(t), timeout_s=t)
+    if cfg.rollout.verify_weights:
+        from gspo_megatron.train.refit_check import RefitCheck
+
+        parts.refit = RefitCheck(cfg, hf_config)
     if cfg.loss.kl_coef > 0:
         parts.reference = ReferencePolicy(parts, ref_chunks)
     return parts
