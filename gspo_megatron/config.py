@@ -141,10 +141,12 @@ class ConfigWarning(UserWarning):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-LOSS_TYPES = ("gspo", "gspo_token", "grpo")
+LOSS_TYPES = ("gspo", "gspo_token", "grpo", "cispo")
 # Clip ranges when the user sets none: GSPO clips a length-normalised sequence ratio, so its
 # ranges are ~3 orders of magnitude tighter than GRPO's per-token ones (GSPO paper; verl/TRL).
-DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27),
+               # cispo clips no ratio (loss.cispo_eps_low / _high clip its IS weight): unused
+               "cispo": (0.2, 0.27)}
 GSPO_EPS_WARN = 0.05  # a GSPO clip range this wide is GRPO-sized: almost nothing gets clipped
 GRPO_EPS_WARN = 0.01  # a GRPO clip range this narrow is GSPO-sized: almost everything gets clipped
 
@@ -314,10 +316,12 @@ def hf_model_dims(hf: dict) -> dict:
 @dataclass(frozen=True)
 class LossConfig:
     # gspo: sequence-level ratio, gradient through the sequence mean (paper); gspo_token: verl's
-    # token form with the sequence ratio's value; grpo: per-token ratio.
-    type: Literal["gspo", "gspo_token", "grpo"] = "gspo"
+    # token form with the sequence ratio's value; grpo: per-token ratio; cispo: MiniMax-M1's
+    # clipped, stop-gradient per-token IS weight times log π, token-level aggregation
+    # (algorithms/cispo.py).
+    type: Literal["gspo", "gspo_token", "grpo", "cispo"] = "gspo"
     # Clip range [1 - eps_low, 1 + eps_high] of the importance ratio. null = the loss's default:
-    # 3e-4 / 4e-4 for gspo and gspo_token, 0.2 / 0.27 for grpo.
+    # 3e-4 / 4e-4 for gspo and gspo_token, 0.2 / 0.27 for grpo (not used by cispo).
     eps_low: Optional[float] = None
     eps_high: Optional[float] = None
     # KL(π || π_ref) penalty coefficient; > 0 needs a reference model (honoured for every loss).
@@ -341,8 +345,20 @@ class LossConfig:
     # before the training step leave the loss (masked like prompt tokens; a sequence ratio then
     # averages its remaining tokens). null = keep every token (the sample bound async_steps holds).
     max_token_age: Optional[int] = None
+    # loss.type=cispo: its IS weight is clipped to [max(0, 1 - cispo_eps_low), 1 + cispo_eps_high]
+    # (stop-gradient). Defaults: no lower bound (the paper) and 0.28 (Trinity-RFT's default).
+    cispo_eps_low: float = 1.0
+    cispo_eps_high: float = 0.28
+    # IcePop [alpha, beta]: a loss token whose train/inference probability ratio π_old / π_engine
+    # (trainer vs rollout engine, same tokens) lies outside the band leaves the loss, for every
+    # loss type (masked like a prompt token: a sequence ratio averages its other tokens);
+    # counted in icepop_masked_frac. null = off. Needs old_logprobs=recompute. E.g. [0.5, 5.0].
+    icepop: Optional[list[float]] = None
 
     def __post_init__(self):
+        if self.type == "cispo" and (self.eps_low is not None or self.eps_high is not None):
+            raise ConfigError("loss.eps_low / loss.eps_high clip the ratio of gspo, gspo_token and grpo; "
+                              "loss.type=cispo clips its IS weight with loss.cispo_eps_low / loss.cispo_eps_high")
         lo_d, hi_d = DEFAULT_EPS[self.type]
         if self.eps_low is None:
             object.__setattr__(self, "eps_low", lo_d)
@@ -358,6 +374,16 @@ class LossConfig:
             _positive("loss.tis_cap", self.tis_cap)
         if self.mis is not None and (len(self.mis) != 2 or not self.mis[0] < self.mis[1]):
             raise ConfigError(f"loss.mis must be [low, high] with low < high, got {self.mis!r}")
+        _positive("loss.cispo_eps_low", self.cispo_eps_low, allow_zero=True)
+        _positive("loss.cispo_eps_high", self.cispo_eps_high, allow_zero=True)
+        if self.icepop is not None:
+            ok = (isinstance(self.icepop, (list, tuple)) and len(self.icepop) == 2
+                  and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                          for x in self.icepop)
+                  and 0 < self.icepop[0] <= 1 <= self.icepop[1])
+            if not ok:
+                raise ConfigError(f"loss.icepop must be [alpha, beta] with 0 < alpha <= 1 <= beta (bounds on the "
+                                  f"probability ratio π_old / π_engine), got {self.icepop!r}")
         if self.old_logprobs is not None:
             self.check_old_logprobs()
         if self.type in ("gspo", "gspo_token") and max(self.eps_low, self.eps_high) >= GSPO_EPS_WARN:
@@ -383,6 +409,9 @@ class LossConfig:
                 "loss.tis_cap needs loss.old_logprobs=recompute (TIS reweights by "
                 "π_old/π_engine, which is 1 when π_old is the engine's)"
             )
+        if self.icepop is not None and self.old_logprobs == "engine":
+            raise ConfigError("loss.icepop needs loss.old_logprobs=recompute (it masks by π_old / π_engine, which is 1 "
+                              "when π_old is the engine's)")
         if self.mis is not None and self.old_logprobs == "engine":
             raise ConfigError("loss.mis needs loss.old_logprobs=recompute (it masks by log π_old - log π_engine, "
                               "which is 0 when π_old is the engine's)")

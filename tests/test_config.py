@@ -553,7 +553,7 @@ def test_non_finite_floats_are_refused_for_every_float_key(tmp_path, value):
     (NaN compares false with everything), `rollout.temperature=.nan` was a traceback in step 1."""
     p = minimal(tmp_path)
     for key in _float_keys():
-        v = f"[{value}, 0.1]" if key == "loss.mis" else value
+        v = f"[{value}, 0.1]" if key == "loss.mis" else f"[0.5, {value}]" if key == "loss.icepop" else value
         msg = err(p, [f"{key}={v}"])
         assert key in msg and "finite" in msg, (key, msg)
 

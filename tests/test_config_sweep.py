@@ -53,6 +53,9 @@ FACTORS: dict[str, dict[str, list[str]]] = {
         # bounds on the mean token log-ratio, wide enough that bf16 and stale (async) samples are not
         # all masked out
         "gspo_mis": ["loss.type=gspo", "loss.mis=[-0.5,0.5]"],
+        # CISPO's token-level aggregation with IcePop's token mask (a band wide enough that bf16
+        # and stale samples are not all masked out)
+        "cispo_icepop": ["loss.type=cispo", "loss.cispo_eps_high=0.28", "loss.icepop=[0.2,5.0]"],
     },
     "old_logprobs": {"recompute": ["loss.old_logprobs=recompute"], "engine": ["loss.old_logprobs=engine"]},
     "async": {
@@ -110,7 +113,7 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
         "model.init_seed", "model.moe_aux_loss_coef", "loss.eps_low", "loss.eps_high", "rollout.prompts_per_step",
         "rollout.samples_per_prompt", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens",
         "rollout.agent_concurrency",
-        "rollout.max_rejected_frac", "rollout.verify_logprob_tol", "data.seed", "data.max_prompt_tokens", "data.max_record_bytes",
+        "rollout.max_rejected_frac", "rollout.verify_logprob_tol", "loss.cispo_eps_low", "data.seed", "data.max_prompt_tokens", "data.max_record_bytes",
         "reward.max_error_frac", "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.adam_beta1",
         "optimizer.adam_beta2", "optimizer.adam_eps", "optimizer.clip_grad",
         "train.max_steps", "train.minibatches_per_step", "train.micro_batch_tokens", "train.seed", "train.sft_lr",
@@ -154,6 +157,7 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
 REFUSED: list[tuple[dict[str, str], str]] = [
     ({"loss": "gspo_tis", "old_logprobs": "engine"}, "loss.tis_cap needs loss.old_logprobs=recompute"),
     ({"loss": "gspo_mis", "old_logprobs": "engine"}, "loss.mis needs loss.old_logprobs=recompute"),
+    ({"loss": "cispo_icepop", "old_logprobs": "engine"}, "loss.icepop needs loss.old_logprobs=recompute"),
     ({"routing_replay": "old", "old_logprobs": "engine"}, "train.routing_replay=old needs loss.old_logprobs=recompute"),
     # 1F1B interleaves microbatches: a layer recomputed in backward would replay another's experts
     ({"save": "async", "optimizer": "plain"},

@@ -55,9 +55,9 @@ def _token_logprobs_and_entropy(model, seq, temperature):
 def reference(model, samples, settings, old_shift, tis_engine="engine"):
     """Single-process loss, metrics and Hub-named gradients for LossSettings(**settings).
     tis_engine="old" feeds π_old where π_engine belongs (the mix-up the tests must tell apart)."""
-    from gspo_megatron.algorithms import grpo_loss, gspo_loss, gspo_token_loss
+    from gspo_megatron.algorithms import cispo_loss, grpo_loss, gspo_loss, gspo_token_loss
 
-    fn = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}[settings["type"]]
+    fn = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss, "cispo": cispo_loss}[settings["type"]]
     temperature = settings.get("temperature", 1.0)
     model.zero_grad()
     B, T = len(samples), max(len(x.response_ids) for x in samples)
@@ -73,6 +73,14 @@ def reference(model, samples, settings, old_shift, tis_engine="engine"):
     lp, ent = torch.stack(lps), torch.stack(ents)
     old = shifted_old(eng, old_shift)
     adv = torch.tensor([x.advantage for x in samples])
+    icepop_masked = 0
+    if settings.get("icepop") is not None:
+        # float64: a token whose π_old / π_engine lies outside [alpha, beta] leaves the loss
+        lo, hi = settings["icepop"]
+        ratio = torch.exp(old.double() - eng.double())
+        keep = mask & (ratio >= lo) & (ratio <= hi)
+        icepop_masked = int((mask & ~keep).sum())
+        mask = keep
     coef = settings.get("entropy_coef", 0.0)
     opts = dict(entropy=ent if coef else ent.detach(), entropy_coef=coef)
     if settings.get("kl_coef"):
@@ -87,8 +95,8 @@ def reference(model, samples, settings, old_shift, tis_engine="engine"):
         lo, hi = settings["mis"]
         rows = torch.nonzero((d >= lo) & (d <= hi)).flatten()
         opts = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in opts.items()} | {"num_sequences": B}
-    loss, metrics = fn(lp[rows], old[rows], adv[rows], mask[rows], eps_low=settings["eps_low"],
-                       eps_high=settings["eps_high"], **opts)
+    eps = settings.get("cispo_eps", (settings.get("eps_low"), settings.get("eps_high")))
+    loss, metrics = fn(lp[rows], old[rows], adv[rows], mask[rows], eps_low=eps[0], eps_high=eps[1], **opts)
     loss.backward()
     grads = hub_named_grads(model)
     model.zero_grad()
@@ -100,6 +108,7 @@ def reference(model, samples, settings, old_shift, tis_engine="engine"):
                 log_w = (log_w.sum(-1) / mask.sum(-1)).unsqueeze(-1).expand_as(log_w)
             extra["tis_capped"] = float((log_w >= math.log(settings["tis_cap"]))[mask].float().mean())
     extra["mis_masked"] = B - len(rows)
+    extra["icepop_masked"] = icepop_masked
     return float(loss.detach()), {k: float(v) for k, v in metrics.items()} | extra, grads
 
 
@@ -129,7 +138,7 @@ def _rank_train_options(rank, world, hf_dir, layout, samples, budget, settings_k
     model = wrap_ddp(chunks, tcfg)
     mbs, _ = plan_minibatch(samples, dp=ctx.dp, dp_rank=ctx.dp_rank, token_budget=budget,
                             multiple=pad_multiple(par), cp=par.cp, cp_rank=ctx.cp_rank, packed=packed)
-    settings = LossSettings(**settings_kwargs)
+    settings = LossSettings(**{"eps_low": 0.2, "eps_high": 0.27, **settings_kwargs})
     for mb in mbs:
         mb.old_logprobs = shifted_old(mb.engine_logprobs, old_shift)
         if settings.kl_coef:
@@ -140,8 +149,9 @@ def _rank_train_options(rank, world, hf_dir, layout, samples, budget, settings_k
         seq_length=max(mb.seq_length for mb in mbs), micro_batch_size=mbs[0].micro_batch_size,
         forward_only=False)
     reporter = ctx.is_last_stage and ctx.tp_rank == 0 and ctx.cp_rank == 0
-    tot = reduce_report(reports, reporter, ("loss", "sequences", "entropy", "tis_weight_mean", "mis_masked",
-                                                    "metric_weight", "kl_ref", "clip_frac"), ctx.device)
+    tot = reduce_report(reports, reporter, ("loss", "loss_norm", "sequences", "entropy", "tis_weight_mean",
+                                            "mis_masked", "icepop_masked", "icepop_tokens", "metric_weight",
+                                            "kl_ref", "clip_frac"), ctx.device)
     grads = dict(iter_hf_tensors(model, ctx, arch, tensor_of=grad_tensor))
     n_micro = len(mbs)
     destroy_parallel()
@@ -194,6 +204,25 @@ CASES = [
     # entropy assembled over vocab shards, and kl_coef honoured by a token loss
     pytest.param(TP2SP, 40, True, dict(type="grpo", eps_low=1.5e-3, eps_high=3e-3, entropy_coef=0.05, kl_coef=0.1),
                  0.0, "entropy_coef+kl_coef", id="grpo-entropy-kl-tp2sp-packed"),
+    # CISPO: the clipped, stop-gradient IS weight times log π, aggregated over the minibatch's
+    # tokens (each rank's token sum, Megatron dividing by every rank's loss tokens)
+    pytest.param(TP2SP, 40, False, dict(type="cispo", cispo_eps=(0.002, 0.002)), 0.0, None, id="cispo-tp2sp"),
+    pytest.param(PP2, 40, True, dict(type="cispo", cispo_eps=(0.002, 0.002), entropy_coef=0.05), 0.0,
+                 "entropy_coef", id="cispo-entropy-pp2-packed"),
+    pytest.param(EP2, 40, False, dict(type="cispo", cispo_eps=(1.0, 0.001), tis_cap=1.0), SHIFT, "tis_cap",
+                 id="cispo-tis-ep2"),
+    pytest.param(dict(cp=2), 60, True, dict(type="cispo", cispo_eps=(0.1, 0.1), kl_coef=0.1), SHIFT, "kl_coef",
+                 id="cispo-kl-cp2-packed"),
+    # IcePop: tokens whose π_old / π_engine leaves [alpha, beta] leave the loss, for a sequence
+    # loss (its |y_i| shrinks), a token loss and CISPO; per rank's tokens under CP
+    pytest.param(EP2, 40, False, dict(type="gspo", eps_low=0.01, eps_high=0.015, icepop=(0.9, 1.1)), SHIFT, "icepop",
+                 id="gspo-icepop-ep2"),
+    pytest.param(dict(cp=2), 60, True, dict(type="gspo", eps_low=0.01, eps_high=0.015, icepop=(0.9, 1.1)), SHIFT,
+                 "icepop", id="gspo-icepop-cp2-packed"),
+    pytest.param(TP2SP, 40, True, dict(type="grpo", eps_low=0.1, eps_high=0.15, icepop=(0.85, 1.15)), SHIFT, "icepop",
+                 id="grpo-icepop-tp2sp-packed"),
+    pytest.param(PP2, 40, False, dict(type="cispo", cispo_eps=(0.05, 0.05), icepop=(0.9, 1.1)), SHIFT, "icepop",
+                 id="cispo-icepop-pp2"),
 ]
 
 
@@ -211,10 +240,12 @@ def test_loss_option_matches_single_process_reference(setup, layout, budget, pac
     # non-vacuous: clipping is partial, and each option really reaches the gradient
     assert 0 < ref_m["clip_frac"] < 1, ref_m["clip_frac"]
     for opt in option.split("+") if option else ():
-        off = {opt: None if opt in ("tis_cap", "mis") else 0.0}
+        off = {opt: None if opt in ("tis_cap", "mis", "icepop") else 0.0}
         assert rel_diff(reference(model, samples, settings | off, old_shift)[2], ref_grads)[0] > SEVERAL, opt
     if option == "mis":  # some sequences masked, some kept
         assert 0 < ref_m["mis_masked"] < len(samples), ref_m["mis_masked"]
+    if option == "icepop":  # some tokens masked, some kept
+        assert 0 < ref_m["icepop_masked"] < sum(len(x.response_ids) for x in samples), ref_m["icepop_masked"]
     if option == "tis_cap":
         assert 0 < ref_m["tis_capped"] < 1, ref_m["tis_capped"]
         mixed = reference(model, samples, settings, old_shift, tis_engine="old")[2]
@@ -227,7 +258,12 @@ def test_loss_option_matches_single_process_reference(setup, layout, budget, pac
     n = tot["sequences"]
     assert n == len(samples)
     assert tot["mis_masked"] == ref_m["mis_masked"]  # exactly the sequences outside the band
-    assert tot["loss"] / n == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    assert tot["icepop_masked"] == ref_m["icepop_masked"]  # exactly the tokens outside the band
+    if settings.get("icepop") is not None:
+        assert tot["icepop_tokens"] == sum(len(x.response_ids) for x in samples)
+    # the loss over its normaliser: sequences, or for CISPO the loss tokens (the reference's own)
+    assert tot["loss_norm"] == (ref_m["tokens"] if settings["type"] == "cispo" else n)
+    assert tot["loss"] / tot["loss_norm"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
     assert tot["metric_weight"] == n - ref_m["mis_masked"]  # metrics are means over the sequences in the loss
     assert tot["entropy"] / tot["metric_weight"] == pytest.approx(ref_m["entropy"], rel=1e-4)
     if settings.get("kl_coef"):

@@ -13,6 +13,11 @@ by which experts each side routed the token to).
   log of the sequence-level ratio GSPO would see if pi_old were the engine's
 - max over tokens of |d|                                  -> ``mismatch_logprob_max``
 
+Token-level masking (``loss.icepop``, IcePop: Ling team, "Small Leak Can Sink a Great Ship",
+2025): a token whose probability ratio pi_train(y_t) / pi_engine(y_t) = exp(d_it) falls outside
+[alpha, beta] leaves the loss, whatever the loss type; its neighbours keep their gradient. The
+MoE guard that needs no routing replay (docs/moe-mismatch.md).
+
 Sequence-level masking (``loss.mis``): GSPO's natural counterpart of token-level importance
 sampling corrections (TIS/MIS) is to drop the *sequences* whose engine/trainer sequence log-ratio
 mean_t d_it falls outside a band [low, high]; they leave both the loss and its normaliser.
@@ -61,3 +66,14 @@ def sequence_mismatch_keep(logratio_sum: torch.Tensor, token_count: torch.Tensor
     (empty sequences are kept: they carry no loss anyway)."""
     mean = logratio_sum / token_count.clamp(min=1)
     return ((mean >= low) & (mean <= high)) | (token_count == 0)
+
+
+def icepop_keep(train_log_probs: torch.Tensor, engine_log_probs: torch.Tensor, loss_mask: torch.Tensor,
+                alpha: float, beta: float) -> torch.Tensor:
+    """[B, T] bool: the loss tokens whose ratio pi_train / pi_engine lies in [alpha, beta]
+    (compared as log-ratios in float64: log alpha <= d <= log beta; the bounds are kept)."""
+    import math
+
+    mask = loss_mask.bool()
+    d = train_log_probs.double() - engine_log_probs.double()
+    return mask & (d >= math.log(alpha)) & (d <= math.log(beta))

@@ -428,10 +428,13 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample], guard:
 
     settings = LossSettings(cfg.loss.type, cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.kl_coef,
                             cfg.loss.entropy_coef, cfg.loss.tis_cap, temperature,
-                            mis=tuple(cfg.loss.mis) if cfg.loss.mis is not None else None)
+                            mis=tuple(cfg.loss.mis) if cfg.loss.mis is not None else None,
+                            icepop=tuple(cfg.loss.icepop) if cfg.loss.icepop is not None else None,
+                            cispo_eps=(cfg.loss.cispo_eps_low, cfg.loss.cispo_eps_high))
     update_routing = _routing_pass(parts, {"none": "off", "old": "recorded", "rollout": "rollout"}[replay])
     step_fn = policy_loss_step(ctx, parts.arch.vocab_size, settings, routing=update_routing)
-    keys = ("loss", "sequences", "mis_masked", "metric_weight") + WEIGHTED_METRICS
+    keys = ("loss", "loss_norm", "sequences", "mis_masked", "icepop_masked", "icepop_tokens",
+            "metric_weight") + WEIGHTED_METRICS
     totals = dict.fromkeys(keys, 0.0)
     grad_norms = []
     skipped = 0
@@ -447,12 +450,11 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample], guard:
             skipped += 1
             continue
         grad_norms.append(float(gn))
-        n = max(tot["sequences"], 1.0)
-        # per-minibatch loss (sum of sequence losses / sequences), averaged over minibatches below
-        totals["loss"] += tot["loss"] / n
-        totals["sequences"] += tot["sequences"]
-        totals["mis_masked"] += tot["mis_masked"]
-        totals["metric_weight"] += tot["metric_weight"]
+        # per-minibatch loss (sum of sequence losses / sequences; CISPO: of token losses / tokens),
+        # averaged over minibatches below
+        totals["loss"] += tot["loss"] / max(tot["loss_norm"], 1.0)
+        for k in ("sequences", "mis_masked", "icepop_masked", "icepop_tokens", "metric_weight"):
+            totals[k] += tot[k]
         for k in WEIGHTED_METRICS:
             totals[k] += tot[k]
     t_train = time.perf_counter() - t1
@@ -464,6 +466,8 @@ def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample], guard:
     if settings.mis is not None:  # sequences of the step taken out of the loss by loss.mis
         out["mis_masked"] = totals["mis_masked"]
         out["mis_masked_frac"] = totals["mis_masked"] / n_all
+    if settings.icepop is not None:  # loss tokens of the step taken out by loss.icepop
+        out["icepop_masked_frac"] = totals["icepop_masked"] / max(totals["icepop_tokens"], 1.0)
     applied = len(minibatches) - skipped
     out["loss"] = totals["loss"] / applied if applied else float("nan")
     out["grad_norm"] = sum(grad_norms) / applied if applied else float("nan")

@@ -9,6 +9,11 @@ its number of non-empty sequences — reported on CP rank 0 only, because Megatr
 count over the DP x CP group and every CP rank holds the same sequences. The result is exactly
 mean over the minibatch's sequences of the per-sequence loss (GSPO's aggregation), i.e. the
 paper's objective, whatever the DP/CP/PP/TP/EP split or microbatching.
+
+CISPO aggregates per token instead (MiniMax-M1: the minibatch's token sum over its token count):
+its loss function returns the sum of its tokens' losses and, as count, its loss tokens on every
+CP rank (each holds its own tokens), so the same division yields the minibatch's token mean. The
+reports carry `loss_norm` (sequences, or tokens for CISPO) for the logged loss.
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ from typing import Callable
 import torch
 
 from gspo_megatron.algorithms import gspo_loss_from_stats, gspo_sequence_stats, gspo_token_loss, grpo_loss
-from gspo_megatron.algorithms.mismatch import mismatch_report, mismatch_row_sums, sequence_mismatch_keep
+from gspo_megatron.algorithms.cispo import cispo_loss
+from gspo_megatron.algorithms.mismatch import (icepop_keep, mismatch_report, mismatch_row_sums,
+                                               sequence_mismatch_keep)
 from gspo_megatron.parallel.fused_head import head_weight
 from gspo_megatron.parallel.logprobs import fused_vocab_parallel_log_probs, vocab_parallel_log_probs
 from gspo_megatron.parallel.seq_reduce import cp_all_reduce_sum, cp_all_reduce_sum_many
@@ -39,6 +46,8 @@ class LossSettings:
     tis_cap: float | None = None
     temperature: float = 1.0  # the rollout's sampling temperature: π_θ is the tempered policy
     mis: tuple[float, float] | None = None  # sequence-level mismatch band (algorithms/mismatch.py)
+    icepop: tuple[float, float] | None = None  # token-level band on π_old / π_engine (algorithms/mismatch.py)
+    cispo_eps: tuple[float, float] = (1.0, 0.28)  # loss.cispo_eps_low / _high (algorithms/cispo.py)
 
 
 def _gspo(lp, mb: MicroBatch, stats, s: LossSettings, entropy):
@@ -71,7 +80,14 @@ def _grpo(lp, mb: MicroBatch, stats, s: LossSettings, entropy):
                      **_token_options(mb, stats, s, entropy))
 
 
-LOSSES: dict[str, Callable] = {"gspo": _gspo, "gspo_token": _gspo_token, "grpo": _grpo}
+def _cispo(lp, mb: MicroBatch, stats, s: LossSettings, entropy):
+    opts = _token_options(mb, stats, s, entropy)
+    del opts["num_sequences"]  # a token sum: Megatron divides by the loss tokens (the count below)
+    return cispo_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, eps_low=s.cispo_eps[0],
+                      eps_high=s.cispo_eps[1], num_tokens=1, **opts)
+
+
+LOSSES: dict[str, Callable] = {"gspo": _gspo, "gspo_token": _gspo_token, "grpo": _grpo, "cispo": _cispo}
 
 
 def _positions(tokens: torch.Tensor) -> torch.Tensor:
@@ -134,9 +150,11 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings, routing=None)
                 # same microbatch, no dropout): take them and skip that forward
                 mb.old_logprobs = lp.detach().float()
                 pi_old_report = _engine_mismatch(ctx, mb, mb.old_logprobs)
-            batch, masked = mb, None
+            batch, masked, ice = mb, None, None
             if settings.mis is not None:
                 batch, masked = _mask_mismatched(ctx, mb, settings.mis)
+            if settings.icepop is not None:
+                batch, ice = _icepop(ctx, batch, settings.icepop)
             stats = gspo_sequence_stats(
                 lp, batch.old_logprobs, batch.loss_mask, ref_log_probs=batch.ref_logprobs, entropy=ent,
                 engine_log_probs=batch.engine_logprobs if settings.tis_cap is not None else None,
@@ -154,10 +172,17 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings, routing=None)
             report["metric_weight"] = w
             if masked is not None:
                 report["mis_masked"] = masked
+            if ice is not None:
+                report["icepop_masked"], report["icepop_tokens"] = ice[0], ice[1]
             report.update(pi_old_report)
             report["loss"] = reported
             report["sequences"] = torch.tensor(float(n), device=ctx.device)
-            count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int, device=ctx.device)
+            if settings.type == "cispo":  # token-level: every CP rank counts its own loss tokens
+                report["loss_norm"] = metrics["tokens"]  # CP-summed by _cp_token_loss_report
+                count = batch.loss_mask.sum().to(torch.int)
+            else:
+                report["loss_norm"] = report["sequences"]
+                count = torch.tensor(n if ctx.cp_rank == 0 else 0, dtype=torch.int, device=ctx.device)
             return loss, count, report
 
         return output, loss_func
@@ -170,7 +195,8 @@ def policy_loss_step(ctx, vocab_size: int, settings: LossSettings, routing=None)
 # token-mean terms (the loss, entropy, kl_ref) are partial sums over the same global token counts,
 # so they add up over CP; the token fractions/means of `TOKEN_MEANS` combine weighted by each
 # rank's token count. Sequence-level metrics (from the CP-reduced stats) are already whole.
-TOKEN_MEANS = {"grpo": ("clip_frac", "ratio_mean", "approx_kl", "tis_weight_mean"), "gspo_token": ("clip_frac",)}
+TOKEN_MEANS = {"grpo": ("clip_frac", "ratio_mean", "approx_kl", "tis_weight_mean"), "gspo_token": ("clip_frac",),
+               "cispo": ("clip_frac", "ratio_mean", "approx_kl", "tis_weight_mean", "is_weight_mean")}
 CP_SUMMED = ("entropy", "kl_ref")
 
 
@@ -188,6 +214,7 @@ def _cp_token_loss_report(ctx, loss_type: str, loss: torch.Tensor, metrics: dict
         out[k] = vec[1 + i]
     for i, k in enumerate(means):
         out[k] = vec[1 + len(summed) + i] / vec[-1].clamp(min=1)
+    out["tokens"] = vec[-1]  # the loss tokens of every CP rank
     return vec[0].to(loss.dtype), out
 
 
@@ -208,6 +235,23 @@ def _mask_mismatched(ctx, mb: MicroBatch, band):
     masked = (~keep & (count > 0)).sum().float()
     return dataclasses.replace(mb, loss_mask=mb.loss_mask & keep[:, None],
                                advantages=torch.where(keep, mb.advantages, torch.zeros_like(mb.advantages))), masked
+
+
+def _icepop(ctx, mb: MicroBatch, band):
+    """`mb` with IcePop's token mask (loss.icepop): loss tokens whose π_old / π_engine lies outside
+    [alpha, beta] leave the loss (algorithms/mismatch.py icepop_keep), and float64 [masked, loss
+    tokens before the mask], summed over the CP group (a token-level decision: each CP rank masks
+    its own tokens; the sums make the reporter's counts whole)."""
+    import dataclasses
+
+    mask = mb.loss_mask.bool()
+    keep = icepop_keep(mb.old_logprobs, mb.engine_logprobs, mask, band[0], band[1])
+    counts = torch.stack([(mask & ~keep).sum(), mask.sum()]).to(torch.float64)
+    if ctx.parallel.cp > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts, group=ctx.cp_group)
+    return dataclasses.replace(mb, loss_mask=mb.loss_mask & keep), counts
 
 
 def fill_logprobs_step(ctx, vocab_size: int, temperature: float, attr: str, *, compare_engine: bool = False,
