@@ -130,7 +130,8 @@ def test_stopped_after_step_3_and_resumed_to_step_5_logs_what_the_uninterrupted_
 
 
 @pytest.mark.timeout(900)
-def test_sigterm_waits_for_the_background_write_in_flight(tmp_path):
+@pytest.mark.parametrize("when", ["at_the_hold", "while_step_6_waits"])
+def test_sigterm_waits_for_the_background_write_in_flight(tmp_path, when):
     """SIGTERM (through torchrun, as on a cluster) while iter_4's background write is held: the run
     saves the step in progress after waiting for iter_4, and exits only once that checkpoint is
     written and tracked. The hold is released only after the trainer says it got the signal and
@@ -140,17 +141,27 @@ def test_sigterm_waits_for_the_background_write_in_flight(tmp_path):
     Which step is in progress is up to the machine: training goes on past step 4 while iter_4 is
     held, until step 6's save must wait for it (one write in flight). torchrun forwards the signal
     whenever it gets to it, so the run saves step 4, 5 or 6 (a loaded CI machine saw 6) -- never
-    later, because the signal is known before the release and step 6 cannot finish before it."""
+    later, because the signal is known before the release and step 6 cannot finish before it.
+    The run is 8 steps long, so that step 6's save is an interval save followed by a preemption
+    point (in a 6-step run a signal landing in the final save just lets the run end normally,
+    which another loaded CI machine did). `when`: the signal as soon as the write is held (any of
+    steps 4-6), or only once step 6's save says it waits for iter_4 (step 6, by construction)."""
     out, hold = tmp_path / "run", tmp_path / "hold"
-    proc, err = start_held(out, hold, "iter_0000004")
+    proc, err = start_held(out, hold, "iter_0000004", "train.max_steps=8")
     try:
         wait_for(lambda: all((hold / f"reached.{r}").exists() for r in (0, 1)), proc, err, "the held write of iter_4")
+
+        def said(*what: str) -> bool:
+            err.seek(0)
+            text = err.read()
+            return all(w in text for w in what)
+
+        if when == "while_step_6_waits":
+            wait_for(lambda: said("waiting for the background write of iter_0000004"), proc, err, "step 6's save waiting")
         proc.send_signal(signal.SIGTERM)
 
         def says_it_got_the_signal_and_waits() -> bool:
-            err.seek(0)
-            text = err.read()
-            return "SIGTERM received" in text and "waiting for the background write of iter_0000004" in text
+            return said("SIGTERM received", "waiting for the background write of iter_0000004")
 
         wait_for(says_it_got_the_signal_and_waits, proc, err, "the trainer receiving SIGTERM and waiting for iter_4")
         (hold / "release").touch()
@@ -167,8 +178,8 @@ def test_sigterm_waits_for_the_background_write_in_flight(tmp_path):
     m = re.search(r"saved the step-(\d+) checkpoint after SIGTERM", log)
     assert m, log[-3000:]
     step = int(m.group(1))
-    assert 4 <= step <= 6 and tracker(out) == str(step)
+    assert (4 <= step <= 6 if when == "at_the_hold" else step == 6) and tracker(out) == str(step)
     ck = out / "checkpoints"
     assert all((ck / f"iter_{s:07d}" / "checksums.json").exists() for s in sorted({2, 4, step}))
-    r = run_train(out, *BASE, ASYNC)
+    r = run_train(out, *BASE, ASYNC, "train.max_steps=8")
     assert f"resumed from {ck / f'iter_{step:07d}'} at step {step}" in r.stderr
