@@ -120,6 +120,11 @@ class Faults:
     scale_tensor: str = ""
     scale_by: float = 1.0
     scale_from_update: int = 0
+    # /generate reports output_token_logprobs[t] + logprob_offset for every response position t
+    # with t % logprob_offset_every == 0 (an engine whose numerics drift on some tokens: IcePop
+    # must mask exactly those). Keep the offset negative: a log-prob > 0 is refused at the boundary.
+    logprob_offset: float = 0.0
+    logprob_offset_every: int = 3
     # A server whose answers break the response contract (rollout/validate.py must refuse them;
     # SGLang itself never sends these). Each counter is a number of /generate responses; in each,
     # every row is altered after a normal generation (routing, if any, is left as generated).
@@ -633,7 +638,10 @@ class SGLangDouble:
                         # every finished request's spans (output_streamer.py: compute_weight_version_spans)
                         "weight_versions": [{"version": version, "start": 0, "end": len(s.response_ids)}]}
                 if return_logprob:
-                    meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.response_logprobs, s.response_ids)]
+                    f = self.faults
+                    lps = [lp + f.logprob_offset if f.logprob_offset and k % f.logprob_offset_every == 0 else lp
+                           for k, lp in enumerate(s.response_logprobs)]
+                    meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, s.response_ids)]
                 if re_ is not None:
                     meta["routed_experts"] = re_
                 out[i] = {"text": s.text or "", "output_ids": list(s.response_ids), "meta_info": meta}

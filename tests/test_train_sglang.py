@@ -268,3 +268,37 @@ def test_a_refit_that_serves_other_weights_stops_the_run_in_one_line(tmp_path):
     print(json.dumps([{k: x.get(k) for k in ("step", "refit_probe_abs", "t_verify")} for x in rows]), ours[0])
     assert [x["step"] for x in rows] == [1]  # step 2's push (version 2) failed its check
     assert rows[0]["refit_probe_abs"] < 1e-5
+
+
+@pytest.mark.timeout(600)
+def test_icepop_masks_exactly_the_tokens_an_engine_got_wrong(tmp_path):
+    """loss.icepop=[0.5, 5] against an SGLang double that reports every third response token's
+    log-prob 3 nats too low (π_old / π_engine = e^3 ~ 20 > 5 there; elsewhere fp32 agreement to
+    ~1e-6): over the run, the tokens the trainer masked are exactly those, counted from what the
+    double answered, and the loss stays finite."""
+    import math
+
+    from sglang_double import Faults
+
+    hf_dir = _tiny_hf_dir(tmp_path / "hf0")
+    with SGLangDouble(hf_dir, faults=Faults(logprob_offset=-3.0, logprob_offset_every=3)) as server:
+        lengths = []  # response lengths of every row the double answered
+        _watch_answers(server, lambda status, rows, n_updates: lengths.extend(
+            r["meta_info"]["completion_tokens"] for r in rows))
+        out = tmp_path / "run"
+        args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
+                f"train.max_steps={STEPS}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
+                "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
+                "rollout.dynamic_sampling=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
+                "loss.icepop=[0.5,5.0]", "loss.old_logprobs=recompute",
+                *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))]
+        r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+        assert r.returncode == 0, r.stderr[-4000:]
+    rows = gspo_rows(out)
+    assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
+    expected = sum((n + 2) // 3 for n in lengths)  # positions 0, 3, 6, ... of every response
+    masked = sum(round(x["icepop_masked_frac"] * x["loss_tokens"]) for x in rows)
+    print("masked", masked, "expected", expected, "tokens", sum(x["loss_tokens"] for x in rows))
+    assert sum(x["loss_tokens"] for x in rows) == sum(lengths)  # every answered token was in a step
+    assert masked == expected > 0
+    assert all(math.isfinite(x["loss"]) for x in rows)
