@@ -771,6 +771,66 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class JudgeConfig:
+    # An LLM judge behind an OpenAI-compatible chat API (rollout/judge.py): the server's root URL
+    # (POST <url>/v1/chat/completions), e.g. a vLLM or SGLang server. null = no judge.
+    url: Optional[str] = None
+    # The "model" field of every request (the served model's name).
+    model: str = "judge"
+    # Name of the environment variable holding the API key (sent as a Bearer token); null = none.
+    api_key_env: Optional[str] = None
+    # The user message: {prompt}, {response} and {answer} are replaced by the record's prompt, the
+    # sampled response and the record's answer.
+    template: str = ("Rate the response to the question from 0 to 10. Answer with the number only.\n"
+                     "Question: {prompt}\nReference answer: {answer}\nResponse: {response}\nScore:")
+    # The score: the first match of score_regex in the answer (its first group, else the whole
+    # match), or with score_json_field the answer parsed as JSON and that field.
+    score_regex: str = "(-?\\d+(?:\\.\\d+)?)"
+    score_json_field: Optional[str] = None
+    # Requests in flight at once; the budget of one sample's attempts together, seconds; retries
+    # of a connection error, timeout, HTTP 429 or 5xx within it.
+    max_concurrency: int = 8
+    timeout_s: float = 60.0
+    retries: int = 2
+    # The judge's answer length in tokens (temperature 0).
+    max_tokens: int = 16
+    # More request fields, as a JSON object merged into every request (the OpenAI clients'
+    # extra_body), e.g. '{"structured_outputs": {"regex": "[0-9]"}}' to make a vLLM judge answer a
+    # digit (on the command line, quote it: reward.judge.extra_body='{...}'). null = none.
+    extra_body: Optional[str] = None
+    # reward = reward.fn_weight * reward.fn + weight * judge score.
+    weight: float = 1.0
+
+    def __post_init__(self):
+        if self.url is None:
+            return
+        _check_urls("reward.judge.url", [self.url])
+        _positive("reward.judge.max_concurrency", self.max_concurrency)
+        _positive("reward.judge.timeout_s", self.timeout_s)
+        _positive("reward.judge.retries", self.retries, allow_zero=True)
+        _positive("reward.judge.max_tokens", self.max_tokens)
+        if not math.isfinite(self.weight):
+            raise ConfigError(f"reward.judge.weight must be finite, got {self.weight!r}")
+        if not any(k in self.template for k in ("{response}",)):
+            raise ConfigError("reward.judge.template must contain {response} (the sampled response to judge)")
+        if self.extra_body is not None:
+            try:
+                extra = json.loads(self.extra_body)
+            except ValueError as e:
+                raise ConfigError(f"reward.judge.extra_body is not JSON: {e}") from None
+            if not isinstance(extra, dict):
+                raise ConfigError(f"reward.judge.extra_body must be a JSON object, got {self.extra_body!r}")
+            clash = sorted(set(extra) & {"model", "messages"})
+            if clash:
+                raise ConfigError(f"reward.judge.extra_body cannot set {clash} (the judge sends them)")
+        if self.score_json_field is None:
+            try:
+                re.compile(self.score_regex)
+            except re.error as e:
+                raise ConfigError(f"reward.judge.score_regex {self.score_regex!r} is not a regular expression: {e}")
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     # null = the synthetic task's own reward; "math" = built-in math-verify reward;
     # otherwise "package.module:function" (imported by the trainer).
@@ -782,8 +842,18 @@ class RewardConfig:
     # Largest fraction of a rollout's samples whose reward call may fail (raise, return a
     # non-number, time out) before the run stops with one line naming the first failure.
     max_error_frac: float = 0.5
+    # An LLM judge as a reward source (rollout/judge.py).
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    # Weight of reward.fn (or the task's reward) in the sum with the judge's. null = 1 without a
+    # judge, 0 with one (the judge replaces it; the function is then not called).
+    fn_weight: Optional[float] = None
 
     def __post_init__(self):
+        if self.fn_weight is not None and not math.isfinite(self.fn_weight):
+            raise ConfigError(f"reward.fn_weight must be finite, got {self.fn_weight!r}")
+        if self.fn_weight is not None and self.fn_weight != 0 and self.judge.url is None and self.fn_weight != 1:
+            warnings.warn("reward.fn_weight without reward.judge only scales the rewards (advantages are "
+                          "normalised per group: it changes nothing)", ConfigWarning, stacklevel=2)
         _positive("reward.workers", self.workers, allow_zero=True)
         _positive("reward.timeout_s", self.timeout_s)
         if not 0 <= self.max_error_frac <= 1:

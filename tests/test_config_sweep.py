@@ -144,6 +144,12 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
     "data and reward sources (test_data_records, test_reward_scorer, test_reward_safety, test_evaluation)": (
         "data.source", "data.prompt_key", "data.answer_key", "data.task", "data.long_prompts", "eval.source",
         "eval.interval", "reward.fn", "reward.workers"),
+    "an LLM judge as a reward source: a server of its own, after the rollout and before the step; the trainer's "
+    "layout never sees it (test_judge: a stand-in that misbehaves, a training run; test_vllm: a real vLLM judge)": (
+        "reward.fn_weight", "reward.judge.url", "reward.judge.model", "reward.judge.api_key_env",
+        "reward.judge.template", "reward.judge.score_regex", "reward.judge.score_json_field",
+        "reward.judge.max_concurrency", "reward.judge.timeout_s", "reward.judge.retries", "reward.judge.max_tokens",
+        "reward.judge.weight", "reward.judge.extra_body"),
     "saving, logging and signals (test_checkpoint, test_checkpoint_trust, test_reliability, test_tracking)": (
         "checkpoint.interval", "checkpoint.keep_last", "checkpoint.export_hf", "checkpoint.save_on_signals",
         "checkpoint.require_checksums", "logging.tensorboard", "logging.progress_bar", "logging.plot",

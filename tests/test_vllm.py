@@ -444,3 +444,63 @@ def test_bench_vllm_smoke_against_the_running_server(server, tmp_path):
         assert sum(line.startswith(row) for line in out.splitlines()) == 1, f"no row {row!r}:\n{out}"
     assert "push / (write + read):" in out and "vLLM / HFEngine tokens/s:" in out, out
     assert f"external server {url}" in out
+
+
+@pytest.mark.timeout(900)
+def test_a_vllm_served_judge_drives_three_gspo_steps(server, models, tmp_path, monkeypatch):
+    """reward.judge against the real vLLM server (model A behind /v1/chat/completions with the
+    project tokenizer's chat template; the API key from an environment variable; its answer
+    constrained to one digit through extra_body, vLLM's structured_outputs). The scorer alone:
+    every score is the digit the server answers when asked the same request again (temperature
+    0). Then 3 GSPO steps of the CPU demo config whose reward is the judge's alone: every row
+    logs reward_judge_mean, which is the step's reward_mean (the judge's scores are the rewards)."""
+    from gspo_megatron.config import JudgeConfig
+    from gspo_megatron.rollout.judge import CHAT_ROUTE, JudgeScorer
+    from gspo_megatron.rollout.vllm_server import ServerClient
+
+    url, key = server
+    root, _, _ = models
+    monkeypatch.setenv("GSPO_TEST_JUDGE_KEY", key)
+    extra = '{"structured_outputs": {"regex": "[0-9]"}}'
+    cfg = JudgeConfig(url=url, model=str(root / "A"), api_key_env="GSPO_TEST_JUDGE_KEY", max_tokens=4, timeout_s=120,
+                      extra_body=extra)
+    s = JudgeScorer(cfg)
+    examples = [{"prompt": f"what is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
+    texts = ["2", "the answer is 4", "6", "I do not know"]
+    scores, raised = s(texts, examples)
+    assert raised == [False] * 4, s.last_errors
+    client = ServerClient(url, api_key=key)
+    for t, ex, got in zip(texts, examples, scores):
+        body = {"model": str(root / "A"), "messages": [{"role": "user", "content": s.render(t, ex)}],
+                "max_tokens": 4, "temperature": 0.0, "structured_outputs": {"regex": "[0-9]"}}
+        answer = client.post(CHAT_ROUTE, body, timeout_s=120)["choices"][0]["message"]["content"]
+        assert answer.isdigit() and float(answer) == got, (answer, got)
+
+    out = tmp_path / "run"
+    args = ["--config", TINY, f"out_dir={out}", "train.max_steps=3", "train.sft_warmup_steps=0",
+            "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "checkpoint.interval=0",
+            "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false", "eval.interval=0",
+            f"reward.judge.url={url}", f"reward.judge.model={root / 'A'}", "reward.judge.api_key_env=GSPO_TEST_JUDGE_KEY",
+            "reward.judge.max_tokens=4", f"reward.judge.extra_body='{extra}'", "reward.judge.max_concurrency=8"]
+    env = dict(_env(), GSPO_TEST_JUDGE_KEY=key)
+    r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(out)
+    print([{k: x.get(k) for k in ("step", "reward_mean", "reward_judge_mean", "judge_errors")} for x in rows])
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert all(x["judge_errors"] == 0 and 0 <= x["reward_judge_mean"] <= 9 for x in rows)
+    assert all(x["reward_judge_mean"] == pytest.approx(x["reward_mean"]) for x in rows)
+
+
+def test_bench_judge_smoke_against_the_running_server(server, models, tmp_path):
+    """bench/bench_judge.py --smoke against this module's server: the judge bench cannot rot unseen."""
+    url, key = server
+    root, _, _ = models
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_judge.py"), "--smoke", "--url", url,
+                        "--api-key", key, "--model", str(root / "A"), "--workdir", str(tmp_path / "bench")],
+                       capture_output=True, text=True, timeout=540, env=dict(_env(), OMP_NUM_THREADS="1"), cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("judge throughput: 8 samples") for line in lines), r.stdout
+    rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
+    assert [x[0] for x in rows] == ["1", "8"] and all(x[3] == "0" for x in rows), r.stdout  # no scoring errors

@@ -1286,3 +1286,19 @@ def test_nccl_rendezvous_facts_we_rely_on(src):
     llm = src.text("vllm.v1.engine.async_llm")
     fin = llm[llm.index("async def finish_weight_update"):][:600]
     assert "await self.update_weight_version(weight_version)" in fin, fin
+
+
+def test_the_judge_request_is_vllms_chat_completion(src, routes):
+    """rollout/judge.py's POST /v1/chat/completions (an LLM judge served by vLLM): the route is
+    mounted, its body is ChatCompletionRequest, and every field the judge sends is one of its
+    fields (vLLM ignores unknown keys: a misspelt one would be dropped silently)."""
+    from gspo_megatron.rollout.judge import CHAT_ROUTE, REQUEST_FIELDS
+
+    r = _only(src, routes, "POST", CHAT_ROUTE)
+    body = body_params(src, r.module, r.handler)
+    assert len(body) == 1 and isinstance(body[0][1], ast.Name), [ast.unparse(b[1]) for b in body]
+    mod, cls = src.cls(r.module, body[0][1].id)
+    assert cls.name == "ChatCompletionRequest", cls.name
+    failures = field_failures(src, mod, cls.name, REQUEST_FIELDS, "judge.REQUEST_FIELDS")
+    assert not failures, "\n".join(failures)
+    assert field_failures(src, mod, cls.name, ["max_new_tokens"], "mutated")  # can fail

@@ -346,6 +346,9 @@ def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], li
         "data_skipped": parts.prompts.take_skipped(), "rollout_retries": _engine_retries(parts) - retries_before,
         "engine_rejected": rejected,
     }
+    take = getattr(parts.score, "take_metrics", None)
+    if take is not None:  # weighted reward sources (rollout/judge.py): per-source means and errors
+        stats.update(take())
     if parts.agent is not None:  # env_tokens: in the samples that train; the rest over every session of the step
         stats.update(agent_errors=agent_stats["agent_errors"], turns_mean=agent_stats["turns"] / max(len(lengths), 1),
                      env_tokens_all=agent_stats["env_tokens"],

@@ -186,16 +186,28 @@ def resolve_reward(cfg, task):
     module:function fails in seconds."""
     from gspo_megatron.rollout.rewards import RewardScorer
 
-    spec = cfg.reward.fn
-    if spec is None:
-        if task is None:
-            raise InputError("reward.fn is required when data.source=file")
-        recipe = ("task", task.name, task.seed)
-        fn = task.reward
-    else:
-        recipe, fn = (("math",) if spec == "math" else ("spec", spec)), None
     r = cfg.reward
-    return RewardScorer(recipe, workers=r.workers, timeout_s=r.timeout_s, max_error_frac=r.max_error_frac, fn=fn)
+    judged = r.judge.url is not None
+    fn_weight = r.fn_weight if r.fn_weight is not None else (0.0 if judged else 1.0)
+    sources = []
+    if fn_weight != 0 or not judged:
+        spec = r.fn
+        if spec is None:
+            if task is None:
+                raise InputError("reward.fn is required when data.source=file (or a reward.judge)")
+            recipe = ("task", task.name, task.seed)
+            fn = task.reward
+        else:
+            recipe, fn = (("math",) if spec == "math" else ("spec", spec)), None
+        scorer = RewardScorer(recipe, workers=r.workers, timeout_s=r.timeout_s, max_error_frac=r.max_error_frac, fn=fn)
+        if not judged:
+            return scorer
+        sources.append(("fn", scorer, fn_weight))
+    from gspo_megatron.rollout.judge import CombinedScorer, JudgeScorer
+
+    sources.append(("judge", JudgeScorer(r.judge, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key),
+                    r.judge.weight))
+    return CombinedScorer(sources, r.max_error_frac)
 
 
 # --------------------------------------------------------------------------------------------

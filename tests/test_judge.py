@@ -1,0 +1,229 @@
+"""LLM judges as rewards (reward.judge, rollout/judge.py) against a stand-in chat server that
+misbehaves on demand: slow answers, HTTP 500s, 429s, unparsable text, answers that are not chat
+completions. The stand-in refuses what vLLM's ChatCompletionRequest would not read (a body
+without model/messages: 400) and speaks only POST /v1/chat/completions (404 otherwise); the
+fields the judge sends are checked against vLLM's own source in test_vllm_contract.py, and a
+real vLLM server judges a training run in test_vllm.py."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from gspo_megatron.config import ConfigError, JudgeConfig, load_config
+from gspo_megatron.rollout.judge import CHAT_ROUTE, CombinedScorer, JudgeScorer
+from gspo_megatron.rollout.rewards import RewardError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class StandInJudge:
+    """A chat server whose answer to each request is `behave(user_message, n)` (n: the request's
+    arrival index): ("ok", text), ("sleep", seconds), ("status", code), ("raw", bytes)."""
+
+    def __init__(self, behave, api_key: str | None = None):
+        self.behave, self.api_key = behave, api_key
+        self.bodies: list[dict] = []
+        self.slept = 0  # "sleep" answers that finished sleeping
+        self._lock = threading.Lock()
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, data: bytes):
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    self.wfile.write(data)
+                except OSError:
+                    pass
+
+            def do_POST(self):
+                if self.path != CHAT_ROUTE:
+                    return self._send(404, b'{"detail":"Not Found"}')
+                if outer.api_key and self.headers.get("Authorization") != f"Bearer {outer.api_key}":
+                    return self._send(401, b'{"error":"Unauthorized"}')
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                if not isinstance(body.get("messages"), list) or "model" not in body:
+                    return self._send(400, b'{"error":{"message":"model and messages are required"}}')
+                with outer._lock:
+                    n = len(outer.bodies)
+                    outer.bodies.append(body)
+                kind, arg = outer.behave(body["messages"][-1]["content"], n)
+                if kind == "sleep":
+                    time.sleep(arg)
+                    with outer._lock:
+                        outer.slept += 1
+                    kind, arg = "ok", "7"
+                if kind == "status":
+                    return self._send(arg, b'{"error":{"message":"stand-in failure"}}')
+                if kind == "raw":
+                    return self._send(200, arg)
+                answer = {"id": "x", "object": "chat.completion", "model": body["model"],
+                          "choices": [{"index": 0, "message": {"role": "assistant", "content": arg},
+                                       "finish_reason": "stop"}]}
+                return self._send(200, json.dumps(answer).encode())
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def judge():
+    made = []
+
+    def make(behave, **kw):
+        j = StandInJudge(behave, **kw)
+        made.append(j)
+        return j
+
+    yield make
+    for j in made:
+        j.close()
+
+
+def _cfg(url, **kw) -> JudgeConfig:
+    return JudgeConfig(url=url, **{"timeout_s": 2.0, "retries": 2, "max_concurrency": 4, **kw})
+
+
+EXAMPLES = [{"prompt": f"q{i}", "answer": str(i)} for i in range(6)]
+TEXTS = [f"response {i}" for i in range(6)]
+
+
+def test_scores_are_parsed_from_the_template_the_judge_was_sent(judge):
+    j = judge(lambda msg, n: ("ok", f"I'd say {len(msg) % 10}.5 out of 10"))
+    s = JudgeScorer(_cfg(j.url, template="Q={prompt} A={answer} R={response} {unknown}"))
+    scores, raised = s(TEXTS, EXAMPLES)
+    assert raised == [False] * 6
+    msgs = {b["messages"][0]["content"] for b in j.bodies}
+    assert msgs == {f"Q=q{i} A={i} R=response {i} {{unknown}}" for i in range(6)}  # only the three fields
+    assert scores == [len(f"Q=q{i} A={i} R=response {i} {{unknown}}") % 10 + 0.5 for i in range(6)]
+    assert all(b["temperature"] == 0.0 and b["max_tokens"] == 16 and b["model"] == "judge" for b in j.bodies)
+
+
+def test_a_json_field_score_and_an_api_key_from_the_environment(judge, monkeypatch):
+    j = judge(lambda msg, n: ("ok", json.dumps({"score": n % 3, "why": "x"})), api_key="s3cret")
+    monkeypatch.setenv("JUDGE_KEY", "s3cret")
+    s = JudgeScorer(_cfg(j.url, score_json_field="score", api_key_env="JUDGE_KEY", max_concurrency=1))
+    scores, raised = s(TEXTS, EXAMPLES)
+    assert raised == [False] * 6 and scores == [0, 1, 2, 0, 1, 2]
+    monkeypatch.setenv("JUDGE_KEY", "wrong")
+    scores, raised = JudgeScorer(_cfg(j.url, score_json_field="score", api_key_env="JUDGE_KEY"))(TEXTS, EXAMPLES)
+    assert raised == [True] * 6  # 401: not retried, scored as errors
+
+
+def test_misbehaving_judges_are_scored_errors_within_the_timeout(judge):
+    """Each failure is an error of its own sample only, with its reason; a judge that never
+    answers costs at most timeout_s per sample (concurrently), never a stalled step; 5xx and 429
+    are retried within the budget, so a judge that fails once then answers scores."""
+    cases = {
+        0: ("sleep", 30.0),  # never answers in time
+        1: ("status", 500),  # always 500
+        2: ("ok", "no number here"),  # unparsable
+        3: ("raw", b"<html>not json</html>"),  # not a chat completion
+        4: ("ok", "9" * 41),  # beyond float32
+    }
+    seen: dict[str, int] = {}
+
+    def behave(msg, n):
+        import re
+
+        i = int(re.search(r"response (\d)", msg).group(1))
+        seen[msg] = seen.get(msg, 0) + 1
+        if i == 5:  # 429 once, then a score
+            return ("status", 429) if seen[msg] == 1 else ("ok", "Score: 9")
+        return cases[i]
+
+    j = judge(behave)
+    s = JudgeScorer(_cfg(j.url, timeout_s=1.5, retries=3, max_concurrency=6))
+    scores, raised = s(TEXTS, EXAMPLES)
+    print(s.last_errors)
+    assert raised == [True, True, True, True, True, False] and scores[5] == 9.0
+    assert j.slept == 0  # the call returned without waiting for the 30 s answer
+    e = s.last_errors
+    assert "timeout_s=1.5" in e[0] and "HTTP 500" in e[1] and "no match of score_regex" in e[2]
+    assert "not a chat completion" in e[3] and "not a finite float32" in e[4] and e[5] is None
+    assert all(j.url in x for x in e[:5])
+    assert seen[next(m for m in seen if "response 1\n" in m)] >= 2  # 500s were retried
+
+
+def test_combined_rewards_are_weighted_counted_and_too_many_failures_stop_in_one_line(judge):
+    j = judge(lambda msg, n: ("ok", "4") if "response 0" not in msg else ("status", 503))
+    judge_s = JudgeScorer(_cfg(j.url, retries=0))
+
+    def fn(texts, examples):
+        return [1.0] * len(texts), [False] * len(texts)
+
+    c = CombinedScorer([("fn", fn, 0.5), ("judge", judge_s, 2.0)], max_error_frac=0.5)
+    total, raised = c(TEXTS, EXAMPLES)
+    assert total == [0.5] + [0.5 + 8.0] * 5 and raised == [True] + [False] * 5
+    m = c.take_metrics()
+    assert m == {"reward_fn_mean": 1.0, "fn_errors": 0, "reward_judge_mean": 4.0, "judge_errors": 1}
+    assert c.take_metrics()["judge_errors"] == 0  # per step
+    bad = judge(lambda msg, n: ("status", 500))
+    c2 = CombinedScorer([("judge", JudgeScorer(_cfg(bad.url, retries=0)), 1.0)], max_error_frac=0.5)
+    with pytest.raises(RewardError) as e:
+        c2(TEXTS, EXAMPLES)
+    assert "\n" not in str(e.value) and "6 of 6" in str(e.value) and "HTTP 500" in str(e.value)
+
+
+def test_judge_config_is_checked_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="reward.judge.url"):
+        JudgeConfig(url="localhost:8000")
+    with pytest.raises(ConfigError, match="{response}"):
+        JudgeConfig(url="http://127.0.0.1:1", template="rate {prompt}")
+    with pytest.raises(ConfigError, match="score_regex"):
+        JudgeConfig(url="http://127.0.0.1:1", score_regex="(")
+    with pytest.raises(ConfigError, match="reward.judge.timeout_s"):
+        JudgeConfig(url="http://127.0.0.1:1", timeout_s=0)
+    c = load_config(TINY, ["reward.judge.url=http://127.0.0.1:1"])
+    assert c.reward.judge.url == "http://127.0.0.1:1" and c.reward.fn_weight is None
+
+
+@pytest.mark.timeout(600)
+def test_a_judge_drives_training_and_its_failures_are_counted(judge, tmp_path):
+    """3 GSPO steps whose reward is a stand-in judge's (fn_weight 0.5 with the task's reward):
+    the judge scores by the response's length, one request in five answers HTTP 500 (retries 0:
+    an error). Every row logs reward_judge_mean and judge_errors; the errors equal the 500s the
+    stand-in sent; the run finishes."""
+    from test_train_loop import _env, gspo_rows, torchrun_cmd
+
+    def behave(msg, n):
+        if n % 5 == 4:
+            return ("status", 500)
+        return ("ok", str(len(msg.split("Response: ")[1].split("\nScore:")[0]) % 7))
+
+    j = judge(behave)
+    out = tmp_path / "run"
+    args = ["--config", TINY, f"out_dir={out}", "train.max_steps=3", "train.sft_warmup_steps=0",
+            "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "checkpoint.interval=0",
+            "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false", "eval.interval=0",
+            f"reward.judge.url={j.url}", "reward.judge.retries=0", "reward.judge.timeout_s=20",
+            "reward.fn_weight=0.5", "reward.max_error_frac=0.9"]
+    r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=500, env=_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = gspo_rows(out)
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    print([{k: x.get(k) for k in ("reward_mean", "reward_judge_mean", "judge_errors", "reward_raised")} for x in rows])
+    assert all(math.isfinite(x["reward_judge_mean"]) and 0 <= x["reward_judge_mean"] <= 6 for x in rows)
+    assert sum(x["judge_errors"] for x in rows) == sum(1 for n in range(len(j.bodies)) if n % 5 == 4) > 0
+    assert all(x["reward_raised"] >= x["judge_errors"] for x in rows)
