@@ -537,6 +537,12 @@ class VLLMConfig:
     ready_timeout_s: float = 900.0
     max_retries: int = 3
     concurrency: int = 64
+    # A launched server that exits or fails max(3, ...) health checks in a row (GET /health every
+    # health_interval_s, also while requests are in flight) is restarted: its requests in flight
+    # are cut and re-sent, the last pushed weights reloaded (weight_sync=disk). At most
+    # max_restarts restarts per run (0 = never: a dead server stops the run in one line).
+    max_restarts: int = 3
+    health_interval_s: float = 2.0
     # More arguments for the launched server (e.g. [--tensor-parallel-size, "4"]).
     extra_args: list[str] = field(default_factory=list)
 
@@ -672,6 +678,8 @@ class RolloutConfig:
         _positive("rollout.vllm.request_timeout_s", v.request_timeout_s)
         _positive("rollout.vllm.ready_timeout_s", v.ready_timeout_s)
         _positive("rollout.vllm.max_retries", v.max_retries, allow_zero=True)
+        _positive("rollout.vllm.max_restarts", v.max_restarts, allow_zero=True)
+        _positive("rollout.vllm.health_interval_s", v.health_interval_s)
         for k in ("max_model_len", "cpu_kv_cache_mb"):
             if getattr(v, k) is not None:
                 _positive(f"rollout.vllm.{k}", getattr(v, k))

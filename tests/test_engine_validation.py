@@ -423,3 +423,57 @@ def test_generate_caps_grow_with_the_request_and_cover_routing():
     assert generate_response_cap(8, 4096) > 8 * 4096 * 100  # far above an honest answer
     routed = generate_response_cap(2, 64, extra_row_bytes=10 ** 6)
     assert routed - generate_response_cap(2, 64) == 2 * 10 ** 6
+
+
+def test_cut_inflight_ends_a_hanging_exchange_at_once_and_only_that_servers():
+    """ServerClient.cut_inflight (a server found dead by a health check, rollout/vllm_engine.py
+    _Supervisor): a request the server never answers ends with a retryable error naming the
+    reason, before the server would have answered, while another server's request is untouched."""
+    from gspo_megatron.rollout.http_servers import RetryableHTTPError, ServerClient
+
+    release = threading.Event()
+    answered = []
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            release.wait(60)  # hangs until the test ends
+            answered.append(self.path)
+            try:
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+            except OSError:
+                pass
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), H) for _ in range(2)]
+    for srv in servers:
+        srv.daemon_threads = True
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    a, b = (ServerClient(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=60) for srv in servers)
+    got: dict[str, BaseException | tuple] = {}
+
+    def call(name, client):
+        try:
+            got[name] = client.request_once("GET", "/x")
+        except BaseException as e:  # noqa: BLE001
+            got[name] = e
+
+    ta, tb = threading.Thread(target=call, args=("a", a)), threading.Thread(target=call, args=("b", b))
+    ta.start(), tb.start()
+    while a.inflight < 1 or b.inflight < 1:
+        threading.Event().wait(0.01)
+    assert a.cut_inflight("the server was found dead") == 1
+    ta.join(30)
+    assert not ta.is_alive() and isinstance(got["a"], RetryableHTTPError), got
+    assert "cut short: the server was found dead" in str(got["a"]) and a.url in str(got["a"])
+    assert not answered and tb.is_alive() and "b" not in got  # before any answer; b still waits
+    release.set()
+    tb.join(30)
+    assert got["b"] == (200, b"{}")
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()

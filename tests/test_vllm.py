@@ -354,7 +354,8 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
               "checkpoint.export_hf=true", "logging.progress_bar=false", "logging.plot=false",
               "rollout.vllm.request_timeout_s=60", "rollout.vllm.max_retries=2", "train.max_steps=5",
               "rollout.verify_weights=true"]  # every push checked: digests and the probe (issue 42)
-    launch = [f"rollout.vllm.port={_free_port()}"]
+    # no restart: the server killed below stops the run in one line (restarts: the next test)
+    launch = [f"rollout.vllm.port={_free_port()}", "rollout.vllm.max_restarts=0"]
     p = subprocess.Popen(torchrun_cmd(2, *common, *launch), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=_env(), cwd=REPO)
     seen: set[int] = set()
@@ -504,3 +505,55 @@ def test_bench_judge_smoke_against_the_running_server(server, models, tmp_path):
     assert any(line.startswith("judge throughput: 8 samples") for line in lines), r.stdout
     rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
     assert [x[0] for x in rows] == ["1", "8"] and all(x[3] == "0" for x in rows), r.stdout  # no scoring errors
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("victim", ["api_server", "engine_core"])
+def test_a_killed_server_is_restarted_gets_the_weights_and_the_run_finishes(vllm_python, tmp_path, victim):
+    """kill -9 of the launched vLLM server at step 2 of 5 -- its API process, or only its engine
+    core (the API process then lingers, holding the connections of the requests in flight): the
+    supervisor sees it (process exit, or /health failing while requests are in flight), cuts the
+    requests, restarts the server, reloads the last pushed weights and the requests are sent
+    again. The run finishes all 5 steps with exit 0, engine_restarts = 1, the engine's log-probs
+    within 1e-4 of the trainer's after the restart (fp32 both sides: it serves the current
+    weights), and no process of the run is left."""
+    out = tmp_path / "run"
+    args = ["--config", TINY, *FROM_TINY, f"out_dir={out}", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=4", "checkpoint.interval=0", "checkpoint.export_hf=false",
+            "logging.progress_bar=false", "logging.plot=false", "eval.interval=0", "train.max_steps=5",
+            "rollout.vllm.request_timeout_s=300", "rollout.vllm.health_interval_s=1", f"rollout.vllm.port={_free_port()}"]
+    p = subprocess.Popen(torchrun_cmd(2, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(), cwd=REPO)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 1200
+        while len(_rows(out)) < 2:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no second step"
+            seen |= _descendants(p.pid)
+            time.sleep(0.2)
+        seen |= _descendants(p.pid)
+        mark = "vllm.entrypoints.openai.api_server" if victim == "api_server" else "EngineCore"
+        targets = [q for q in seen if mark in _cmdline(q)]
+        assert len(targets) == 1, [(q, _cmdline(q)[:80]) for q in seen]
+        os.kill(targets[0], signal.SIGKILL)  # the one process, not its group
+        _, err = p.communicate(timeout=1200)
+        seen |= _descendants(p.pid) if p.poll() is None else set()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err[-4000:]
+    restarted = [x for x in err.splitlines() if "restarting it (1 of at most 3)" in x]
+    assert len(restarted) == 1, err[-4000:]
+    rows = _rows(out)
+    print(restarted[0])
+    print([{k: x.get(k) for k in ("step", "engine_restarts", "mismatch_logprob_max", "rollout_retries")} for x in rows])
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
+    assert rows[-1]["engine_restarts"] == 1 and rows[1]["engine_restarts"] == 0
+    assert all(x["mismatch_logprob_max"] <= 1e-4 for x in rows), [x["mismatch_logprob_max"] for x in rows]
+    time.sleep(1)
+    left = [q for q in seen if os.path.exists(f"/proc/{q}") and _cmdline(q)]
+    left += [q for q in _descendants(os.getpid()) if "vllm" in _cmdline(q).lower() and "api_server" in _cmdline(q)
+             and str(out) in _cmdline(q)]
+    assert not left, [(q, _cmdline(q)[:100]) for q in left]

@@ -186,6 +186,7 @@ class ServerClient:
         self.inflight = 0
         self.requests = 0
         self.failures = 0
+        self._cutters: set = set()  # the exchanges under way (cut_inflight)
 
     def __repr__(self) -> str:
         return f"ServerClient({self.url})"
@@ -212,8 +213,11 @@ class ServerClient:
         # at the deadline, which wakes a blocked read (it then sees EOF or an error) wherever it is,
         # in the status line, the headers or the body.
         expired = threading.Event()
+        cut: list[str] = []  # why cut_inflight() ended this exchange early
 
-        def expire() -> None:
+        def expire(reason: str | None = None) -> None:
+            if reason is not None:
+                cut.append(reason)
             expired.set()
             sock = conn.sock
             if sock is not None:
@@ -226,7 +230,10 @@ class ServerClient:
         watchdog.daemon = True
         received = 0
 
-        def deadline(cause: str = "") -> DeadlineExceededError:
+        def deadline(cause: str = "") -> RetryableHTTPError:
+            if cut:  # not the deadline: cut_inflight()
+                return RetryableHTTPError(f"{self.label} {self.url}: {method} {path} cut short: {cut[0]}",
+                                          url=self.url)
             return DeadlineExceededError(
                 f"{self.label} {self.url}: {method} {path} timed out: exceeded its deadline of {timeout:g} s for "
                 f"the whole response ({received} body bytes received{cause})", url=self.url, received=received)
@@ -234,6 +241,7 @@ class ServerClient:
         with self._lock:
             self.inflight += 1
             self.requests += 1
+            self._cutters.add(expire)
         watchdog.start()
         try:
             conn.connect()
@@ -274,6 +282,9 @@ class ServerClient:
             # ValueError / AttributeError: what http.client may raise on a socket shut down under it
             with self._lock:
                 self.failures += 1
+            if cut:
+                raise RetryableHTTPError(f"{self.label} {self.url}: {method} {path} cut short: {cut[0]}",
+                                         url=self.url) from e
             if expired.is_set():
                 raise deadline(f"; {type(e).__name__}") from e
             if not isinstance(e, RETRYABLE_OS_ERRORS):
@@ -287,6 +298,17 @@ class ServerClient:
             conn.close()
             with self._lock:
                 self.inflight -= 1
+                self._cutters.discard(expire)
+
+    def cut_inflight(self, reason: str) -> int:
+        """End every exchange under way with this server now (each raises a RetryableHTTPError
+        naming `reason`): a server found dead by a health check does not keep its callers waiting
+        for their deadlines. Returns how many were cut."""
+        with self._lock:
+            cutters = list(self._cutters)
+        for c in cutters:
+            c(reason)
+        return len(cutters)
 
     def backoff(self, attempt: int) -> float:
         """Seconds to sleep before retry `attempt` (1-based): exponential with jitter, capped."""
@@ -462,9 +484,6 @@ class ServerProcesses:
 
             log_dir = tempfile.mkdtemp(prefix=f"{getattr(self.spec, 'log_name', 'server')}-logs-")
         os.makedirs(log_dir, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k not in self.spec.unset_env}
-        env.update(self.spec.env or {})
-        term_with_parent = _term_with_parent()  # resolved here, not in the forked child
         _LIVE.add(self)
         try:
             for i in range(self.spec.num_servers):
@@ -472,20 +491,33 @@ class ServerProcesses:
                 log = open(path, "ab")
                 self._logs.append(log)
                 self.log_paths.append(path)
-                argv = self.spec.argv(i)
-                log.write(("$ " + " ".join(argv) + "\n").encode())
-                log.flush()
-                self.procs.append(
-                    subprocess.Popen(
-                        argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                        env=env, start_new_session=True,  # own process group: stop() reaches its children
-                        preexec_fn=term_with_parent,
-                    )
-                )
+                self.procs.append(self._spawn(i))
         except BaseException:
             self.stop(grace_s=2.0)
             raise
         return self.urls
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in self.spec.unset_env}
+        env.update(self.spec.env or {})
+        argv = self.spec.argv(i)
+        log = self._logs[i]
+        log.write(("$ " + " ".join(argv) + "\n").encode())
+        log.flush()
+        return subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True,  # own process group: stop() reaches its children
+            preexec_fn=_term_with_parent(),  # resolved here, not in the forked child
+        )
+
+    def restart(self, i: int, grace_s: float = 5.0) -> None:
+        """Stop server i's process group (SIGTERM, then SIGKILL after `grace_s`: a server stuck in
+        its own shutdown does not hold the restart) and start it again, same argv, same log."""
+        p = self.procs[i]
+        _stop_group(p, grace_s)
+        self._logs[i].write(f"--- restarted by the trainer (the previous process exited with {p.poll()}) ---\n"
+                            .encode())
+        self.procs[i] = self._spawn(i)
 
     def log_tail(self, i: int, n_bytes: int = 2000) -> str:
         try:
@@ -563,6 +595,21 @@ class ServerProcesses:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _stop_group(p: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM `p`'s process group, SIGKILL it after `grace_s`, and SIGKILL what the leader left."""
+    if p.poll() is None:
+        _signal_group(p, signal.SIGTERM)
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+    _signal_group(p, signal.SIGKILL, leader_gone=True)
 
 
 def _term_with_parent():

@@ -193,6 +193,8 @@ class VLLMEngine(RolloutEngine):
                                           "interrupted_rows": 0, "rejected": 0}
         self.procs = None
         self._nccl = None
+        self._supervisor = None
+        self.metrics["restarts"] = 0
         if c["weight_sync"] not in ("disk", "nccl"):
             raise ValueError(f"VLLMEngine: weight_sync must be disk or nccl, got {c['weight_sync']!r}")
         if c["weight_sync"] == "nccl" and nccl_backend is None and not torch.cuda.is_available():
@@ -237,6 +239,9 @@ class VLLMEngine(RolloutEngine):
             if wait_ready:
                 self.wait_ready()
                 self.check_version(strict=bool(c["check_version"]))
+            self._supervisor = None
+            if self.procs is not None and int(c.get("max_restarts") or 0) > 0:
+                self._supervisor = _Supervisor(self, int(c["max_restarts"]), float(c["health_interval_s"]))
         except BaseException:
             self.close()
             raise
@@ -379,6 +384,8 @@ class VLLMEngine(RolloutEngine):
                 log.warning("vLLM %s for prompt %d: retry %d of %d after %s", GENERATE, gi, attempt, self.max_retries,
                             str(last).splitlines()[0] if str(last) else type(last).__name__)
                 time.sleep(self.servers[0].backoff(attempt))
+            if self._supervisor is not None:  # a server being restarted: wait for it (bounded), then re-send
+                self._supervisor.wait_all_healthy()
             server = min(self.servers, key=lambda s: s.inflight)
             self._inc("requests")
             body = {"request_id": uuid.uuid4().hex, "token_ids": prompt, "sampling_params": sp}
@@ -471,6 +478,8 @@ class VLLMEngine(RolloutEngine):
 
         self._check_open()
         version = self._weight_version + 1 if version is None else int(version)
+        if self._supervisor is not None:
+            self._supervisor.wait_all_healthy()
         if self._nccl is not None:
             t0 = time.perf_counter()
             try:
@@ -543,6 +552,129 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         self._closed = True
+        if self._supervisor is not None:
+            self._supervisor.stop()
         if self.procs is not None:
             self.procs.stop()
             self.procs = None
+
+
+class _Supervisor:
+    """Health of the launched servers, and their restarts (rollout.vllm.max_restarts).
+
+    A thread polls every server each `interval_s`: the process (exited?) and GET /health (3
+    failures in a row: dead). Polling runs while requests are in flight, so a server whose API
+    process lingers after its engine core died (vLLM then stops answering but keeps the
+    connections of the requests under way) is found in seconds, not after request_timeout_s.
+    A dead server's requests in flight are cut (they fail retryably and VLLMEngine re-sends them
+    once it is back); its process group is stopped (SIGTERM, then SIGKILL: a server stuck in its
+    own shutdown does not hold the restart) and started again with the same argv; once ready it
+    reloads the last pushed weights (weight_sync=disk: the last version directory, which the
+    engine keeps) and is labelled with their version before anything is sent to it. Restarts are
+    counted (metrics["restarts"]: `engine_restarts` in every row); past max_restarts, or when a
+    restart fails, the engine is failed: every caller gets one line naming the server and why.
+
+    The thread stays alive until close(): a server it started gets SIGTERM when the thread that
+    started it ends (PR_SET_PDEATHSIG is per thread, http_servers._term_with_parent)."""
+
+    FAILURES = 3
+
+    def __init__(self, engine: "VLLMEngine", max_restarts: int, interval_s: float):
+        self.engine, self.max_restarts, self.interval_s = engine, max_restarts, interval_s
+        self.healthy = [threading.Event() for _ in engine.servers]
+        for e in self.healthy:
+            e.set()
+        self.failed: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for e in self.healthy:
+            e.set()
+        self._thread.join(timeout=30)
+
+    def wait_all_healthy(self) -> None:
+        deadline = time.monotonic() + float(self.engine.cfg["ready_timeout_s"]) + 60
+        for e in self.healthy:
+            while not e.wait(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise EngineError("vLLM server restart did not complete within rollout.vllm.ready_timeout_s")
+        if self.failed is not None:
+            raise EngineError(self.failed)
+
+    def _dead(self, i: int, fails: list[int]) -> str | None:
+        eng = self.engine
+        p = eng.procs.procs[i]
+        rc = p.poll()
+        if rc is not None:
+            return f"its process exited with code {rc}"
+        status = None
+        try:
+            status, _ = eng.servers[i].request_once("GET", "/health", timeout_s=max(5.0, 2 * self.interval_s))
+        except EngineError as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        else:
+            why = f"GET /health answered HTTP {status}"
+        if status == 200:
+            fails[i] = 0
+            return None
+        fails[i] += 1
+        return f"{fails[i]} health checks failed in a row (last: {why})" if fails[i] >= self.FAILURES else None
+
+    def _run(self) -> None:
+        eng = self.engine
+        fails = [0] * len(eng.servers)
+        while not self._stop.wait(self.interval_s):
+            if self.failed is not None:
+                continue
+            for i in range(len(eng.servers)):
+                if self._stop.is_set():
+                    return
+                try:
+                    why = self._dead(i, fails)
+                    if why is not None:
+                        self._restart(i, why)
+                        fails[i] = 0
+                except Exception as e:  # the supervisor itself must not die: fail the engine instead
+                    self.failed = (f"vLLM server {eng.servers[i].url}: restart failed: "
+                                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                    log.error("%s", self.failed)
+                    eng.servers[i].cut_inflight(self.failed)
+                    self.healthy[i].set()
+
+    def _restart(self, i: int, why: str) -> None:
+        eng = self.engine
+        s = eng.servers[i]
+        done = int(eng.metrics.get("restarts", 0))
+        if done >= self.max_restarts:
+            self.failed = (f"vLLM server {s.url} is dead ({why}) and rollout.vllm.max_restarts={self.max_restarts} "
+                           "restarts are used up")
+            log.error("%s", self.failed)
+            s.cut_inflight(self.failed)
+            return
+        self.healthy[i].clear()
+        log.warning("vLLM server %s is dead (%s): restarting it (%d of at most %d)", s.url, why, done + 1,
+                    self.max_restarts)
+        cut = s.cut_inflight(f"the server was found dead ({why}) and is being restarted")
+        t0 = time.perf_counter()
+        eng.procs.restart(i)
+        from .http_servers import wait_until_ready
+
+        wait_until_ready([s], float(eng.cfg["ready_timeout_s"]), alive=lambda j: eng.procs.dead(i), path="/health")
+        if eng._written:  # the last pushed weights, labelled with their version, before it serves again
+            path = eng._written[-1]
+            r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": {"weights_dir": path}},
+                       timeout_s=eng.request_timeout_s, retries=1)
+            if not isinstance(r, dict) or not r.get("results"):
+                raise EngineProtocolError(f"vLLM server {s.url}: reload after the restart answered {str(r)[:200]}")
+            s.post("/update_weight_version", {"new_version": str(eng._weight_version)}, timeout_s=60, retries=1,
+                   expect_json=False)
+        elif eng._nccl is not None and eng._synced:
+            raise EngineError("a restarted server cannot get the weights back over NCCL without the trainer "
+                              "(use weight_sync=disk for restarts)")
+        eng._inc("restarts")
+        log.warning("vLLM server %s restarted in %.1f s (%d request(s) cut and re-sent), weights version %d reloaded",
+                    s.url, time.perf_counter() - t0, cut, eng._weight_version)
+        self.healthy[i].set()

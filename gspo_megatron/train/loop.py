@@ -736,6 +736,9 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
                 verified = getattr(parts.engine, "metrics", {}).get("verified_tensors")
                 if verified is not None:  # rollout.verify_weights with digests: tensors the last checked push had
                     row["weights_verified"] = verified
+                restarts = getattr(parts.engine, "metrics", {}).get("restarts")
+                if restarts is not None:  # servers the engine restarted so far (rollout.vllm.max_restarts)
+                    row["engine_restarts"] = restarts
                 writer.write(row)
                 last = row
                 if bar is not None:
