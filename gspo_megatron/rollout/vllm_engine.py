@@ -240,8 +240,8 @@ class VLLMEngine(RolloutEngine):
                 self.wait_ready()
                 self.check_version(strict=bool(c["check_version"]))
             self._supervisor = None
-            if self.procs is not None and int(c.get("max_restarts") or 0) > 0:
-                self._supervisor = _Supervisor(self, int(c["max_restarts"]), float(c["health_interval_s"]))
+            if self.procs is not None:  # launched: health-checked (with max_restarts=0, a dead server fails fast)
+                self._supervisor = _Supervisor(self, int(c.get("max_restarts") or 0), float(c["health_interval_s"]))
         except BaseException:
             self.close()
             raise
