@@ -110,6 +110,7 @@ class Faults:
     # mid-generation by construction, not by timing. 0 = off.
     hold_after_tokens: int = 0
     hold_from_request: int = 0  # ... for the (hold_from_request+1)-th /generate request to arrive on
+    hold_requests: int = 0  # ... and only this many requests from there (0: every later one). An abort also ends a hold
     # weight updates are checked and answered (and set the weight version) as usual, but the served
     # weights stay the old ones: a server that silently keeps stale weights (train/smoke.py must fail)
     stale_weights: bool = False
@@ -363,7 +364,9 @@ class SGLangDouble:
         if self._is_aborted(epoch, rids) or self.take("server_abort"):
             out = [self._abort_row(r, rid) for r, rid in zip(rows, rids)]
         else:
-            hold = f.hold_after_tokens if arrival >= f.hold_from_request else 0
+            held = arrival >= f.hold_from_request and (not f.hold_requests
+                                                         or arrival < f.hold_from_request + f.hold_requests)
+            hold = f.hold_after_tokens if held else 0
             st = _Decoding(f.per_token_s, hold) if f.per_token_s > 0 or hold > 0 else None
             if st is not None:
                 with self._flow:  # from now on a retract pause sets this request aside (pause_generation)

@@ -170,21 +170,24 @@ def test_loop_with_partial_rollouts_carries_samples_over_pushes(tmp_path):
     import json
     import subprocess
 
-    from sglang_double import SGLangDouble, sglang_overrides
-    from test_train_loop import REPO, TINY, _env, torchrun_cmd
-    from test_train_sglang import _tiny_hf_dir
+    from sglang_double import SGLangDouble
+    from test_train_loop import REPO, _env, torchrun_cmd
+    from test_train_sglang import _tiny_hf_dir, double_run_args
+
+    from sglang_double import Faults
 
     hf_dir = _tiny_hf_dir(tmp_path / "hf0")
     steps = 4
-    with SGLangDouble(hf_dir) as server:
-        server.faults.per_token_s = 0.2  # a rollout (8 tokens, 1.6 s) outlasts a training step (~0.3 s quiet, ~1 s loaded): pushes land mid-generation
+    # By construction, not by timing (a loaded machine once trained slower than the double
+    # decoded, and no push met a generation): step 2's batch (requests 4-7: one per prompt, no
+    # dynamic sampling) decodes 2 tokens and holds until an abort. The producer generates it while
+    # step 1 trains, so the push after step 1 must interrupt it: its rows come back with 2 tokens
+    # and continue with the new weights.
+    with SGLangDouble(hf_dir, faults=Faults(hold_after_tokens=2, hold_from_request=4, hold_requests=4)) as server:
         out = tmp_path / "run"
-        args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
-                f"train.max_steps={steps}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
-                "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
-                "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "train.minibatches_per_step=1",
-                "rollout.async_steps=1", "rollout.partial=true",
-                *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))]
+        args = double_run_args(hf_dir, out, steps, server.url, tmp_path / "sync", "rollout.prompts_per_step=4",
+                               "rollout.samples_per_prompt=4", "train.minibatches_per_step=1", "rollout.async_steps=1",
+                               "rollout.partial=true", "rollout.dynamic_sampling=false")
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
         assert r.returncode == 0, r.stderr[-4000:]
         aborts = len(server.calls("/abort_request"))

@@ -42,6 +42,15 @@ def _watch_answers(server, see) -> None:
 
 
 @pytest.mark.timeout(600)
+def double_run_args(hf_dir, out, steps: int, server_url: str, shared_dir, *extra: str) -> list[str]:
+    """A TP2+SP run of `steps` GSPO steps of the demo config on `hf_dir` against the SGLang double
+    at `server_url` (disk sync through `shared_dir`), no warm start, nothing saved, plus `extra`."""
+    return ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
+            f"train.max_steps={steps}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
+            "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false", *extra,
+            *sglang_overrides(server_url, weight_sync="disk", shared_dir=str(shared_dir))]
+
+
 def test_training_loop_with_sglang_disk_sync(tmp_path):
     import re
 
@@ -246,12 +255,9 @@ def test_a_refit_that_serves_other_weights_stops_the_run_in_one_line(tmp_path):
     target = "model.layers.0.mlp.experts.0.down_proj.weight"
     with SGLangDouble(hf_dir, faults=Faults(scale_tensor=target, scale_by=2.0, scale_from_update=2)) as server:
         out = tmp_path / "run"
-        args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
-                "train.max_steps=4", "train.sft_warmup_steps=0", "checkpoint.interval=0",
-                "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
-                "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-                "rollout.verify_weights=true", "rollout.verify_logprob_tol=1e-4",
-                *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))]
+        args = double_run_args(hf_dir, out, 4, server.url, tmp_path / "sync", "rollout.prompts_per_step=2",
+                               "rollout.samples_per_prompt=2", "rollout.verify_weights=true",
+                               "rollout.verify_logprob_tol=1e-4")
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
         records = list(server.records)
     probes = [x for x in records if x.path == "/generate" and x.body.get("logprob_start_len") == 0]
@@ -286,12 +292,9 @@ def test_icepop_masks_exactly_the_tokens_an_engine_got_wrong(tmp_path):
         _watch_answers(server, lambda status, rows, n_updates: lengths.extend(
             r["meta_info"]["completion_tokens"] for r in rows))
         out = tmp_path / "run"
-        args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
-                f"train.max_steps={STEPS}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
-                "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
-                "rollout.dynamic_sampling=false", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
-                "loss.icepop=[0.5,5.0]", "loss.old_logprobs=recompute",
-                *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))]
+        args = double_run_args(hf_dir, out, STEPS, server.url, tmp_path / "sync", "rollout.dynamic_sampling=false",
+                               "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "loss.icepop=[0.5,5.0]",
+                               "loss.old_logprobs=recompute")
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
         assert r.returncode == 0, r.stderr[-4000:]
     rows = gspo_rows(out)

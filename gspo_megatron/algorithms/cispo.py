@@ -31,11 +31,11 @@ import torch
 from .common import (
     MAX_LOG_RATIO,
     LossOptions,
-    k3,
     masked,
     ratio_metrics,
     tis_weight_from_log,
     token_inputs,
+    token_penalties,
     vmean,
 )
 
@@ -96,15 +96,7 @@ def cispo_loss(
         w_tis = tis_weight_from_log(tis_log, opts.tis_cap)
         tok = tok * w_tis
     pg_tok = tok
-    kl_tok = ent_tok = None
-    if opts.ref_log_probs is not None:
-        kl_tok = k3(masked(opts.ref_log_probs.detach().to(dtype), mask) - lp)
-        if opts.kl_coef:
-            tok = tok + opts.kl_coef * kl_tok
-    if opts.entropy is not None:
-        ent_tok = masked(opts.entropy.to(dtype), mask)
-        if opts.entropy_coef:
-            tok = tok - opts.entropy_coef * ent_tok
+    tok, kl_tok, ent_tok = token_penalties(pg_tok, lp, mask, opts, dtype)
     denom = (mask.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=mask.device)).to(dtype)
     denom = denom.clamp_min(1.0)
     loss = masked(tok, mask).sum() / denom

@@ -187,12 +187,9 @@ def ratio_metrics(ratio, log_ratio, where) -> dict[str, torch.Tensor]:
     }
 
 
-def token_loss_with_penalties(pg_tok, lp, mask, n, valid, opts: "LossOptions", dtype):
-    """Token-level losses' shared tail: add the k3 KL and entropy terms per token, take each
-    sequence's token mean (divided by ``n`` = |y_i|) and sum over sequences / the normaliser.
-
-    Returns (loss, denom, kl_tok or None, ent_tok or None); the per-token terms feed the metrics.
-    """
+def token_penalties(pg_tok, lp, mask, opts: "LossOptions", dtype):
+    """The per-token loss with the k3 KL (to ``ref_log_probs``, times kl_coef) and the entropy
+    bonus (times entropy_coef) added: (tok, kl_tok or None, ent_tok or None)."""
     tok = pg_tok
     kl_tok = ent_tok = None
     if opts.ref_log_probs is not None:
@@ -203,6 +200,16 @@ def token_loss_with_penalties(pg_tok, lp, mask, n, valid, opts: "LossOptions", d
         ent_tok = masked(opts.entropy.to(dtype), mask)
         if opts.entropy_coef:
             tok = tok - opts.entropy_coef * ent_tok
+    return tok, kl_tok, ent_tok
+
+
+def token_loss_with_penalties(pg_tok, lp, mask, n, valid, opts: "LossOptions", dtype):
+    """Token-level losses' shared tail: add the k3 KL and entropy terms per token, take each
+    sequence's token mean (divided by ``n`` = |y_i|) and sum over sequences / the normaliser.
+
+    Returns (loss, denom, kl_tok or None, ent_tok or None); the per-token terms feed the metrics.
+    """
+    tok, kl_tok, ent_tok = token_penalties(pg_tok, lp, mask, opts, dtype)
     per_seq = masked(tok, mask).sum(-1) / n
     denom = normaliser(opts.num_sequences, valid, dtype)
     return masked(per_seq, valid).sum() / denom, denom, kl_tok, ent_tok
