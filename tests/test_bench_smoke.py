@@ -8,8 +8,8 @@ bench_checkpoint and bench_data run one after the other (their own tests below).
 (SMOKES) are started together by one module fixture, a few at a time: most of each is process
 start-up (torch + Megatron imports, ~7 s of CPU per process) and waits, which overlap; each bench
 then has its own test on the fixture's output. Elsewhere: bench_dataplane --smoke runs in
-tests/test_dataplane.py, bench_convert and gpu_check in their own tests; bench_vllm --smoke needs a
-vLLM server and runs against the one tests/test_vllm.py starts (--url). bench_trainer runs as the
+tests/test_dataplane.py, bench_convert and gpu_check in their own tests; bench_vllm --smoke and
+bench_judge --smoke need a vLLM server and run against the one tests/test_vllm.py starts (--url). bench_trainer runs as the
 step-cost regression guard (--guard), alone: it compares CPU time with a reference arm."""
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def _close(printed: float, value: float, decimals: int, rel: float = 0.0) -> boo
 def test_smokes_all_ran():
     """Every script in bench/ has a smoke run somewhere (here, or the test named in the docstring)."""
     elsewhere = {"bench_checkpoint.py", "bench_data.py", "bench_dataplane.py", "bench_convert.py", "gpu_check.py",
-                 "bench_vllm.py", "bench_trainer.py", "common.py"}
+                 "bench_vllm.py", "bench_judge.py", "bench_trainer.py", "common.py"}
     scripts = {f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
     assert scripts - elsewhere == set(SMOKES), scripts - elsewhere ^ set(SMOKES)
 

@@ -470,6 +470,7 @@ class ServerProcesses:
         self.procs: list[subprocess.Popen] = []
         self.log_paths: list[str] = []
         self._logs: list[Any] = []
+        self._watchdogs: list[subprocess.Popen] = []
 
     @property
     def urls(self) -> list[str]:
@@ -504,11 +505,17 @@ class ServerProcesses:
         log = self._logs[i]
         log.write(("$ " + " ".join(argv) + "\n").encode())
         log.flush()
-        return subprocess.Popen(
+        p = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, start_new_session=True,  # own process group: stop() reaches its children
             preexec_fn=_term_with_parent(),  # resolved here, not in the forked child
         )
+        self._watchdogs = [w for w in self._watchdogs if w.poll() is None]
+        try:
+            self._watchdogs.append(_watchdog(p.pid))
+        except OSError as e:  # the server still gets PR_SET_PDEATHSIG's SIGTERM
+            log.warning("no watchdog for server %d (pid %d): %s", i, p.pid, e)
+        return p
 
     def restart(self, i: int, grace_s: float = 5.0) -> None:
         """Stop server i's process group (SIGTERM, then SIGKILL after `grace_s`: a server stuck in
@@ -588,6 +595,13 @@ class ServerProcesses:
             except OSError:
                 pass
         self._logs = []
+        for w in self._watchdogs:  # they end once their server's group is gone; reap them
+            try:
+                w.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait(timeout=5)
+        self._watchdogs = []
         _LIVE.discard(self)
 
     def __enter__(self) -> "ServerProcesses":
@@ -595,6 +609,48 @@ class ServerProcesses:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# A server's watchdog (one small process per started server, in a session of its own): once the
+# process that started the server is gone -- its parent changes, whatever killed it, SIGKILL
+# included -- it stops the server's process group: SIGTERM, then SIGKILL after the grace. The
+# kernel's PR_SET_PDEATHSIG (below) only sends SIGTERM, which a server stuck in its own shutdown
+# (vLLM 0.32 after its engine core died: "Waiting for connections to close") never completes.
+# It exits by itself once the group is gone (a normal stop()).
+_WATCHDOG = """
+import os, signal, sys, time
+owner, pgid, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+def group_alive():
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+while os.getppid() == owner:
+    if not group_alive():
+        sys.exit(0)
+    time.sleep(0.2)
+try:
+    os.killpg(pgid, signal.SIGTERM)
+except ProcessLookupError:
+    sys.exit(0)
+end = time.monotonic() + grace
+while time.monotonic() < end and group_alive():
+    time.sleep(0.2)
+try:
+    os.killpg(pgid, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+WATCHDOG_GRACE_S = 10.0
+
+
+def _watchdog(pgid: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(pgid), str(WATCHDOG_GRACE_S)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True)
 
 
 def _stop_group(p: subprocess.Popen, grace_s: float) -> None:

@@ -375,6 +375,19 @@ class VLLMEngine(RolloutEngine):
         return [Sample(gi, list(prompt), [], [], "abort", self._weight_version, text="") for _ in range(n)]
 
     def _run_group(self, gi: int, prompt: list[int], n: int, sp: dict) -> list[Sample]:
+        """_attempts, and with a supervisor a fresh budget of attempts after each restart of a
+        server that happened during them (restarts are bounded: rollout.vllm.max_restarts)."""
+        while True:
+            restarts = self.metrics.get("restarts", 0)
+            try:
+                return self._attempts(gi, prompt, n, sp)
+            except EngineServerError:
+                sup = self._supervisor
+                if sup is None or sup.failed is not None or self.metrics.get("restarts", 0) == restarts:
+                    raise
+                log.warning("vLLM %s for prompt %d: sent again after the server restart", GENERATE, gi)
+
+    def _attempts(self, gi: int, prompt: list[int], n: int, sp: dict) -> list[Sample]:
         last: BaseException | None = None
         for attempt in range(self.max_retries + 1):
             if self._interrupted.is_set():
@@ -393,10 +406,14 @@ class VLLMEngine(RolloutEngine):
                 status, data = server.request_once("POST", GENERATE, body, timeout_s=self.request_timeout_s)
             except RetryableHTTPError as e:
                 last = e
+                if self._supervisor is not None:  # dead or alive? let its health checks say, then retry
+                    self._supervisor.settle(self.servers.index(server))
                 continue
             if status >= 500:
                 last = EngineServerError(f"vLLM server {server.url}: HTTP {status}: {data[:300]!r}", url=server.url,
                                          status=status)
+                if self._supervisor is not None:
+                    self._supervisor.settle(self.servers.index(server))
                 continue
             if status != 200:
                 raise EngineServerError(f"vLLM server {server.url}: POST {GENERATE} returned HTTP {status}: "
@@ -508,19 +525,20 @@ class VLLMEngine(RolloutEngine):
         kwargs = {"weights_dir": path, **({"digests": True} if verify else {})}
         done = []
         try:
-            for s in self.servers:
-                s.post("/pause?mode=wait", {}, timeout_s=self.request_timeout_s, retries=1, expect_json=False)
-                r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": kwargs},
-                           timeout_s=self.request_timeout_s, retries=0)
-                results = r.get("results") if isinstance(r, dict) else None
-                if not isinstance(results, list) or not results or not all(isinstance(x, dict) for x in results):
-                    raise EngineProtocolError(f"vLLM server {s.url}: /collective_rpc {RELOAD_METHOD} answered {str(r)[:300]}")
-                if verify:  # before the new weights are labelled and served
-                    self.metrics["verified_tensors"] = check_digests(s.url, results, sent, version)
-                s.post("/update_weight_version", {"new_version": str(version)}, timeout_s=60, retries=1,
-                       expect_json=False)
-                if not self._interrupted.is_set():
-                    s.post("/resume", {}, timeout_s=60, retries=1, expect_json=False)
+            for i, s in enumerate(self.servers):
+                for tries in range(2):
+                    try:
+                        self._reload_on(s, kwargs, verify, sent, version)
+                        break
+                    except EngineServerError:
+                        # a supervised server that died under the push: once it is back (restarted
+                        # with the previous version's weights), push this version to it again
+                        if self._supervisor is None or tries:
+                            raise
+                        restarts = self.metrics.get("restarts", 0)
+                        self._supervisor.settle(i)
+                        if self.metrics.get("restarts", 0) == restarts:
+                            raise
                 done.append(s.url)
         except BaseException as e:
             if done or len(self.servers) > 1:
@@ -534,6 +552,21 @@ class VLLMEngine(RolloutEngine):
         self._synced = True
         self._inc("weight_syncs")
         self.metrics["last_sync_s"] = time.perf_counter() - t0
+
+    def _reload_on(self, s: ServerClient, kwargs: dict, verify: bool, sent: dict, version: int) -> None:
+        """One server of a disk push: pause, reload from the version directory (digests checked
+        before the version is labelled and served), label, resume."""
+        s.post("/pause?mode=wait", {}, timeout_s=self.request_timeout_s, retries=1, expect_json=False)
+        r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": kwargs},
+                   timeout_s=self.request_timeout_s, retries=0)
+        results = r.get("results") if isinstance(r, dict) else None
+        if not isinstance(results, list) or not results or not all(isinstance(x, dict) for x in results):
+            raise EngineProtocolError(f"vLLM server {s.url}: /collective_rpc {RELOAD_METHOD} answered {str(r)[:300]}")
+        if verify:
+            self.metrics["verified_tensors"] = check_digests(s.url, results, sent, version)
+        s.post("/update_weight_version", {"new_version": str(version)}, timeout_s=60, retries=1, expect_json=False)
+        if not self._interrupted.is_set():
+            s.post("/resume", {}, timeout_s=60, retries=1, expect_json=False)
 
     def _write_push(self, named_tensors, path: str) -> None:
         """The disk push's files (one method, so that a test can corrupt what reaches the disk)."""
@@ -585,6 +618,8 @@ class _Supervisor:
         for e in self.healthy:
             e.set()
         self.failed: str | None = None
+        self.fails = [0] * len(engine.servers)  # health checks failed in a row, per server
+        self.checks = [0] * len(engine.servers)  # health checks completed, per server
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-supervisor", daemon=True)
         self._thread.start()
@@ -604,6 +639,22 @@ class _Supervisor:
         if self.failed is not None:
             raise EngineError(self.failed)
 
+    def settle(self, i: int) -> None:
+        """After a failed request to server i: wait until the supervisor has checked it since
+        (healthy: the caller retries) or, found dead, has restarted it (bounded either way)."""
+        c0 = self.checks[i]
+        deadline = time.monotonic() + (self.FAILURES + 1) * (self.interval_s + self._health_timeout()) + 5
+        while time.monotonic() < deadline and not self._stop.is_set() and self.failed is None:
+            if not self.healthy[i].is_set():
+                self.wait_all_healthy()
+                return
+            if self.checks[i] >= c0 + 2 and self.fails[i] == 0:  # a whole check after the failure passed
+                return
+            time.sleep(0.05)
+
+    def _health_timeout(self) -> float:
+        return max(5.0, 2 * self.interval_s)
+
     def _dead(self, i: int, fails: list[int]) -> str | None:
         eng = self.engine
         p = eng.procs.procs[i]
@@ -612,20 +663,22 @@ class _Supervisor:
             return f"its process exited with code {rc}"
         status = None
         try:
-            status, _ = eng.servers[i].request_once("GET", "/health", timeout_s=max(5.0, 2 * self.interval_s))
+            status, _ = eng.servers[i].request_once("GET", "/health", timeout_s=self._health_timeout())
         except EngineError as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
         else:
             why = f"GET /health answered HTTP {status}"
         if status == 200:
             fails[i] = 0
+            self.checks[i] += 1
             return None
         fails[i] += 1
+        self.checks[i] += 1
         return f"{fails[i]} health checks failed in a row (last: {why})" if fails[i] >= self.FAILURES else None
 
     def _run(self) -> None:
         eng = self.engine
-        fails = [0] * len(eng.servers)
+        fails = self.fails
         while not self._stop.wait(self.interval_s):
             if self.failed is not None:
                 continue
