@@ -507,6 +507,28 @@ def test_bench_judge_smoke_against_the_running_server(server, models, tmp_path):
     assert [x[0] for x in rows] == ["1", "8"] and all(x[3] == "0" for x in rows), r.stdout  # no scoring errors
 
 
+def _start_supervised_run(out, *extra: str) -> subprocess.Popen:
+    """The demo config training against a vLLM server it launches, health-checked every second."""
+    args = ["--config", TINY, *FROM_TINY, f"out_dir={out}", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=4", "checkpoint.interval=0", "checkpoint.export_hf=false",
+            "logging.progress_bar=false", "logging.plot=false", "eval.interval=0", "rollout.vllm.health_interval_s=1",
+            f"rollout.vllm.port={_free_port()}", *extra]
+    return subprocess.Popen(torchrun_cmd(2, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=REPO)
+
+
+def _processes_until_rows(p: subprocess.Popen, out, n: int, timeout_s: float) -> set[int]:
+    """Wait (bounded) until the run has logged n GSPO steps; every process it started meanwhile."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(_rows(out)) < n:
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no step {n} within {timeout_s:.0f} s"
+        seen |= _descendants(p.pid)
+        time.sleep(0.2)
+    return seen | _descendants(p.pid)
+
+
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("victim", ["api_server", "engine_core"])
 def test_a_killed_server_is_restarted_gets_the_weights_and_the_run_finishes(vllm_python, tmp_path, victim):
@@ -518,21 +540,10 @@ def test_a_killed_server_is_restarted_gets_the_weights_and_the_run_finishes(vllm
     within 1e-4 of the trainer's after the restart (fp32 both sides: it serves the current
     weights), and no process of the run is left."""
     out = tmp_path / "run"
-    args = ["--config", TINY, *FROM_TINY, f"out_dir={out}", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
-            "rollout.samples_per_prompt=4", "checkpoint.interval=0", "checkpoint.export_hf=false",
-            "logging.progress_bar=false", "logging.plot=false", "eval.interval=0", "train.max_steps=5",
-            "rollout.vllm.request_timeout_s=300", "rollout.vllm.health_interval_s=1", f"rollout.vllm.port={_free_port()}"]
-    p = subprocess.Popen(torchrun_cmd(2, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(), cwd=REPO)
+    p = _start_supervised_run(out, "train.max_steps=5", "rollout.vllm.request_timeout_s=300")
     seen: set[int] = set()
     try:
-        deadline = time.monotonic() + 1200
-        while len(_rows(out)) < 2:
-            assert p.poll() is None, p.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no second step"
-            seen |= _descendants(p.pid)
-            time.sleep(0.2)
-        seen |= _descendants(p.pid)
+        seen = _processes_until_rows(p, out, 2, 1200)
         mark = "vllm.entrypoints.openai.api_server" if victim == "api_server" else "EngineCore"
         targets = [q for q in seen if mark in _cmdline(q)]
         assert len(targets) == 1, [(q, _cmdline(q)[:80]) for q in seen]
@@ -567,22 +578,12 @@ def test_a_sigterm_while_a_request_hangs_leaves_no_vllm_process(vllm_python, tmp
     out and SIGKILL the ranks mid-restart), no process of the run is left: every server has a
     watchdog that stops its process group, SIGTERM then SIGKILL, once its trainer is gone."""
     out = tmp_path / "run"
-    args = ["--config", TINY, *FROM_TINY, f"out_dir={out}", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
-            "rollout.samples_per_prompt=4", "checkpoint.interval=0", "checkpoint.export_hf=false",
-            "logging.progress_bar=false", "logging.plot=false", "eval.interval=0", "train.max_steps=50",
-            "rollout.vllm.request_timeout_s=600", "rollout.vllm.health_interval_s=1", f"rollout.vllm.port={_free_port()}"]
-    p = subprocess.Popen(torchrun_cmd(2, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(), cwd=REPO)
+    p = _start_supervised_run(out, "train.max_steps=50", "rollout.vllm.request_timeout_s=600")
     seen: set[int] = set()
     err = ""
     try:
         deadline = time.monotonic() + 600
-        while len(_rows(out)) < 2:
-            assert p.poll() is None, p.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no second step"
-            seen |= _descendants(p.pid)
-            time.sleep(0.2)
-        seen |= _descendants(p.pid)
+        seen = _processes_until_rows(p, out, 2, 600)
         core = [q for q in seen if "EngineCore" in _cmdline(q)]
         assert len(core) == 1, [(q, _cmdline(q)[:80]) for q in seen]
         api = [q for q in seen if "api_server" in _cmdline(q)]  # it lingers after its engine core's death
