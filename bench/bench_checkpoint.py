@@ -166,11 +166,11 @@ def _init(layout: dict, cfg: dict):
     import gspo_megatron.train.checkpoint  # noqa: F401
     import gspo_megatron.train.optim  # noqa: F401
     from gspo_megatron.config import ParallelConfig
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.state import init_parallel
 
     torch.set_num_threads(1)
-    arch = Qwen3MoeArch.from_hf_dict(cfg, source="bench_checkpoint config")
+    arch = MoeArch.from_hf_dict(cfg, source="bench_checkpoint config")
     par = ParallelConfig(tp=layout["tp"], ep=layout["ep"], sequence_parallel=layout["tp"] > 1, device="cpu")
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
     return ctx, arch

@@ -49,7 +49,7 @@ def write_synthetic_hf(d: str, a) -> int:
     from safetensors.torch import save_file
 
     from gspo_megatron.model.mapping import hf_shapes
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
 
     cfg = synth_config(a)
     os.makedirs(d)
@@ -57,7 +57,7 @@ def write_synthetic_hf(d: str, a) -> int:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(d, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 0, "eos_token_id": 1}, f)
-    shapes = hf_shapes(Qwen3MoeArch.from_hf_dict(cfg))
+    shapes = hf_shapes(MoeArch.from_hf_dict(cfg))
     g = torch.Generator().manual_seed(0)
     pool = torch.randn(a.pool_numel, generator=g).to(torch.bfloat16)  # 128 MB of random values (default)
     limit = a.hf_shard_mb * 1024**2

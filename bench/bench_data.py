@@ -233,7 +233,7 @@ def time_load(path: str, repeats: int) -> dict:
 
 
 def dry_run_cfg(path: str, tokenizer_dir: str):
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
 
     return load_config(CONFIG, cli_overrides(path, tokenizer_dir))
 
@@ -250,7 +250,9 @@ def time_check(cfg, name: str, tokenizer) -> dict:
     from gspo_megatron.train.setup import PromptSource
 
     logging.getLogger("gspo_megatron").setLevel(logging.ERROR)  # the "N malformed" warning
-    arch_max = cfg.hf_config_dict()["max_position_embeddings"]
+    from gspo_megatron import resolve
+
+    arch_max = resolve.arch_of(cfg).max_position_embeddings
     limit = cfg.data.max_prompt_tokens or max(1, arch_max - cfg.rollout.max_new_tokens)
 
     def run():

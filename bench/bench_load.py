@@ -105,9 +105,9 @@ def hf_config(vocab: int, layers: int, moe_inter: int) -> dict:
 
 
 def _arch(cfg: dict):
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
 
-    return Qwen3MoeArch.from_hf_dict(cfg, source="bench config")
+    return MoeArch.from_hf_dict(cfg, source="bench config")
 
 
 def checkpoint_bytes(cfg: dict) -> int:
@@ -380,10 +380,10 @@ def _rank_main(rank: int, world: int, ckpt: str, tp: int, ep: int, method: str) 
 
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
 
-    arch = Qwen3MoeArch.from_hf_dir(ckpt)
+    arch = MoeArch.from_hf_dir(ckpt)
     ctx = init_parallel(ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1, device="cpu"),
                         model_dims=arch.dims_for_validation())
     try:

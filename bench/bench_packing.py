@@ -113,7 +113,7 @@ ARMS = ("padded", "packed")
 
 
 def hf_config(args) -> dict:
-    """The model's shape as a Hugging Face Qwen3-MoE config dict (Qwen3MoeArch.from_hf_dict)."""
+    """The model's shape as a Hugging Face Qwen3-MoE config dict (MoeArch.from_hf_dict)."""
     return dict(
         model_type="qwen3_moe", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.moe_inter,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -192,7 +192,7 @@ def _rank_main(rank, world, layout: dict, cfg: dict, samples, opts: dict) -> dic
 
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.train.batch import plan_minibatch
@@ -201,7 +201,7 @@ def _rank_main(rank, world, layout: dict, cfg: dict, samples, opts: dict) -> dic
     from gspo_megatron.train.scoring import pad_multiple
 
     torch.set_num_threads(opts["threads"])
-    arch = Qwen3MoeArch.from_hf_dict(cfg, source="bench_packing config")
+    arch = MoeArch.from_hf_dict(cfg, source="bench_packing config")
     par = ParallelConfig(**layout, device="cpu")
     ctx = init_parallel(par, seed=opts["seed"], model_dims=arch.dims_for_validation())
     chunks, tcfg = build_policy(ctx, arch, dtype=torch.float32)

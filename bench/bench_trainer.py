@@ -142,7 +142,7 @@ ARMS = ("gspo_tp2", "gspo_tp1", "trl", "torch_ref")
 
 
 def load_demo_cfg(config_path: str, micro_batch_tokens: int):
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
 
     return load_config(config_path, [f"train.micro_batch_tokens={micro_batch_tokens}"])
 

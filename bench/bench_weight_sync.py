@@ -70,11 +70,11 @@ def _run(rank, layout, args):
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.export import iter_hf_tensors
     from gspo_megatron.model.factory import build_policy, parse_dtype
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.rollout.weight_sync import drain, iter_buckets, tensor_nbytes
 
-    arch = Qwen3MoeArch.from_hf_dict(hf_config(args))
+    arch = MoeArch.from_hf_dict(hf_config(args))
     par = ParallelConfig(tp=layout["tp"], ep=layout["ep"], sequence_parallel=layout["tp"] > 1, device="cpu")
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
     dtype = parse_dtype(args.dtype)

@@ -291,8 +291,8 @@ def make_overlay(venv: str, wheels: str | None, found: str | None = None) -> str
 
 
 def _te_available() -> bool:
-    """Whether the trainer builds Transformer Engine layers (on CUDA): as model/qwen3_moe.py decides."""
-    from gspo_megatron.model.qwen3_moe import te_available
+    """Whether the trainer builds Transformer Engine layers (on CUDA): as model/spec.py decides."""
+    from gspo_megatron.model.spec import te_available
 
     return te_available()
 

@@ -91,7 +91,7 @@ def _dtype(name: str):
 
 
 def _size(text: str) -> int:
-    from gspo_megatron.cli_util import InputError
+    from gspo_megatron.errors import InputError
     from gspo_megatron.model.hf_writer import parse_size
 
     try:
@@ -114,7 +114,7 @@ def check_out(out: str, inputs: list[str], overwrite: bool, command: str) -> Non
     (gspo_megatron/fsutil.py): `--overwrite --out ~/data` would otherwise delete the whole
     directory once the conversion succeeds, and `--out` = `--hf-dir` the source itself. A
     replacement of --out that was interrupted is finished or undone first (rank 0)."""
-    from gspo_megatron.cli_util import InputError
+    from gspo_megatron.errors import InputError
     from gspo_megatron.fsutil import check_replaceable, recover_replaced
 
     for src in inputs:

@@ -6,15 +6,11 @@ import os
 import sys
 import time
 
-from gspo_megatron.config import ConfigError
+from gspo_megatron.errors import ConfigError, InputError
 
 EXIT_BAD_INPUT = 2
 # How long a rank other than 0 waits before printing its bad-input line (user_errors).
 PEER_GRACE_S = 5.0
-
-
-class InputError(ValueError):
-    """Bad user input (file, key, value) detected by an entry point."""
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InputError, FileNotFoundError, ValueError)

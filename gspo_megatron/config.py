@@ -15,15 +15,13 @@ from typing import Literal, Optional
 
 import yaml
 
+from gspo_megatron.errors import ConfigError
+
 
 # Process-group timeout when no setting bounds rank 0's waits (Config.collective_timeout_s), and
 # the margin added to the longest bounded wait.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 30 * 60.0
 COLLECTIVE_TIMEOUT_MARGIN_S = 10 * 60.0
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message is one line naming the offending key."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +36,7 @@ class ParallelConfig:
     tp: int = 1
     # Pipeline parallel size (layers split into pp stages).
     pp: int = 1
-    # Expert parallel size (each rank holds num_experts / ep experts of every MoE layer).
+    # Expert parallel size (each rank holds 1/ep of the experts of every MoE layer).
     ep: int = 1
     # Expert tensor parallel size (each expert's FFN split over etp ranks).
     etp: int = 1
@@ -98,28 +96,29 @@ class ParallelConfig:
     def check_model(
         self,
         *,
-        num_layers: int,
-        num_attention_heads: int,
-        num_query_groups: int,
-        num_experts: int,
-        moe_ffn_hidden_size: int | None = None,
+        layers: int,
+        heads: int,
+        kv_heads: int,
+        experts: int,
+        expert_width: int | None = None,
         training: bool = True,
     ) -> None:
-        if num_attention_heads % self.tp:
-            raise ConfigError(f"parallel.tp={self.tp} does not divide num_attention_heads={num_attention_heads}")
-        if num_query_groups % self.tp:
+        """The layout against the model's sizes (MoeArch.dims_for_validation gives them)."""
+        if heads % self.tp:
+            raise ConfigError(f"parallel.tp={self.tp} does not divide the model's {heads} attention heads")
+        if kv_heads % self.tp:
             raise ConfigError(
-                f"parallel.tp={self.tp} does not divide num_key_value_heads={num_query_groups}"
+                f"parallel.tp={self.tp} does not divide the model's {kv_heads} key/value heads"
             )
-        if num_experts % self.ep:
-            raise ConfigError(f"parallel.ep={self.ep} does not divide num_experts={num_experts}")
-        if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % self.etp:
+        if experts % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} does not divide the model's {experts} experts")
+        if expert_width is not None and expert_width % self.etp:
             raise ConfigError(
-                f"parallel.etp={self.etp} does not divide moe_intermediate_size={moe_ffn_hidden_size}"
+                f"parallel.etp={self.etp} does not divide the experts' width {expert_width}"
             )
-        if num_layers % self.pp:
-            raise ConfigError(f"parallel.pp={self.pp} does not divide num_hidden_layers={num_layers}")
-        if training and num_experts > 0 and self.tp > 1 and not self.sequence_parallel:
+        if layers % self.pp:
+            raise ConfigError(f"parallel.pp={self.pp} does not divide the model's {layers} layers")
+        if training and experts > 0 and self.tp > 1 and not self.sequence_parallel:
             raise ConfigError(
                 "MoE training with parallel.tp > 1 requires parallel.sequence_parallel=true "
                 "(Megatron-Core's MoE layer assumes sequence-parallel activations under TP)"
@@ -150,32 +149,6 @@ DEFAULT_EPS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0
 GSPO_EPS_WARN = 0.05  # a GSPO clip range this wide is GRPO-sized: almost nothing gets clipped
 GRPO_EPS_WARN = 0.01  # a GRPO clip range this narrow is GSPO-sized: almost everything gets clipped
 
-# Fields an inline model.hf_config may hold (transformers' Qwen3MoeConfig arguments plus the keys
-# real Qwen3 config.json files carry). A typo here would be silently ignored by transformers.
-HF_CONFIG_KEYS = frozenset(
-    """
-    vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
-    num_key_value_heads head_dim hidden_act max_position_embeddings initializer_range rms_norm_eps
-    use_cache tie_word_embeddings rope_theta rope_scaling rope_parameters attention_bias
-    use_sliding_window sliding_window max_window_layers attention_dropout decoder_sparse_step
-    moe_intermediate_size num_experts_per_tok num_experts num_local_experts norm_topk_prob
-    output_router_logits router_aux_loss_coef mlp_only_layers pad_token_id bos_token_id
-    eos_token_id architectures model_type torch_dtype dtype transformers_version
-    """.split()
-)
-# An inline hf_config must state these (transformers' defaults are the 30B model's, which would
-# silently turn a "tiny" config into a big one).
-HF_CONFIG_REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-)
-
 _REWARD_FN_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
@@ -193,8 +166,10 @@ class ModelConfig:
     # `gspo-convert hf-to-mcore` output or a trainer checkpoint. Its hf_config/ (config.json and
     # tokenizer files) is the architecture and the tokenizer; nothing else needs to be set.
     load: Optional[str] = None
-    # Inline Qwen3MoeConfig fields (HF names) for a random init when hf_dir/load are unset. When a
-    # checkpoint gives the architecture, every field listed here must agree with it.
+    # Inline HF config fields for a random init when hf_dir/load are unset: the family's config
+    # class arguments (model_type picks the family; none: the first family), checked where the
+    # config is resolved (gspo_megatron/resolve.py). When a checkpoint gives the architecture,
+    # every field listed here must agree with it.
     hf_config: Optional[dict] = None
     # Tokenizer directory; null = load's hf_config/ or hf_dir when they have tokenizer files, else
     # the synthetic task's built-in tokenizer.
@@ -216,10 +191,8 @@ class ModelConfig:
         if self.hf_dir is None and self.hf_config is None and self.load is None:
             raise ConfigError(
                 "model: no architecture: set model.load (a gspo-convert or trainer checkpoint), model.hf_dir "
-                "(HF checkpoint dir) or model.hf_config (inline Qwen3MoeConfig fields)"
+                "(HF checkpoint dir) or model.hf_config (inline HF config fields)"
             )
-        if self.hf_config is not None:
-            check_hf_config(self.hf_config, "model.hf_config")
 
 
 @dataclass(frozen=True)
@@ -250,67 +223,6 @@ def _read_json_object(path: str, option: str) -> dict:
     if not isinstance(obj, dict):
         raise ConfigError(f"{option}: {path} is not a JSON object")
     return obj
-
-
-def check_hf_config(hf: dict, where: str, *, require: bool = True) -> None:
-    """Structural sanity of a Qwen3-MoE config dict (inline or read from config.json)."""
-    if require:
-        unknown = sorted(k for k in hf if k not in HF_CONFIG_KEYS)
-        if unknown:
-            raise ConfigError(
-                f"unknown key '{where}.{unknown[0]}'"
-                + _suggest(unknown[0], HF_CONFIG_KEYS, where + ".")
-                + f"; valid keys: {', '.join(sorted(HF_CONFIG_KEYS))}"
-            )
-        missing = [k for k in HF_CONFIG_REQUIRED if k not in hf and not (
-            k == "num_experts" and "num_local_experts" in hf)]
-        if missing:
-            raise ConfigError(f"{where} is missing required field(s): {', '.join(missing)}")
-    ints = (
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "num_experts", "num_local_experts", "num_experts_per_tok",
-        "moe_intermediate_size", "intermediate_size", "head_dim", "decoder_sparse_step",
-    )
-    for k in ints:
-        if k in hf and hf[k] is not None:
-            v = hf[k]
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if k.endswith("experts") else 1):
-                raise ConfigError(f"{where}.{k} must be a positive integer, got {v!r}")
-    dims = hf_model_dims(hf)
-    if dims["num_attention_heads"] % dims["num_key_value_heads"]:
-        raise ConfigError(
-            f"{where}: num_attention_heads={dims['num_attention_heads']} is not a multiple of "
-            f"num_key_value_heads={dims['num_key_value_heads']}"
-        )
-    if dims["num_experts"] and not 1 <= dims["num_experts_per_tok"] <= dims["num_experts"]:
-        raise ConfigError(
-            f"{where}: num_experts_per_tok={dims['num_experts_per_tok']} must be in "
-            f"[1, num_experts={dims['num_experts']}]"
-        )
-
-
-def hf_model_dims(hf: dict) -> dict:
-    """The architecture numbers the layout and the planner need, with Qwen3MoeConfig defaults for
-    the optional fields."""
-    heads = hf.get("num_attention_heads", 32)
-    hidden = hf.get("hidden_size", 2048)
-    num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
-    return {
-        "vocab_size": hf.get("vocab_size", 151936),
-        "hidden_size": hidden,
-        "num_hidden_layers": hf.get("num_hidden_layers", 24),
-        "num_attention_heads": heads,
-        "num_key_value_heads": hf.get("num_key_value_heads", 4),
-        "head_dim": hf.get("head_dim") or hidden // heads,
-        "intermediate_size": hf.get("intermediate_size", 6144),
-        "moe_intermediate_size": hf.get("moe_intermediate_size", 768),
-        "num_experts": num_experts or 0,
-        "num_experts_per_tok": hf.get("num_experts_per_tok", 8),
-        "decoder_sparse_step": hf.get("decoder_sparse_step", 1) or 1,
-        "mlp_only_layers": list(hf.get("mlp_only_layers") or []),
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "attention_bias": bool(hf.get("attention_bias", False)),
-    }
 
 
 @dataclass(frozen=True)
@@ -753,8 +665,8 @@ class DataConfig:
     task: str = "sort"
     # Seed of prompt generation / shuffling.
     seed: int = 0
-    # Longest prompt in tokens (after the chat template); null = the model's
-    # max_position_embeddings - rollout.max_new_tokens.
+    # Longest prompt in tokens (after the chat template); null = the model's maximum
+    # positions - rollout.max_new_tokens.
     max_prompt_tokens: Optional[int] = None
     # What happens to a longer prompt: "skip" it (counted in data_skipped) or "truncate" it to its
     # last max_prompt_tokens tokens (the chat template's generation prompt is at the end).
@@ -1241,7 +1153,7 @@ class Config:
             out.append(("model.hf_dir", self.model.hf_dir))
         return out
 
-    def _config_sources(self, load: "LoadSource | None") -> list[tuple[str, str, dict]]:
+    def config_sources(self, load: "LoadSource | None") -> list[tuple[str, str, dict]]:
         """(option, path, config dict) of every checkpoint config, in model_sources' order; a
         model.load without hf_config/ but with Megatron-Bridge's run_config.yaml (or Megatron-LM's
         run arguments) gives that."""
@@ -1250,60 +1162,6 @@ class Config:
         if load is not None and load.hf_config_dir is None and load.carried is not None:
             out.insert(0, ("model.load", load.carried[1], load.carried[0]))
         return out
-
-    def hf_config_dict(self, load: "LoadSource | None" = None) -> dict:
-        """The model architecture as a Qwen3MoeConfig dict: the config a checkpoint carries
-        (model.load's, else model.hf_dir's config.json), else the inline hf_config. Every other
-        source given must agree with it field by field — never a silent override (a smaller inline
-        vocab_size used to load a larger checkpoint's embedding cut to its first rows). `load`:
-        what model.load's checkpoint holds, read by train/setup.py read_load_source (required
-        when model.load is set)."""
-        m = self.model
-        configs = self._config_sources(load)
-        if not configs:
-            if m.hf_config is None:
-                raise ConfigError(f"model.load: {m.load} has no hf_config/config.json (nor a Megatron-Bridge "
-                                  "run_config.yaml); set model.hf_config or model.hf_dir to give the architecture")
-            return dict(m.hf_config)
-        opt0, path0, chosen = configs[0]
-        for opt, path, other in configs[1:]:
-            for k in sorted(HF_CONFIG_KEYS & chosen.keys() & other.keys()):
-                if other[k] != chosen[k]:
-                    raise ConfigError(f"{opt}: {path} has {k}={other[k]!r} but {opt0} ({path0}) has "
-                                      f"{k}={chosen[k]!r}; they must describe the same model")
-        for k, v in (m.hf_config or {}).items():
-            if k in chosen and chosen[k] != v:
-                raise ConfigError(
-                    f"model.hf_config.{k}={v!r} disagrees with {path0} ({k}={chosen[k]!r}); "
-                    f"drop the inline field or fix {opt0}"
-                )
-        check_hf_config(chosen, f"{opt0} ({path0})", require=False)
-        return chosen
-
-    def model_dims(self, hf_config_dict: dict | None = None) -> dict:
-        return hf_model_dims(self.hf_config_dict() if hf_config_dict is None else hf_config_dict)
-
-    def _layout_dims(self, hf: dict) -> dict:
-        d = hf_model_dims(hf)
-        return dict(
-            num_layers=d["num_hidden_layers"],
-            num_attention_heads=d["num_attention_heads"],
-            num_query_groups=d["num_key_value_heads"],
-            num_experts=d["num_experts"],
-            moe_ffn_hidden_size=d["moe_intermediate_size"] if d["num_experts"] else None,
-        )
-
-    def check_model(self, hf_config_dict: dict | None = None) -> None:
-        """Layout checks that need the model but not the world size."""
-        hf = self.hf_config_dict() if hf_config_dict is None else hf_config_dict
-        self.parallel.check_model(**self._layout_dims(hf))
-
-    def validate_world(self, world_size: int, hf_config_dict: dict | None = None) -> None:
-        """Check the layout against the world size and the model (ParallelConfig.validate)."""
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
-        hf = self.hf_config_dict() if hf_config_dict is None else hf_config_dict
-        self.parallel.validate(world_size, **self._layout_dims(hf))
 
     def check_paths(self) -> None:
         """Checks that read the filesystem (run by load_config)."""
@@ -1515,7 +1373,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """YAML file (or none: defaults) + dotted overrides -> validated Config. Raises ConfigError."""
+    """YAML file (or none: defaults) + dotted overrides -> a Config validated as a schema (the
+    model is not read: gspo_megatron/resolve.py load_config adds that). Raises ConfigError."""
     data: dict = {}
     if path is not None:
         try:
@@ -1532,8 +1391,6 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     data = apply_overrides(data, list(overrides or ()))
     cfg = Config.from_dict(data)
     cfg.check_paths()
-    if cfg.model.load is None:
-        # With model.load the architecture is the checkpoint's, which is read where the run is set
-        # up (train/setup.py check_inputs: the same checks, still before Megatron is imported).
-        cfg.check_model()
+    # The model is checked where the config is resolved (gspo_megatron/resolve.py load_config):
+    # this module knows no model family.
     return cfg

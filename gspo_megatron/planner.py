@@ -64,7 +64,11 @@ import sys
 import warnings
 from typing import Sequence
 
-from gspo_megatron.config import Config, ConfigError, hf_model_dims, load_config
+from gspo_megatron import resolve
+from gspo_megatron.config import Config
+from gspo_megatron.errors import ConfigError
+from gspo_megatron.model.arch import MoeArch
+from gspo_megatron.resolve import load_config
 
 GiB = 1024**3
 ORDER = "tp-cp-ep-dp-pp"  # Megatron-Core's default rank order (first = fastest varying)
@@ -128,50 +132,32 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // m) * m
 
 
+def planner_dims(arch: MoeArch) -> dict:
+    """The numbers the plan uses, from the family's parsed architecture (the one HF-config parser:
+    model/family.py); "arch" keeps the record itself."""
+    return {
+        "arch": arch, "model_type": arch.model_type,
+        "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size, "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_attention_heads, "num_key_value_heads": arch.num_key_value_heads,
+        "head_dim": arch.head_dim, "num_experts": arch.num_experts, "num_experts_per_tok": arch.moe_topk,
+        "moe_intermediate_size": arch.moe_intermediate_size, "intermediate_size": arch.dense_intermediate_size,
+        "shared_expert_intermediate_size": arch.shared_expert_intermediate_size,
+        "dense_layers": list(arch.dense_layers), "tie_word_embeddings": arch.tie_word_embeddings,
+    }
+
+
 def is_moe_layer(d: dict, i: int) -> bool:
-    """Qwen3-MoE's rule (HF Qwen3MoeDecoderLayer)."""
-    return (
-        i not in d["mlp_only_layers"]
-        and d["num_experts"] > 0
-        and (i + 1) % d["decoder_sparse_step"] == 0
-    )
+    return d["arch"].is_moe_layer(i)
 
 
-def layer_params(d: dict, moe: bool, tp: int = 1, ep: int = 1, etp: int = 1) -> dict:
-    """One decoder layer's parameters on one rank (tp = ep = etp = 1: the whole layer)."""
-    H, hd = d["hidden_size"], d["head_dim"]
-    nq, nkv = d["num_attention_heads"], d["num_key_value_heads"]
-    attn = H * nq * hd + 2 * H * nkv * hd + nq * hd * H
-    if d["attention_bias"]:
-        attn += (nq + 2 * nkv) * hd + H  # q, k, v biases and o_proj bias (HF Qwen3 has all four)
-    norms = 2 * H + 2 * hd  # input/post-attention norms, q_norm/k_norm
-    out = {"attention": attn // tp, "norms": norms, "router": 0, "experts": 0, "dense_mlp": 0,
-           "expert_active": 0}
-    if moe:
-        E, I = d["num_experts"], d["moe_intermediate_size"]
-        per_expert = 3 * H * I
-        out["router"] = E * H
-        out["experts"] = (E // ep) * per_expert // etp
-        out["expert_active"] = d["num_experts_per_tok"] * per_expert
-    else:
-        out["dense_mlp"] = 3 * H * d["intermediate_size"] // tp
-    return out
+def layer_params(d: dict, i: int, tp: int = 1, ep: int = 1, etp: int = 1) -> dict:
+    """Layer i's parameters on one rank (tp = ep = etp = 1: the whole layer): the family's count."""
+    return d["arch"].layer_params(i, tp, ep, etp)
 
 
 def count_params(d: dict) -> dict:
-    """Total and active parameter counts of the unsharded model (real vocab)."""
-    V, H, L = d["vocab_size"], d["hidden_size"], d["num_hidden_layers"]
-    embed = V * H
-    output = 0 if d["tie_word_embeddings"] else V * H
-    br = {"embedding": embed, "output_layer": output, "final_norm": H, "attention": 0, "norms": 0,
-          "router": 0, "experts": 0, "dense_mlp": 0}
-    active = embed + output + H
-    for i in range(L):
-        lp = layer_params(d, is_moe_layer(d, i))
-        for k in ("attention", "norms", "router", "experts", "dense_mlp"):
-            br[k] += lp[k]
-        active += lp["attention"] + lp["norms"] + lp["router"] + lp["dense_mlp"] + lp["expert_active"]
-    return {"total": sum(br.values()), "active": active, "breakdown": br}
+    """Total and active parameter counts of the unsharded model (real vocab): the family's count."""
+    return d["arch"].count_params()
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -192,6 +178,8 @@ def _activation_bytes_per_layer(d, moe: bool, cfg: Config, T: float) -> tuple[fl
         E, I, k = d["num_experts"], d["moe_intermediate_size"], d["num_experts_per_tok"]
         pair = 2 * H + (2 if selective else 3) * I / etp
         mlp = norm_terms + 2 * 4 * E / (tp * b) + k * etp / tp * pair
+        if d["shared_expert_intermediate_size"]:  # the shared experts: a dense MLP beside the routed ones
+            mlp += (2 if selective else 3) * d["shared_expert_intermediate_size"] / tp
     else:
         mlp = norm_terms + (2 if selective else 3) * d["intermediate_size"] / tp
     return T * (attn + mlp) * b, T * H / sp * b
@@ -251,9 +239,9 @@ def plan(config: Config, world_size: int) -> dict:
         from gspo_megatron.train.setup import read_load_source
 
         load = read_load_source(config)
-    hf = config.hf_config_dict(load)
-    config.validate_world(world_size, hf)
-    d = hf_model_dims(hf)
+    hf = resolve.hf_config_dict(config, load)
+    resolve.validate_world(config, world_size, hf)
+    d = planner_dims(resolve.arch_of(config, hf))
     p = config.parallel
     dp, edp = p.dp(world_size), p.edp(world_size)
     ddims, edims = decoder_dims(p, world_size), expert_dims(p, world_size)
@@ -280,8 +268,8 @@ def plan(config: Config, world_size: int) -> dict:
         first, last = s == 0, s == p.pp - 1
         dense = expert = 0
         for i in range(lo, hi):
-            lp = layer_params(d, is_moe_layer(d, i), p.tp, p.ep, p.etp)
-            dense += lp["attention"] + lp["norms"] + lp["router"] + lp["dense_mlp"]
+            lp = layer_params(d, i, p.tp, p.ep, p.etp)
+            dense += lp["attention"] + lp["norms"] + lp["router"] + lp["dense_mlp"] + lp["shared_experts"]
             expert += lp["experts"]
         if first:
             dense += Vp * H // p.tp
@@ -333,10 +321,10 @@ def plan(config: Config, world_size: int) -> dict:
             "sequence_parallel": p.sequence_parallel, "device": p.device,
         },
         "model": {
-            **{k: d[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+            **{k: d[k] for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
                                  "num_attention_heads", "num_key_value_heads", "head_dim",
                                  "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                                 "tie_word_embeddings")},
+                                 "shared_expert_intermediate_size", "dense_layers", "tie_word_embeddings")},
             "moe_layers": n_moe,
             "padded_vocab_size": Vp,
             "dtype": config.model.dtype,

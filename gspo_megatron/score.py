@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_input(path: str, vocab_size: int) -> list[list[int]]:
-    from gspo_megatron.cli_util import InputError
+    from gspo_megatron.errors import InputError
 
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such input file")
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         from gspo_megatron.config import ParallelConfig
         from gspo_megatron.model.factory import build_policy, parse_dtype
         from gspo_megatron.model.hf_io import HFCheckpointReader
-        from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+        from gspo_megatron.model.arch import MoeArch
         from gspo_megatron.parallel.state import destroy_parallel, init_parallel
 
         sp = args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             arch = read_mcore_arch(args.load, require_checksums=args.require_checksums)
             reader = None
         else:
-            arch = Qwen3MoeArch.from_hf_dir(args.hf_dir)
+            arch = MoeArch.from_hf_dir(args.hf_dir)
             reader = HFCheckpointReader(args.hf_dir)
             reader.validate(arch)
         parallel.validate(int(os.environ.get("WORLD_SIZE", "1")), training=False, **arch.dims_for_validation())

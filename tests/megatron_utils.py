@@ -1,5 +1,5 @@
-"""Shared pieces of the Megatron-side tests: a tiny random Qwen3-MoE saved with save_pretrained,
-and reference log-probs / gradients computed with transformers' Qwen3MoeForCausalLM."""
+"""Shared pieces of the Megatron-side tests: a tiny random model of each family saved with
+save_pretrained, and reference log-probs / gradients computed with transformers' model of it."""
 from __future__ import annotations
 
 import torch
@@ -18,15 +18,46 @@ def tiny_hf_config(**over):
     return Qwen3MoeConfig(**kw)
 
 
-def make_tiny_hf(path, seed: int = 0, dtype=torch.float32, max_shard_size="200KB", **over):
-    """Random tiny Qwen3-MoE written as a sharded safetensors checkpoint; returns the model."""
-    from transformers import Qwen3MoeForCausalLM
+# The families the Megatron-side tests run (tests/test_model_families.py checks this list against the
+# registry): each family's tiny test model has every feature it maps to Megatron options.
+FAMILIES = ("qwen3_moe", "glm4_moe")
+
+
+def tiny_glm_config(**over):
+    """GLM-4.5 MoE's features on a tiny model: first layer dense, one shared expert, sigmoid routing
+    (with a non-zero expert bias, set by make_tiny_hf) and a scaling factor, partial RoPE, QKV bias."""
+    from transformers import Glm4MoeConfig
+
+    kw = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+        norm_topk_prob=True, attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=0,
+        tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    kw.update(over)
+    return Glm4MoeConfig(**kw)
+
+
+def make_tiny_hf(path, seed: int = 0, dtype=torch.float32, max_shard_size="200KB", family: str = "qwen3_moe",
+                 **over):
+    """Random tiny model of `family` written as a sharded safetensors checkpoint; returns the model."""
+    import transformers
 
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(tiny_hf_config(**over)).eval()
+    if family == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(tiny_hf_config(**over)).eval()
+    elif family == "glm4_moe":
+        model = transformers.Glm4MoeForCausalLM(tiny_glm_config(**over)).eval()
+    else:
+        raise ValueError(family)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)  # larger than the default init: non-trivial routing and attention
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)  # a bias that changes which experts are chosen
     model.to(dtype).save_pretrained(str(path), max_shard_size=max_shard_size)
     return model
 

@@ -864,7 +864,15 @@ class SGLangDouble:
 
     def model_info(self) -> dict:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-                "weight_version": self.weight_version, "model_type": "qwen3_moe"}
+                "weight_version": self.weight_version, "model_type": self._model_type()}
+
+    def _model_type(self) -> str:
+        """What the served checkpoint's config.json says (SGLang answers its hf_config's model_type)."""
+        try:
+            with open(os.path.join(self.model_path, "config.json"), encoding="utf-8") as f:
+                return json.load(f).get("model_type", "")
+        except (OSError, ValueError):
+            return ""
 
     def server_info(self) -> dict:
         return {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,

@@ -207,13 +207,13 @@ def _rank_env_contents(rank, world, hf_dir, batches, budget, eps, packed, score_
     per-token log-probs (the π_old pass, train/scoring.py) of `score_seqs`."""
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.train.scoring import score_sequences
 
     steps = [_rank_train(rank, world, hf_dir, {}, b, budget, eps, False, False, "none", packed) for b in batches]
     par = ParallelConfig()
-    arch = Qwen3MoeArch.from_hf_dir(hf_dir)
+    arch = MoeArch.from_hf_dir(hf_dir)
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
     chunks, _ = build_policy(ctx, arch, hf_dir=hf_dir)
     lps = score_sequences(chunks, ctx, score_seqs, vocab_size=arch.vocab_size, micro_batch_tokens=10_000)

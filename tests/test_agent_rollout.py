@@ -228,7 +228,8 @@ def test_the_session_api():
 
 
 def test_rollout_agent_spec_and_config_checks():
-    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.config import ConfigError
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.rollout.agent import load_agent_fn
     from gspo_megatron.rollout.rewards import RewardSpecError
 

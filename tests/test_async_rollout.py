@@ -175,7 +175,7 @@ def test_async_run_bounds_staleness_and_resumes_the_prompt_stream(tmp_path):
 
 def _rank_train_async0(rank, world, out_dir, overrides):
     """One rank of the run itself: loop.train with rollout.async_steps=0."""
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.train import loop
 
     loop.train(load_config(TINY, [f"out_dir={out_dir}/loop", "rollout.async_steps=0", *overrides]),
@@ -190,7 +190,7 @@ def _rank_hand_loop(rank, world, out_dir, overrides):
     import torch
     from safetensors.torch import load_file
 
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.train import loop
     from gspo_megatron.train.setup import setup_run
 

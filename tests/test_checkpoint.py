@@ -22,7 +22,7 @@ SMALL = ["train.max_steps=2", "train.sft_warmup_steps=2", "rollout.prompts_per_s
 
 
 def _reload_and_save(rank, world, ckpt, out_dir, overrides, chunk_bytes):
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.train import checkpoint
     from gspo_megatron.train.setup import setup_run
 
@@ -118,7 +118,7 @@ def test_checkpoint_reloads_exactly_at_another_layout(tp2_checkpoint, tmp_path, 
 def test_resume_auto_refuses_an_old_format_checkpoint(tmp_path):
     """Checkpoints of the per-rank torch.save format (before dist_checkpointing) are not silently
     skipped by resume=auto (which would restart from scratch over them): one clear error."""
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
     from gspo_megatron.train.checkpoint import resolve_resume
 
     old = tmp_path / "checkpoints" / "step_00000010"
@@ -166,7 +166,7 @@ def _save_both_ways(rank, world, out_dir, overrides):
     writer; returns which writer the default took."""
     from types import SimpleNamespace
 
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.train import checkpoint, checkpoint_shards
     from gspo_megatron.train.batch import TrainSample, plan_minibatch
     from gspo_megatron.train.loop import _optimizer_step

@@ -183,7 +183,7 @@ def test_the_restricted_reader_admits_only_declared_fields_of_the_right_type(tra
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
     from gspo_megatron.checkpoint.safe_metadata import loads_dcp_metadata
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     ckpt = trained / "checkpoints" / NEWEST
     data, key, _ = _byte_io_metadata(ckpt, str(tmp_path / "MARKER"))
@@ -303,7 +303,7 @@ def test_a_flipped_shard_byte_is_one_line_for_every_loader(flipped_runs, loader)
 def test_missing_checksums_warn_naming_the_folder_and_are_refused_when_required(trained, tmp_path, caplog):
     """Before: a checkpoint without checksums.json loaded without a word, and nothing could refuse it."""
     from gspo_megatron.checkpoint.mcore import mcore_to_hf
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     run, ckpt = _copy(trained, tmp_path / "run")
     (ckpt / "checksums.json").unlink()
@@ -355,7 +355,7 @@ def test_a_flipped_common_pt_is_named_by_the_checksums_and_resume_never_rolls_ba
 def test_a_tracker_that_is_not_utf8_is_a_scan(trained, tmp_path, caplog):
     """Before: UnicodeDecodeError out of find_latest (and out of megatron_dirs.resolve)."""
     from gspo_megatron.checkpoint.megatron_dirs import TRACKER, resolve
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
     from gspo_megatron.train.checkpoint import find_latest
 
     run, ckpt = _copy(trained, tmp_path / "run")
@@ -374,8 +374,8 @@ def test_a_tracker_that_is_not_utf8_is_a_scan(trained, tmp_path, caplog):
 def _save_with_nan(rank, world, out_dir, overrides=()):
     import torch
 
-    from gspo_megatron.config import load_config
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.resolve import load_config
+    from gspo_megatron.errors import CheckpointError
     from gspo_megatron.train.setup import setup_run
 
     cfg = load_config(TINY, [f"out_dir={out_dir}", *BASE, "train.max_steps=1", *overrides])
@@ -444,7 +444,8 @@ def test_every_checkpoint_the_project_writes_carries_checksums(trained, tmp_path
 
 def test_an_hf_index_that_is_not_utf8_or_points_outside_is_one_line(tmp_path):
     """Before: a UnicodeDecodeError traceback; a shard path outside the folder was opened."""
-    from gspo_megatron.model.hf_io import INDEX_FILE, CheckpointError, HFCheckpointReader
+    from gspo_megatron.errors import CheckpointError
+    from gspo_megatron.model.hf_io import INDEX_FILE, HFCheckpointReader
 
     (tmp_path / INDEX_FILE).write_bytes(b'{"weight_map": {"\xff": 1}}')
     with pytest.raises(CheckpointError, match="not a valid safetensors index"):
@@ -458,7 +459,7 @@ def test_a_data_file_outside_the_checksums_is_never_read(trained, tmp_path):
     """A `.metadata` (checksums recomputed for it alone) that points a tensor's storage at a file
     added to the folder later: refused in one line naming the file. Before: read unverified."""
     from gspo_megatron.checkpoint.dcp_io import DcpReader
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     _, ckpt = _copy(trained, tmp_path / "run")
     shard = _largest_shard(ckpt)

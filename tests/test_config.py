@@ -12,6 +12,7 @@ import warnings
 import pytest
 import yaml
 
+from gspo_megatron import resolve
 from gspo_megatron.config import (
     CheckpointConfig,
     Config,
@@ -26,8 +27,8 @@ from gspo_megatron.config import (
     RolloutConfig,
     SGLangConfig,
     TrainConfig,
-    load_config,
 )
+from gspo_megatron.resolve import load_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,8 +124,8 @@ def test_expected_presets_exist():
 )
 def test_presets_fit_their_worlds(name, world):
     cfg = load_config(os.path.join(ROOT, "launch", "configs", name + ".yaml"), [])
-    cfg.validate_world(world, cfg.model.hf_config)
-    cfg.validate_world(world)  # same, resolving the architecture itself
+    resolve.validate_world(cfg, world, cfg.model.hf_config)
+    resolve.validate_world(cfg, world)  # same, resolving the architecture itself
 
 
 def test_cpu_scaled_keeps_30b_structure():
@@ -284,23 +285,23 @@ def test_minibatch_divisibility(tmp_path):
 
 def test_layout_that_does_not_divide_the_model(tmp_path):
     p = minimal(tmp_path)
-    assert "num_attention_heads" in err(p, ["parallel.tp=3", "parallel.sequence_parallel=true"])
-    assert "num_key_value_heads" in err(p, ["parallel.tp=4", "parallel.sequence_parallel=true"])
-    assert "num_experts" in err(p, ["parallel.ep=3"])
-    assert "num_hidden_layers" in err(p, ["parallel.pp=3"])
-    assert "moe_intermediate_size" in err(p, ["parallel.etp=3"])
+    assert "4 attention heads" in err(p, ["parallel.tp=3", "parallel.sequence_parallel=true"])
+    assert "2 key/value heads" in err(p, ["parallel.tp=4", "parallel.sequence_parallel=true"])
+    assert "8 experts" in err(p, ["parallel.ep=3"])
+    assert "layers" in err(p, ["parallel.pp=3"])
+    assert "experts' width" in err(p, ["parallel.etp=3"])
     assert "sequence_parallel" in err(p, ["parallel.tp=2"])
     assert "sequence_parallel" in err(p, ["parallel.sequence_parallel=true"])  # needs tp > 1
     assert "parallel.tp" in err(p, ["parallel.tp=0"])
     # The world size is checked separately (it is unknown at load time).
     cfg = load_config(p, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4"])
-    cfg.validate_world(4)
+    resolve.validate_world(cfg, 4)
     with pytest.raises(ConfigError, match="not divisible"):
-        cfg.validate_world(3)
+        resolve.validate_world(cfg, 3)
     with pytest.raises(ConfigError, match="ep"):
-        cfg.validate_world(2)
-    with pytest.raises(ConfigError, match="num_experts"):
-        cfg.validate_world(4, {**HF_TINY, "num_experts": 6})
+        resolve.validate_world(cfg, 2)
+    with pytest.raises(ConfigError, match="6 experts"):
+        resolve.validate_world(cfg, 4, {**HF_TINY, "num_experts": 6})
 
 
 def test_sglang_settings_only_checked_for_sglang(tmp_path):
@@ -370,16 +371,16 @@ def test_hf_dir_architecture(tmp_path):
     (hf / "config.json").write_text(json.dumps({**HF_TINY, "architectures": ["Qwen3MoeForCausalLM"],
                                                 "some_future_field": 1}))
     cfg = load_config(p, [f"model.hf_dir={hf}"])
-    assert cfg.hf_config_dict()["some_future_field"] == 1  # config.json is not key-checked
+    assert resolve.hf_config_dict(cfg)["some_future_field"] == 1  # config.json is not key-checked
     # hf_dir alone is enough.
     cfg = load_config(None, [f"model.hf_dir={hf}"])
-    assert cfg.model_dims()["num_experts"] == 8
+    assert resolve.arch_of(cfg).num_experts == 8
     # An inline field that disagrees with the checkpoint is an error naming it.
     msg = err(p, [f"model.hf_dir={hf}", "model.hf_config.num_hidden_layers=4"])
     assert "model.hf_config.num_hidden_layers" in msg
     # The layout is checked against hf_dir's architecture.
     (hf / "config.json").write_text(json.dumps({**HF_TINY, "num_attention_heads": 6}))
-    assert "num_attention_heads" in err(None, [f"model.hf_dir={hf}", "parallel.tp=4",
+    assert "attention heads" in err(None, [f"model.hf_dir={hf}", "parallel.tp=4",
                                                "parallel.sequence_parallel=true"])
 
 
@@ -402,15 +403,26 @@ def test_dump_yaml_round_trip(tmp_path):
     assert set(d) == {f.name for f in dataclasses.fields(Config)}
 
 
-def test_hf_config_keys_cover_transformers():
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe"])
+def test_inline_keys_cover_transformers(model_type):
+    """Every argument of the family's transformers config class may be given inline."""
     tr = pytest.importorskip("transformers")
     import inspect
 
-    from gspo_megatron.config import HF_CONFIG_KEYS
+    from gspo_megatron.model.family import family_of_type
 
-    sig = inspect.signature(tr.Qwen3MoeConfig.__init__).parameters
-    own = [n for n, p in sig.items() if p.kind == p.KEYWORD_ONLY]
-    assert own and set(own) <= HF_CONFIG_KEYS, set(own) - HF_CONFIG_KEYS
+    family = family_of_type(model_type)
+    cls = tr.AutoConfig.for_model(model_type).__class__
+    if dataclasses.is_dataclass(cls):
+        own = [f.name for f in dataclasses.fields(cls)]
+    else:
+        sig = inspect.signature(cls.__init__).parameters
+        own = [n for n, p in sig.items() if p.kind == p.KEYWORD_ONLY]
+    own = [n for n in own if not n.startswith("_")]
+    base = {f.name for f in dataclasses.fields(tr.PretrainedConfig)} if dataclasses.is_dataclass(
+        tr.PretrainedConfig) else set()
+    own = [n for n in own if n not in base or n in family.inline_keys]
+    assert own and set(own) <= family.inline_keys, set(own) - family.inline_keys
 
 
 def test_import_has_no_side_effects():

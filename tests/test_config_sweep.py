@@ -261,7 +261,8 @@ def test_the_cells_cover_every_pair():
 def test_refused_combinations_are_refused_in_one_line(refused):
     """The combinations the cells leave out: the config refuses each in one line naming the key,
     before anything runs (every other factor at its first level, which combines with all)."""
-    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.config import ConfigError
+    from gspo_megatron.resolve import load_config
 
     combo, said = refused
     cell = {**{n: next(iter(levels)) for n, levels in FACTORS.items()}, **combo}
@@ -328,8 +329,9 @@ def vllm_server(model_dir, tmp_path_factory):
 
 def _cell_rank(rank, world, out_dir, overrides):
     """One rank of one cell: the refusal line, or (rank 0) the run's per-step rows."""
-    from gspo_megatron.cli_util import InputError
-    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.errors import InputError
+    from gspo_megatron.config import ConfigError
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.train import loop
 
     try:

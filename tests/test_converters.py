@@ -196,7 +196,7 @@ def _rank_load_layouts(rank, world, jobs, seqs):
         for st in sts:
             assert st.key in reader.keys(), (name, st.key)
             want = reader.shape(st.key)
-            if lay.is_vocab_key(st.key):  # padded for this TP size; stored unpadded
+            if lay.is_vocab_key(st.key, arch):  # padded for this TP size; stored unpadded
                 assert st.global_shape[0] == arch.padded_vocab_size(ctx.parallel.tp) and want[0] == 300
                 assert tuple(st.global_shape[1:]) == want[1:]
             else:
@@ -300,11 +300,11 @@ def _rank_save_and_reload(rank, world, hf_dir, out):
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.export import iter_hf_tensors
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import init_parallel
 
-    arch = Qwen3MoeArch.from_hf_dir(hf_dir)
+    arch = MoeArch.from_hf_dir(hf_dir)
     ctx = init_parallel(ParallelConfig(tp=2, sequence_parallel=True), model_dims=arch.dims_for_validation())
     chunks, _ = build_policy(ctx, arch, hf_dir=hf_dir)
     extra = {"trainer": {"step": ShardedTensor.from_rank_offsets("trainer.step", torch.tensor([7.0]), replica_id=rank)}}

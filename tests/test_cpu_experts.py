@@ -39,7 +39,7 @@ def _rank(rank, world_size):
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from gspo_megatron.config import ParallelConfig
-    from gspo_megatron.model.qwen3_moe import layer_block_spec
+    from gspo_megatron.model.spec import layer_block_spec
     from gspo_megatron.parallel.cpu_experts import CpuGroupedExperts
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
 

@@ -578,12 +578,12 @@ def _rank_jit_calls(rank, world):
     from test_dist_optimizer import _train  # noqa: E402 - after the recorder is in place
 
     from gspo_megatron.config import ParallelConfig
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.train.batch import TrainSample
     from megatron_utils import random_sequences, tiny_hf_config
 
-    arch = Qwen3MoeArch.from_hf_dict(tiny_hf_config(num_hidden_layers=2).to_dict(), source="test")
+    arch = MoeArch.from_hf_dict(tiny_hf_config(num_hidden_layers=2).to_dict(), source="test")
     ctx = init_parallel(ParallelConfig(), model_dims=arch.dims_for_validation())
     try:
         seqs = random_sequences(300, [9, 14, 6, 11], seed=5)

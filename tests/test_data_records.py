@@ -276,7 +276,7 @@ def test_dry_run_names_bad_answers_and_oversized_records_with_file_and_line(tmp_
 def test_held_out_file_sets_skip_what_training_skips_and_name_it(tmp_path, caplog):
     """Before: one malformed record anywhere in eval.path stopped the run at start, and an
     oversized one was tokenized whole."""
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.rollout.tokenizer import build_tokenizer
     from gspo_megatron.train.evaluation import HeldOut
     from gspo_megatron.train.setup import PromptSource

@@ -58,13 +58,13 @@ def _train(ctx, arch, dtype, distributed, samples, clip, init=None):
 def _rank(rank, world, layout, dtype_name, clip):
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.factory import parse_dtype
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.train.batch import TrainSample
     from megatron_utils import tiny_hf_config
 
     dtype = parse_dtype(dtype_name)
-    arch = Qwen3MoeArch.from_hf_dict(tiny_hf_config(num_hidden_layers=2).to_dict(), source="test")
+    arch = MoeArch.from_hf_dict(tiny_hf_config(num_hidden_layers=2).to_dict(), source="test")
     ctx = init_parallel(ParallelConfig(**layout), model_dims=arch.dims_for_validation())
     seqs = random_sequences(300, [9, 14, 6, 11, 17, 8, 12, 5], seed=5)
     samples = [TrainSample(s[:3], s[3:], 0.0) for s in seqs]

@@ -49,8 +49,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from gspo_megatron import resolve
 from gspo_megatron import planner
-from gspo_megatron.config import ConfigError, load_config
+from gspo_megatron.config import ConfigError
+from gspo_megatron.resolve import load_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -257,7 +259,7 @@ def stand_in_paths(c: Cmd, tmp: str) -> tuple[Cmd, bool]:
                 continue
             arch = [o for o in c.words[c.words.index(cfg) + 1:] if o.startswith("model.hf_config.")]
             try:
-                hf = load_config(os.path.join(REPO, cfg), arch).hf_config_dict()
+                hf = resolve.hf_config_dict(load_config(os.path.join(REPO, cfg), arch))
             except ConfigError:
                 return c, False  # the command's own run says why
             d = os.path.join(tmp, "standin", os.path.basename(path.rstrip("/")) or "model")

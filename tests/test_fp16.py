@@ -65,7 +65,7 @@ def _scalers_rank(rank, world, overflow_steps):
 
     from gspo_megatron.config import OptimizerConfig, ParallelConfig
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.train.batch import TrainSample, plan_minibatch
@@ -76,7 +76,7 @@ def _scalers_rank(rank, world, overflow_steps):
     from megatron_utils import random_sequences, tiny_hf_config
     from types import SimpleNamespace
 
-    arch = Qwen3MoeArch.from_hf_dict(tiny_hf_config(num_hidden_layers=2).to_dict(), source="test")
+    arch = MoeArch.from_hf_dict(tiny_hf_config(num_hidden_layers=2).to_dict(), source="test")
     ctx = init_parallel(ParallelConfig(ep=world, device="cpu"), model_dims=arch.dims_for_validation())
     try:
         chunks, tcfg = build_policy(ctx, arch, dtype=torch.float16)

@@ -160,3 +160,74 @@ def test_the_graph_reader_sees_what_it_must(tmp_path):
     (tmp_path / "gspo_megatron/e.py").write_text("def g():\n    import gspo_megatron.a\n")
     assert find_cycle(import_graph(project_modules(str(tmp_path)))) == [
         "gspo_megatron.a", "gspo_megatron.sub", "gspo_megatron.sub.c", "gspo_megatron.sub.d", "gspo_megatron.e", "gspo_megatron.a"]
+
+
+# ---- model families (docs/design.md "Adding a model family") -------------------------------
+
+FAMILIES_PKG = "gspo_megatron.model.families"
+# The only modules outside the family folders that may name a family: the registry, which maps
+# model_type to its module by string (and so imports none of them).
+REGISTRY = "gspo_megatron.model.registry"
+
+
+def _family_of_module(mod: str) -> str | None:
+    """`qwen3_moe` for gspo_megatron.model.families.qwen3_moe[.x]; None outside the family folders."""
+    if mod.startswith(FAMILIES_PKG + "."):
+        return mod[len(FAMILIES_PKG) + 1:].split(".")[0]
+    return None
+
+
+def test_no_module_outside_a_family_imports_it():
+    """Loader, exporter, converter, weight sync, planner, engines and `score` ask the registry
+    (`family_for`, `arch.family`), never a family's module; a family imports no other family."""
+    modules = project_modules()
+    graph = import_graph(modules)
+    bad = []
+    for mod, edges in sorted(graph.items()):
+        own = _family_of_module(mod)
+        for target, line in sorted(edges.items()):
+            fam = _family_of_module(target)
+            if fam is not None and fam != own:
+                bad.append(f"{os.path.relpath(modules[mod][0], REPO)}:{line} imports {target}")
+    assert not bad, "imports of a model family from outside it:\n  " + "\n  ".join(bad)
+
+
+def test_only_the_family_folders_and_the_registry_spell_a_family():
+    """`grep -rn "qwen3_moe|Qwen3Moe|glm4_moe|Glm4Moe" gspo_megatron converters --include=*.py`
+    hits only the families' folders and the registry."""
+    import re
+
+    from gspo_megatron.model.registry import FAMILY_MODULES
+
+    assert set(FAMILY_MODULES) == {"qwen3_moe", "glm4_moe"}
+    needle = re.compile(r"qwen3_moe|Qwen3Moe|glm4_moe|Glm4Moe")
+    hits = []
+    for mod, (path, _) in sorted(project_modules().items()):
+        if _family_of_module(mod) is not None or mod == REGISTRY:
+            continue
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if needle.search(line):
+                    hits.append(f"{os.path.relpath(path, REPO)}:{i}: {line.strip()}")
+    assert not hits, "a model family spelled outside its folder:\n  " + "\n  ".join(hits)
+
+
+def test_config_imports_only_the_errors_module_and_names_no_hf_field():
+    """config.py is the schema and the loader: the model family's fields are read by the families
+    (resolve.py asks them), so a new family never edits config.py."""
+    modules = project_modules()
+    graph = import_graph(modules)
+    assert set(graph["gspo_megatron.config"]) <= {"gspo_megatron.errors"}, graph["gspo_megatron.config"]
+    assert graph["gspo_megatron.errors"] == {}  # imports nothing of the project
+    from gspo_megatron.model.registry import family_of_type
+
+    hf_fields = set()
+    for t in ("qwen3_moe", "glm4_moe"):
+        hf_fields |= set(family_of_type(t).inline_keys)
+    hf_fields -= {"model_type", "architectures", "dtype"}  # words every config uses
+    with open(modules["gspo_megatron.config"][0], encoding="utf-8") as f:
+        text = f.read()
+    import re
+
+    named = sorted(k for k in hf_fields if re.search(rf"\b{re.escape(k)}\b", text))
+    assert not named, f"config.py names HF config fields: {named}"

@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gspo_megatron.config import ConfigError, JudgeConfig, load_config
+from gspo_megatron.config import ConfigError, JudgeConfig
+from gspo_megatron.resolve import load_config
 from gspo_megatron.rollout.judge import CHAT_ROUTE, CombinedScorer, JudgeScorer
 from gspo_megatron.rollout.rewards import RewardError
 

@@ -12,8 +12,11 @@ import sys
 
 import pytest
 
+from gspo_megatron import resolve
+
 from gspo_megatron import planner
-from gspo_megatron.config import ConfigError, load_config
+from gspo_megatron.config import ConfigError
+from gspo_megatron.resolve import load_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -505,6 +508,10 @@ def dry_run_json(name: str, *args: str) -> dict:
     [
         ("qwen3_30b_a3b", ["--nnodes", "2", "--nproc-per-node", "8"], 30.5e9, 3.3e9),
         ("qwen3_235b_a22b", ["--world-size", "128"], 235e9, 22e9),
+        # Zhipu's published sizes count the MTP layer (~3.8B in GLM-4.5, ~1.6B in Air) and leave the
+        # embeddings out of the active count; the policy has no MTP layer and counts both embeddings
+        ("glm45_air", ["--world-size", "32"], 106e9, 12e9 + 2 * 151552 * 4096),
+        ("glm45", ["--world-size", "128"], 355e9 - 3.8e9, 32e9 + 2 * 151552 * 5120),
     ],
 )
 def test_dry_run_param_counts_match_published(name, args, total, active):
@@ -526,6 +533,8 @@ GPU_BUDGET_GIB = 72.0
     ("qwen3_30b_a3b", 16, []),  # 2 nodes of 8x H100
     ("qwen3_30b_a3b", 8, ["train.recompute=full"]),  # 1 node of 8x H100, as docs/cluster.md's example runs it
     ("qwen3_235b_a22b", 128, []),  # 16 nodes
+    ("glm45_air", 32, []),  # 4 nodes
+    ("glm45", 128, []),  # 16 nodes
 ])
 def test_gpu_presets_fit_80gb_gpus_at_their_documented_world_size(name, world, overrides):
     """Before: the 30B preset, documented for 8 or 16 GPUs, planned 93.7 GiB at 8 and 72.3 at 16."""
@@ -542,16 +551,26 @@ def test_gpu_presets_fit_80gb_gpus_at_their_documented_world_size(name, world, o
 
 
 def test_param_counts_equal_transformers_model():
-    """The planner's formula against transformers' own Qwen3-MoE module (on the meta device)."""
+    """The planner's counts (the family's) against transformers' own module of each preset's family
+    (on the meta device; the router's expert bias is a buffer there and a counted weight here)."""
     torch = pytest.importorskip("torch")
-    tr = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from gspo_megatron import resolve
+
+    seen = set()
     for path in PRESETS:
-        hf = load_config(path, []).model.hf_config
+        cfg = load_config(path, [])
+        hf = resolve.hf_config_dict(cfg)
+        arch = resolve.arch_of(cfg, hf)
+        seen.add(arch.model_type)
         with torch.device("meta"):
-            model = tr.Qwen3MoeForCausalLM(tr.Qwen3MoeConfig(**hf))
+            model = arch.family.reference_model(arch.family.hf_config(hf))
         n = sum(p.numel() for p in model.parameters())
-        counts = planner.count_params(planner.hf_model_dims(hf))
+        n += sum(b.numel() for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
+        counts = planner.count_params(planner.planner_dims(arch))
         assert counts["total"] == n, (os.path.basename(path), counts["total"], n)
+        assert planner.plan(cfg, planner.default_world_size(cfg))["total_params"] == n
+    assert seen == {"qwen3_moe", "glm4_moe"}, seen  # every family has a preset
 
 
 def test_plan_30b_layout():
@@ -600,7 +619,7 @@ def test_plan_235b_pipeline_and_tp8_vocab():
     assert s0["ranks"] == list(range(64)) and s1["ranks"] == list(range(64, 128))
     assert s0["embedding"] and not s0["output_layer"] and s1["output_layer"]
     assert len(pl["experts"]) == 32 and pl["experts"][31]["experts"] == [124, 128]
-    with pytest.raises(ConfigError, match="num_key_value_heads"):  # 4 kv heads
+    with pytest.raises(ConfigError, match="4 key/value heads"):
         load_config(preset("qwen3_235b_a22b"), ["parallel.tp=8"])
     cfg = load_config(preset("qwen3_30b_a3b"), ["parallel.tp=4"])
     assert planner.plan(cfg, 32)["model"]["padded_vocab_size"] == 152064
@@ -611,7 +630,7 @@ def test_plan_235b_pipeline_and_tp8_vocab():
 def test_plan_single_rank_holds_everything():
     cfg = load_config(preset("tiny_cpu"), ["parallel.tp=1", "parallel.sequence_parallel=false"])
     pl = planner.plan(cfg, 1)
-    d = planner.hf_model_dims(cfg.model.hf_config)
+    d = planner.planner_dims(resolve.arch_of(cfg))
     pad = (pl["model"]["padded_vocab_size"] - d["vocab_size"]) * d["hidden_size"] * 2
     assert pl["stages"][0]["params"] == pl["total_params"] + pad
 
@@ -621,7 +640,7 @@ def test_per_rank_params_sum_to_total():
     (replicated tensors -- norms, router -- counted once per slice)."""
     cfg = load_config(preset("qwen3_235b_a22b"), [])
     pl = planner.plan(cfg, 128)
-    d = planner.hf_model_dims(cfg.model.hf_config)
+    d = planner.planner_dims(resolve.arch_of(cfg))
     tp, ep = 4, 32
     H, L, E = d["hidden_size"], d["num_hidden_layers"], d["num_experts"]
     replicated = L * (2 * H + 2 * d["head_dim"] + E * H) + H
@@ -658,7 +677,7 @@ def test_planner_cli_text_and_errors(capsys):
     out = capsys.readouterr().out
     assert "world 2 = tp 2" in out and "stage 0: layers 0-1" in out and "experts 0-7" in out
     assert planner.main(["--config", preset("tiny_cpu"), "parallel.tp=3"]) == 2
-    assert "num_attention_heads" in capsys.readouterr().err
+    assert "attention heads" in capsys.readouterr().err
     assert planner.main(["--config", preset("tiny_cpu"), "--world-size", "3"]) == 2
     assert "not divisible" in capsys.readouterr().err
     assert planner.main(["--config", preset("tiny_cpu"), "trian.max_steps=1"]) == 2

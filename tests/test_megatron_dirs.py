@@ -12,10 +12,12 @@ import shutil
 import pytest
 import torch
 
+from gspo_megatron import resolve
 from gspo_megatron.checkpoint import megatron_dirs
 from converters.cli import main as cli
-from gspo_megatron.model.hf_io import CheckpointError
-from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch
+from gspo_megatron.errors import CheckpointError
+from gspo_megatron.model.arch import MoeArch
+from gspo_megatron.errors import ModelConfigError
 from megatron_utils import make_tiny_hf
 from test_converters import ITER0, assert_bit_exact, hf_tensors
 
@@ -83,7 +85,7 @@ def test_converter_writes_a_megatron_lm_root_with_bridge_files(converted):
     assert common == {"content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
     md = FileSystemReader(str(ck)).read_metadata().state_dict_metadata
     objects = {k for k, v in md.items() if isinstance(v, BytesStorageMetadata)}
-    arch = Qwen3MoeArch.from_hf_dir(str(hf))
+    arch = MoeArch.from_hf_dir(str(hf))
     L, E = arch.num_layers, arch.num_experts
     # the keys Megatron-Bridge 0.3.1 requests of a checkpoint (its own CPU save, tests/README.md)
     for k in (f"decoder.layers.self_attention.linear_qkv._extra_state/shard_0_{L}",
@@ -119,19 +121,19 @@ def test_release_roots_of_earlier_versions_still_read(converted, tmp_path):
     bit-exactly, gives its architecture to model.load and is refused by --overwrite (it has no
     output marker, gspo_megatron/fsutil.py: nothing proves it is the converter's)."""
     from gspo_megatron.checkpoint.mcore import read_mcore_arch
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.train.setup import read_load_source
 
     hf, mc = converted
     old = _as_release_root(mc, tmp_path / "old")
     assert megatron_dirs.resolve(str(old)) == str(old / "release")
-    assert read_mcore_arch(str(old)) == Qwen3MoeArch.from_hf_dir(str(hf))
+    assert read_mcore_arch(str(old)) == MoeArch.from_hf_dir(str(hf))
     assert cli(["mcore-to-hf", "--load", str(old), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
     cfg = load_config(None, [f"model.load={old}", "model.hf_config=null"])
     load = read_load_source(cfg)
     assert load.directory == str(old / "release") and load.hf_config_dir == str(old / "release" / "hf_config")
-    assert Qwen3MoeArch.from_hf_dict(cfg.hf_config_dict(load)) == Qwen3MoeArch.from_hf_dir(str(hf))
+    assert MoeArch.from_hf_dict(resolve.hf_config_dict(cfg, load)) == MoeArch.from_hf_dir(str(hf))
     with pytest.raises(SystemExit) as e:
         cli(["hf-to-mcore", "--hf-dir", str(hf), "--out", str(old), "--overwrite", "--no-progress"])
     assert e.value.code == 2 and (old / "release").is_dir() and not (old / ITER0).exists()
@@ -141,13 +143,14 @@ def test_model_load_is_resolved_where_the_run_is_set_up(converted, tmp_path):
     """config.py reads no checkpoint format: load_config takes model.load=<root> without reading
     it, train/setup.py read_load_source resolves the root (one ConfigError line naming the file),
     and Config.hf_config_dict refuses to guess without what that read."""
-    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.config import ConfigError
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.train.setup import read_load_source
 
     hf, mc = converted
     cfg = load_config(None, [f"model.load={mc}", "model.hf_config=null"])
     with pytest.raises(ValueError, match="read_load_source"):
-        cfg.hf_config_dict()
+        resolve.hf_config_dict(cfg)
     load = read_load_source(cfg)
     assert load.directory == str(mc / ITER0) and load.carried is None
     assert cfg.model_sources(load) == [("model.load", str(mc / ITER0 / "hf_config"))]
@@ -158,7 +161,7 @@ def test_model_load_is_resolved_where_the_run_is_set_up(converted, tmp_path):
     cfg = load_config(None, [f"model.load={bare}", "model.hf_config=null"])
     load = read_load_source(cfg)
     assert load.hf_config_dir is None and load.carried[1] == str(bare / ITER0 / "run_config.yaml")
-    assert Qwen3MoeArch.from_hf_dict(cfg.hf_config_dict(load)) == Qwen3MoeArch.from_hf_dir(str(hf))
+    assert MoeArch.from_hf_dict(resolve.hf_config_dict(cfg, load)) == MoeArch.from_hf_dir(str(hf))
     assert cfg.model_sources(load) == []
     # a tracker naming an iteration that is not there: one line naming the tracker
     megatron_dirs.write_tracker(str(bare), 7)
@@ -171,9 +174,9 @@ def test_run_config_is_enough_to_read_a_checkpoint(converted, tmp_path):
     """Without hf_config/, mcore-to-hf --load <root> takes the architecture from run_config.yaml
     (as for a Megatron-Bridge checkpoint): bit-exact, no flags."""
     hf, mc = converted
-    arch = Qwen3MoeArch.from_hf_dir(str(hf))
+    arch = MoeArch.from_hf_dir(str(hf))
     back, path = megatron_dirs.hf_config_from_run_config(str(mc / ITER0))
-    assert Qwen3MoeArch.from_hf_dict(back) == arch and path.endswith("run_config.yaml")
+    assert MoeArch.from_hf_dict(back) == arch and path.endswith("run_config.yaml")
 
     bare = tmp_path / "bare"
     shutil.copytree(mc, bare)
@@ -211,7 +214,7 @@ def test_local_spec_pre_mlp_norm_key_is_read(converted, tmp_path):
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
 
 
-def _mlm_args(arch: Qwen3MoeArch, **extra):
+def _mlm_args(arch: MoeArch, **extra):
     """The run arguments Megatron-LM's pretrain_gpt.py keeps in common.pt for this architecture
     (megatron/training/arguments.py names; an enum and a torch dtype among them, as there)."""
     import argparse
@@ -237,7 +240,7 @@ def test_megatron_lm_run_arguments_are_read_safely(converted, tmp_path):
     import functools
 
     hf, mc = converted
-    arch = Qwen3MoeArch.from_hf_dir(str(hf))
+    arch = MoeArch.from_hf_dir(str(hf))
     mlm = tmp_path / "mlm"
     shutil.copytree(mc, mlm)
     shutil.rmtree(mlm / ITER0 / "hf_config")
@@ -246,7 +249,7 @@ def test_megatron_lm_run_arguments_are_read_safely(converted, tmp_path):
                mlm / ITER0 / "common.pt")
     (mlm / ITER0 / "checksums.json").unlink()  # Megatron-LM writes none
     back, _ = megatron_dirs.carried_config(str(mlm / ITER0))
-    assert Qwen3MoeArch.from_hf_dict(back) == arch
+    assert MoeArch.from_hf_dict(back) == arch
     assert cli(["mcore-to-hf", "--load", str(mlm), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "out"))
 

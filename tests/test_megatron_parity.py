@@ -1,8 +1,11 @@
-"""Megatron-Core Qwen3-MoE vs transformers' Qwen3MoeForCausalLM on the same tiny random checkpoint.
+"""Megatron-Core vs transformers on the same tiny random checkpoint, for every model family
+(Qwen3MoeForCausalLM; Glm4MoeForCausalLM with a dense first layer, a shared expert, sigmoid routing
+with a non-zero expert bias, partial RoPE and QKV biases).
 
-For each layout: per-token log-probs through Megatron's schedules (forward-only) and the gradients
-of the mean token NLL (Megatron DDP + finalize_model_grads, exported back to Hub names by the
-streaming exporter) must equal the transformers reference computed in this process.
+For each layout: the weights exported back to Hub names equal the checkpoint's bit for bit (the
+HF -> Megatron -> HF round trip), per-token log-probs through Megatron's schedules (forward-only)
+and the gradients of the mean token NLL (Megatron DDP + finalize_model_grads, exported back to Hub
+names by the streaming exporter) must equal the transformers reference computed in this process.
 """
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_utils import hf_mean_nll_grads, hf_token_logprobs, make_tiny_hf, random_sequences
+from megatron_utils import FAMILIES, hf_mean_nll_grads, hf_token_logprobs, make_tiny_hf, random_sequences
 
-LOGPROB_TOL = 1e-4
+LOGPROB_TOL = 1e-5
 GRAD_RTOL = 1e-4  # fp32, relative to the tensor's largest entry
 LENGTHS = [5, 17, 9, 12, 3, 20]
 
@@ -38,23 +41,27 @@ def nll_forward_step(ctx, vocab_size):
     return forward_step
 
 
-def _rank_parity(rank, world, hf_dir, layout, seqs):
+def _rank_parity(rank, world, hf_dir, layout, seqs, grads_too=True):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.export import grad_tensor, iter_hf_tensors
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.train.batch import TrainSample, plan_minibatch
     from gspo_megatron.train.scoring import pad_multiple, score_sequences
 
     par = ParallelConfig(**layout)
-    arch = Qwen3MoeArch.from_hf_dir(hf_dir)
+    arch = MoeArch.from_hf_dir(hf_dir)
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
     chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir)
+    weights = dict(iter_hf_tensors(chunks, ctx, arch))  # HF -> Megatron -> HF
     lps = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size, micro_batch_tokens=48)
+    if not grads_too:  # (the NLL step below has no context-parallel split; CP's gradients: test_train_invariance)
+        destroy_parallel()
+        return (lps, None, weights) if rank == 0 else None
 
     model = wrap_ddp(chunks, tcfg)
     for m in model:
@@ -70,18 +77,32 @@ def _rank_parity(rank, world, hf_dir, layout, seqs):
     )
     grads = dict(iter_hf_tensors(model, ctx, arch, tensor_of=grad_tensor))
     destroy_parallel()
-    return (lps, grads) if rank == 0 else None
+    return (lps, grads, weights) if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hf")
-    model = make_tiny_hf(d)
-    seqs = random_sequences(300, LENGTHS)
-    with torch.no_grad():
-        lps = hf_token_logprobs(model, seqs)
-    grads = hf_mean_nll_grads(model, seqs)
-    return str(d), seqs, lps, grads
+def references(tmp_path_factory):
+    """family -> (hf_dir, sequences, reference log-probs, reference gradients, checkpoint tensors),
+    built on first use."""
+    from safetensors.torch import load_file
+
+    built = {}
+
+    def get(family):
+        if family not in built:
+            d = tmp_path_factory.mktemp(f"hf-{family}")
+            model = make_tiny_hf(d, family=family)
+            seqs = random_sequences(300, LENGTHS)
+            with torch.no_grad():
+                lps = hf_token_logprobs(model, seqs)
+            grads = hf_mean_nll_grads(model, seqs)
+            stored = {}
+            for f in sorted(d.glob("*.safetensors")):
+                stored.update(load_file(str(f)))
+            built[family] = (str(d), seqs, lps, grads, stored)
+        return built[family]
+
+    return get
 
 
 LAYOUTS = [
@@ -89,21 +110,41 @@ LAYOUTS = [
     pytest.param(2, dict(tp=2, sequence_parallel=True), id="tp2-sp"),
     pytest.param(2, dict(ep=2), id="ep2"),
     pytest.param(2, dict(pp=2), id="pp2"),
+    pytest.param(2, dict(cp=2), id="cp2"),
     pytest.param(4, dict(tp=2, ep=2, sequence_parallel=True), id="tp2xep2"),
     pytest.param(4, dict(pp=2, ep=2), id="pp2xep2"),
     pytest.param(2, dict(tp=2, etp=2, sequence_parallel=True), id="tp2-etp2"),
 ]
+# Every family runs the layouts of the family suite (docs/design.md "Adding a model family"); the
+# first family also the combined ones.
+FAMILY_LAYOUTS = ("tp1", "tp2-sp", "ep2", "pp2", "cp2")
+CASES = [pytest.param(fam, *p.values, id=f"{fam}-{p.id}") for fam in FAMILIES for p in LAYOUTS
+         if fam == FAMILIES[0] or p.id in FAMILY_LAYOUTS]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world,layout", LAYOUTS)
-def test_logprobs_and_grads_match_transformers(reference, world, layout):
-    hf_dir, seqs, ref_lps, ref_grads = reference
-    lps, grads = run_distributed(_rank_parity, world, hf_dir, layout, seqs, timeout=360)[0]
+@pytest.mark.parametrize("family,world,layout", CASES)
+def test_logprobs_and_grads_match_transformers(references, family, world, layout):
+    hf_dir, seqs, ref_lps, ref_grads, stored = references(family)
+    grads_too = layout.get("cp", 1) == 1
+    lps, grads, weights = run_distributed(_rank_parity, world, hf_dir, layout, seqs, grads_too, timeout=360)[0]
+    # the round trip: every tensor of the checkpoint comes back bit for bit, and nothing else
+    assert set(weights) == set(stored)
+    for n, t in stored.items():
+        assert weights[n].dtype == t.dtype and torch.equal(weights[n], t), n
     assert len(lps) == len(seqs)
+    worst_lp = 0.0
     for s, got, want in zip(seqs, lps, ref_lps):
         assert len(got) == len(s) - 1
-        assert (torch.tensor(got) - want).abs().max().item() <= LOGPROB_TOL
+        worst_lp = max(worst_lp, (torch.tensor(got, dtype=torch.float64) - want.double()).abs().max().item())
+    print(f"{family} {layout}: max |log-prob - transformers'| {worst_lp:.2e}")
+    assert worst_lp <= LOGPROB_TOL
+    if not grads_too:
+        return
+    # buffers (the router's expert bias) are weights but are not trained: exported as zero gradients
+    frozen = {n for n in grads if n.endswith("e_score_correction_bias")}
+    assert all(not grads[n].any() for n in frozen)
+    grads = {n: g for n, g in grads.items() if n not in frozen}
     assert set(grads) == set(ref_grads)
     # relative to each tensor's scale: gradients here range from 1e-6 to 1e-1
     worst = max(

@@ -202,7 +202,8 @@ def test_loop_with_partial_rollouts_carries_samples_over_pushes(tmp_path):
 
 
 def test_max_token_age_masks_old_tokens_and_config_checks(tmp_path):
-    from gspo_megatron.config import ConfigError, load_config
+    from gspo_megatron.config import ConfigError
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.rollout.base import Sample
     from gspo_megatron.train.batch import _full_sequence
     from gspo_megatron.train.loop import to_train_samples

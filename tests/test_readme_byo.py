@@ -24,11 +24,12 @@ def readme_block() -> str:
 def test_readme_own_model_and_data_commands(tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from gspo_megatron.config import load_config
+    from gspo_megatron import resolve
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
     hf = tmp_path / "my-model"
-    cfg = {**load_config(os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml"), []).hf_config_dict(),
+    cfg = {**resolve.hf_config_dict(load_config(os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml"), [])),
            "vocab_size": 128}
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).save_pretrained(hf)

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from gspo_megatron.config import load_config
+from gspo_megatron.resolve import load_config
 from gspo_megatron.rollout.base import WeightVerificationError
 from gspo_megatron.rollout.hf_engine import HFEngine, hub_weight_targets
 from gspo_megatron.rollout.sglang_engine import SGLangEngine

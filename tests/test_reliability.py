@@ -363,7 +363,7 @@ def _rollout_parts(samples_of, max_rejected_frac=0.5, G=4, P=2):
     returns `samples_of(prompts, n)`."""
     from types import SimpleNamespace
 
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
 
     cfg = load_config(TINY, [f"rollout.samples_per_prompt={G}", f"rollout.prompts_per_step={P}",
                              f"rollout.max_rejected_frac={max_rejected_frac}"])

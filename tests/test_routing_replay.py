@@ -56,7 +56,7 @@ def hf_routing(model, seq, forced=None):
 def _rank(rank, world, hf_dir, layout, seqs, natural, forced):
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.routing_replay import RoutingPass
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
@@ -64,7 +64,7 @@ def _rank(rank, world, hf_dir, layout, seqs, natural, forced):
     from gspo_megatron.train.scoring import collect_logprobs, logprob_pass, pad_multiple
 
     par = ParallelConfig(**layout)
-    arch = Qwen3MoeArch.from_hf_dir(hf_dir)
+    arch = MoeArch.from_hf_dir(hf_dir)
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
     # full recompute re-runs each layer's router in backward: the update pass must replay there too
     # (refused with pipeline stages, where 1F1B interleaves microbatches: config.py)
@@ -200,13 +200,15 @@ def test_router_fusion_with_routing_replay_is_refused_in_one_line():
     from megatron.core.transformer.moe import moe_utils
 
     from gspo_megatron.config import ParallelConfig
-    from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch, transformer_config
+    from gspo_megatron.model.arch import MoeArch
+    from gspo_megatron.errors import ModelConfigError
+    from gspo_megatron.model.spec import transformer_config
 
     src = inspect.getsource(moe_utils.topk_routing_with_score_function)
     fused_return = src.index("return fused_topk_with_score_function(")
     assert src.index("if fused:") < fused_return < src.index("router_replay.get_replay_topk(")
 
-    arch = Qwen3MoeArch.from_hf_dict(dict(vocab_size=98, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    arch = MoeArch.from_hf_dict(dict(vocab_size=98, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                                           num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                                           max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,

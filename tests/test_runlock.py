@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from gspo_megatron.cli_util import InputError
+from gspo_megatron.errors import InputError
 from gspo_megatron.train import runlock
 from gspo_megatron.train.runlock import LOCK_FILE, RunLock
 

@@ -133,7 +133,7 @@ def test_megatron_decentralized_save_plans_are_read_as_data(tmp_path):
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     from gspo_megatron.checkpoint.safe_metadata import loads_dcp_metadata
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     planner = MCoreSavePlanner(can_run_decentralized_global_plan=True, flatten_state_dict=False,
                                dedup_replicated_tensors=False)
@@ -155,7 +155,7 @@ def test_refuses_anything_but_metadata(evil, tmp_path):
     from torch.distributed.checkpoint.metadata import Metadata
 
     from gspo_megatron.checkpoint.safe_metadata import loads_dcp_metadata, read_dcp_metadata
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     _, ckpt, marker = evil
     with pytest.raises(CheckpointError) as e:
@@ -204,7 +204,7 @@ def test_common_pt_is_weights_only_even_when_the_environment_says_otherwise(trai
     import torch
 
     from gspo_megatron.checkpoint.megatron_load import load_common_state_dict
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     common = load_common_state_dict(trained / "checkpoints" / "iter_0000001")
@@ -356,7 +356,7 @@ def test_megatron_lm_common_pt_with_run_arguments_loads_and_code_does_not_run(tm
     code = f"""
 import sys
 from gspo_megatron.checkpoint.megatron_load import load_common_state_dict
-from gspo_megatron.model.hf_io import CheckpointError
+from gspo_megatron.errors import CheckpointError
 assert "megatron.core" not in sys.modules  # nothing registered Megatron's safe globals yet
 c = load_common_state_dict({str(good)!r})
 print(c["iteration"], c["args"].num_layers, c["args"].attention_backend.name)

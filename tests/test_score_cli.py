@@ -121,10 +121,10 @@ def test_cli_bad_input(ckpt, tmp_path):
     "kw,world,dims,needle",
     [
         (dict(tp=2), 3, {}, "not divisible"),
-        (dict(tp=4), 4, dict(num_attention_heads=6, num_query_groups=2), "num_attention_heads"),
-        (dict(tp=2), 2, dict(num_query_groups=1), "num_key_value_heads"),
-        (dict(ep=3), 3, dict(num_experts=8), "num_experts"),
-        (dict(pp=3), 3, dict(num_layers=4), "num_hidden_layers"),
+        (dict(tp=4), 4, dict(heads=6, kv_heads=2), "6 attention heads"),
+        (dict(tp=2), 2, dict(kv_heads=1), "1 key/value heads"),
+        (dict(ep=3), 3, dict(experts=8), "8 experts"),
+        (dict(pp=3), 3, dict(layers=4), "4 layers"),
         (dict(tp=2, sequence_parallel=False), 2, {}, "sequence_parallel"),
         (dict(ep=2, etp=2), 2, {}, "ep*etp"),
     ],
@@ -132,7 +132,7 @@ def test_cli_bad_input(ckpt, tmp_path):
 def test_parallel_config_rejects_bad_layouts(kw, world, dims, needle):
     from gspo_megatron.config import ConfigError, ParallelConfig
 
-    model = dict(num_layers=4, num_attention_heads=4, num_query_groups=2, num_experts=8, moe_ffn_hidden_size=32)
+    model = dict(layers=4, heads=4, kv_heads=2, experts=8, expert_width=32)
     model.update(dims)
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*")):
         ParallelConfig(**kw).validate(world, **model)
@@ -142,7 +142,7 @@ def test_parallel_config_accepts_and_derives_dp():
     from gspo_megatron.config import ParallelConfig
 
     p = ParallelConfig(tp=2, ep=2, sequence_parallel=True)
-    p.validate(4, num_layers=4, num_attention_heads=4, num_query_groups=2, num_experts=8)
+    p.validate(4, layers=4, heads=4, kv_heads=2, experts=8)
     assert p.dp(4) == 2 and p.edp(4) == 2  # 4 ranks per stage = ep 2 x etp 1 x edp 2
     assert ParallelConfig(ep=4).edp(4) == 1
     with pytest.raises(ValueError, match="sequence_parallel"):
@@ -150,16 +150,17 @@ def test_parallel_config_accepts_and_derives_dp():
 
 
 def test_unsupported_qwen_variants_are_rejected():
-    from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
+    from gspo_megatron.errors import ModelConfigError
 
     base = dict(model_type="qwen3_moe", vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=4)
-    Qwen3MoeArch.from_hf_dict(base)
+    MoeArch.from_hf_dict(base)
     for extra, needle in [({"shared_expert_intermediate_size": 16}, "shared experts"),
                           ({"mlp_only_layers": [0]}, "dense"), ({"use_sliding_window": True}, "sliding"),
                           ({"model_type": "qwen2_moe"}, "model_type"), ({"num_experts": 0}, "num_experts")]:
         with pytest.raises(ModelConfigError, match=needle):
-            Qwen3MoeArch.from_hf_dict({**base, **extra})
+            MoeArch.from_hf_dict({**base, **extra})
 
 
 def run_score_torchrun(nproc, *args):

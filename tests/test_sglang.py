@@ -312,7 +312,7 @@ def test_weight_update_store_address_and_port_come_from_the_config(monkeypatch):
     distributed weight-update group; unset, the address is the route towards the first server and
     the port 0 (rank 0's store binds a free one)."""
     import gspo_megatron.rollout.sglang_engine as se
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
 
     seen = []
     monkeypatch.setattr(se, "DistributedSync", lambda *a, **kw: seen.append(kw) or object())
@@ -324,7 +324,7 @@ def test_weight_update_store_address_and_port_come_from_the_config(monkeypatch):
         eng = se.SGLangEngine.from_config(load_config(tiny, base + extra), wait_ready=False)
         eng._make_syncer()
         assert (seen[-1]["master_address"], seen[-1]["master_port"]) == (addr, port)
-    from gspo_megatron.config import ConfigError
+    from gspo_megatron.errors import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.sglang.sync_port must be 0"):
         load_config(tiny, base + ["rollout.sglang.sync_port=70000"])
@@ -521,7 +521,7 @@ def test_api_key_and_router(model_dir, prompts, model_b, tmp_path):
 def test_from_trainer_config(model_dir, prompts, tmp_path):
     """SGLangEngine.from_config(Config): model_path <- model.hf_dir, shared_dir <- out_dir, HF config
     <- hf_dir/config.json; the overrides helper is what a trainer-level test passes."""
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
 
     from sglang_double import sglang_overrides
 
@@ -1056,7 +1056,8 @@ def test_from_config_reads_the_routing_option(model_dir, tmp_path):
     import dataclasses
     from types import SimpleNamespace
 
-    from gspo_megatron.config import RolloutConfig, load_config
+    from gspo_megatron.config import RolloutConfig
+    from gspo_megatron.resolve import load_config
 
     from sglang_double import sglang_overrides
 

@@ -754,3 +754,43 @@ def _finished_spans_function(source: str) -> str:
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and "compute_weight_version_spans" in ast.unparse(n):
             return n.name
     return "<none>"
+
+
+# ----------------------------------------------------------------------------------------------
+# Model families: SGLang serves each family's class and loads the Hub names the exporter pushes
+# ----------------------------------------------------------------------------------------------
+
+FAMILY_MODEL_FILES = {"qwen3_moe": "sglang/srt/models/qwen3_moe.py", "glm4_moe": "sglang/srt/models/glm4_moe.py"}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_MODEL_FILES))
+def test_sglang_serves_each_family_and_loads_its_pushed_names(sgl, model_type):
+    """Every family's `hf_architecture` is an EntryClass of SGLang's model file, whose
+    load_weights folds q/k/v_proj into qkv_proj and gate_proj/up_proj into gate_up_proj (the names
+    the exporter pushes, per layer and per expert). GLM-4.5 also: the router's expert bias is a
+    Parameter named `gate.e_score_correction_bias` of the MoE block (so the pushed
+    `model.layers.N.mlp.gate.e_score_correction_bias` lands by name), and layers numbered past
+    num_hidden_layers (MTP) are skipped when num_nextn_predict_layers > 0 (pushes declare 0)."""
+    from gspo_megatron.model.registry import FAMILY_MODULES, family_of_type
+
+    assert set(FAMILY_MODEL_FILES) == set(FAMILY_MODULES)
+    family = family_of_type(model_type)
+    path = FAMILY_MODEL_FILES[model_type]
+    src = _wheel_sources(sgl, (path,), f"{family.display_name} model")[path]
+    tree = ast.parse(src)
+    entry = next(n for n in tree.body if isinstance(n, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "EntryClass" for t in n.targets))
+    assert family.hf_architecture in ast.unparse(entry.value), f"{path}: EntryClass {ast.unparse(entry.value)}"
+    load = _function(src, "load_weights", family.hf_architecture)
+    assert load is not None, f"{path}: no {family.hf_architecture}.load_weights"
+    body = ast.unparse(load)
+    for pair in ("('qkv_proj', 'q_proj', 'q')", "('qkv_proj', 'k_proj', 'k')", "('qkv_proj', 'v_proj', 'v')",
+                 "('gate_up_proj', 'gate_proj', 0)", "('gate_up_proj', 'up_proj', 1)"):
+        assert pair in body, f"{path}: {family.hf_architecture}.load_weights lost {pair}"
+    assert "ckpt_gate_proj_name='gate_proj'" in body and "ckpt_down_proj_name='down_proj'" in body
+    if model_type == "glm4_moe":
+        gate = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Glm4MoeGate")
+        assert "self.e_score_correction_bias = nn.Parameter(" in ast.unparse(gate), ast.unparse(gate)[:500]
+        block = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Glm4MoeSparseMoeBlock")
+        assert "self.gate = Glm4MoeGate(" in ast.unparse(block)
+        assert "int(name_list[2]) >= self.config.num_hidden_layers" in body  # MTP layers skipped

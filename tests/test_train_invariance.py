@@ -1,13 +1,15 @@
 """The trainer's GSPO loss through Megatron's schedules: value and gradients equal the
-single-process reference (transformers' Qwen3MoeForCausalLM + the pure gspo_loss, autograd) for
-any layout and microbatch count. Exercises the normalisation contract of train/loss.py."""
+single-process reference (transformers' model of the family + the pure gspo_loss, autograd) for
+any layout and microbatch count. Exercises the normalisation contract of train/loss.py. The
+first family runs every case; every other family the family suite's layouts
+(test_every_family_gspo_step_matches_the_reference)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_utils import hf_token_logprobs, hub_named_grads, make_tiny_hf, random_sequences
+from megatron_utils import FAMILIES, hf_token_logprobs, hub_named_grads, make_tiny_hf, random_sequences
 
 RTOL = 2e-4  # relative to each gradient tensor's scale, fp32
 
@@ -67,7 +69,7 @@ def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=Fals
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.export import grad_tensor, iter_hf_tensors
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.train.batch import plan_minibatch
@@ -76,7 +78,7 @@ def _rank_train(rank, world, hf_dir, layout, samples, token_budget, eps, kl=Fals
     from gspo_megatron.train.scoring import pad_multiple
 
     par = ParallelConfig(**layout)
-    arch = Qwen3MoeArch.from_hf_dir(hf_dir)
+    arch = MoeArch.from_hf_dir(hf_dir)
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
     chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir, fused_logprobs=fused, recompute=recompute)
     tot_cfg = {k: getattr(tcfg, k) for k in ("recompute_granularity", "recompute_method", "recompute_modules")}
@@ -152,6 +154,38 @@ def test_context_parallel_and_packed_steps_match_the_reference(setup, world, lay
 @pytest.mark.parametrize("world,layout,budget", CASES)
 def test_gspo_step_matches_single_process_reference(setup, world, layout, budget, eps):
     _check_against_reference(setup, world, layout, budget, eps)
+
+
+@pytest.fixture(scope="module")
+def family_setups(tmp_path_factory):
+    built = {}
+
+    def get(family):
+        if family not in built:
+            d = tmp_path_factory.mktemp(f"hf-{family}")
+            model = make_tiny_hf(d, family=family)
+            built[family] = (str(d), model, make_samples(model))
+        return built[family]
+
+    return get
+
+
+FAMILY_CASES = [
+    pytest.param(2, dict(tp=2, sequence_parallel=True), 10_000, False, id="tp2-sp"),
+    pytest.param(2, dict(ep=2), 40, False, id="ep2"),
+    pytest.param(2, dict(pp=2), 40, False, id="pp2"),
+    pytest.param(2, dict(cp=2), 40, True, id="cp2-packed"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", FAMILIES[1:])
+@pytest.mark.parametrize("world,layout,budget,packed", FAMILY_CASES)
+def test_every_family_gspo_step_matches_the_reference(family_setups, family, world, layout, budget, packed):
+    """GLM-4.5's dense first layer, shared expert, sigmoid routing with its expert bias, partial
+    RoPE and QKV biases under each layout: the GSPO step's loss and gradients equal transformers'
+    Glm4MoeForCausalLM + gspo_loss in one process."""
+    _check_against_reference(family_setups(family), world, layout, budget, (3e-4, 4e-4), packed=packed)
 
 
 def _check_against_reference(setup, world, layout, budget, eps, packed=False):

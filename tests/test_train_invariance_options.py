@@ -123,7 +123,7 @@ def _rank_train_options(rank, world, hf_dir, layout, samples, budget, settings_k
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model.export import grad_tensor, iter_hf_tensors
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.train.batch import plan_minibatch
@@ -132,7 +132,7 @@ def _rank_train_options(rank, world, hf_dir, layout, samples, budget, settings_k
     from gspo_megatron.train.scoring import pad_multiple
 
     par = ParallelConfig(**layout)
-    arch = Qwen3MoeArch.from_hf_dir(hf_dir)
+    arch = MoeArch.from_hf_dir(hf_dir)
     ctx = init_parallel(par, model_dims=arch.dims_for_validation())
     chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir)
     model = wrap_ddp(chunks, tcfg)

@@ -351,9 +351,9 @@ def test_trainer_starts_from_a_converted_checkpoint(tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from converters.cli import main as convert
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
 
-    hf_cfg = load_config(TINY, []).hf_config_dict()
+    hf_cfg = resolve.hf_config_dict(load_config(TINY, []))
     torch.manual_seed(3)
     src = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_cfg))
     src.save_pretrained(tmp_path / "src")
@@ -371,10 +371,10 @@ def _converted(tmp_path, **over):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from converters.cli import main as convert
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
-    hf_cfg = {**load_config(TINY, []).hf_config_dict(), **over}
+    hf_cfg = {**resolve.hf_config_dict(load_config(TINY, [])), **over}
     torch.manual_seed(5)
     src = tmp_path / "src"
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_cfg)).save_pretrained(src)
@@ -412,6 +412,7 @@ def test_no_silent_slicing_or_ignored_data(tmp_path):
 _GC_PROBE = '''
 import gc, json, sys
 import gspo_megatron.train.loop as loop
+from gspo_megatron import resolve
 from gspo_megatron.train.__main__ import main
 
 seen, step = [], loop.gspo_step

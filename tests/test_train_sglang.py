@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 from dist_utils import with_free_port
 from sglang_double import SGLangDouble, sglang_overrides
@@ -15,15 +16,28 @@ from test_train_loop import REPO, TINY, _env, gspo_rows, torchrun_cmd
 STEPS = 3
 
 
-def _tiny_hf_dir(path):
-    import yaml
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+GLM_TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu_glm.yaml")
+# the demo config of each model family (tests/megatron_utils.py FAMILIES)
+FAMILY_CONFIGS = {"qwen3_moe": TINY, "glm4_moe": GLM_TINY}
 
+
+def _tiny_hf_dir(path, config: str = TINY):
+    """The demo config's architecture as a random-init HF checkpoint (its family's transformers
+    class), with the project's tokenizer."""
+    import yaml
+
+    from gspo_megatron.model.family import family_for
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
-    with open(TINY) as f:
+    with open(config) as f:
         hf = yaml.safe_load(f)["model"]["hf_config"]
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf)).save_pretrained(str(path))
+    family = family_for(hf)
+    model = family.reference_model(family.hf_config(hf))
+    with torch.no_grad():  # a non-zero expert bias (GLM): the pushed buffer must reach the engine
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(-0.05, 0.05, b.numel()))
+    model.save_pretrained(str(path))
     build_tokenizer(str(path))
     return str(path)
 
@@ -51,15 +65,19 @@ def double_run_args(hf_dir, out, steps: int, server_url: str, shared_dir, *extra
             *sglang_overrides(server_url, weight_sync="disk", shared_dir=str(shared_dir))]
 
 
-def test_training_loop_with_sglang_disk_sync(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_training_loop_with_sglang_disk_sync(tmp_path, family):
+    """Each model family's demo config against the SGLang double (its transformers class behind
+    SGLang's routes): pushes, versions, log-probs equal to the trainer's, and the served weights
+    equal to the exported ones bit for bit (GLM: the router's expert bias included)."""
     import re
 
-    import torch
     from safetensors.torch import load_file
 
     from gspo_megatron.rollout.hf_engine import hub_weight_targets
 
-    hf_dir = _tiny_hf_dir(tmp_path / "hf0")
+    config = FAMILY_CONFIGS[family]
+    hf_dir = _tiny_hf_dir(tmp_path / "hf0", config)
     shared = str(tmp_path / "sync")
     with SGLangDouble(hf_dir) as server:
         # what each /generate answered, and how many weight updates had reached the double before it
@@ -67,7 +85,7 @@ def test_training_loop_with_sglang_disk_sync(tmp_path):
         _watch_answers(server, lambda status, rows, n_updates: served.append(
             (n_updates, status, [r["meta_info"].get("weight_version") for r in rows])))
         out = tmp_path / "run"
-        args = ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
+        args = ["--config", config, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
                 f"train.max_steps={STEPS}", "train.sft_warmup_steps=2", "checkpoint.interval=0",
                 "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=true",
                 *sglang_overrides(server.url, weight_sync="disk", shared_dir=shared)]
@@ -114,6 +132,9 @@ def test_training_loop_with_sglang_disk_sync(tmp_path):
         if f.endswith(".safetensors"):
             initial.update(load_file(os.path.join(hf_dir, f)))
     assert any(not torch.equal(initial[k], exported[k]) for k in exported)
+    bias = [k for k in exported if k.endswith("e_score_correction_bias")]
+    assert bool(bias) == (family == "glm4_moe")
+    assert all(torch.equal(initial[k], exported[k]) for k in bias)  # a fixed buffer: never trained
 
 
 def _two_free_ports() -> int:

@@ -39,7 +39,7 @@ def _score(texts, examples):
 
 
 def _rank_loop_steps(rank, world, hf_dir, out_dir, overrides):
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.model.export import grad_tensor, iter_hf_tensors
     from gspo_megatron.train import loop
     from gspo_megatron.train.setup import setup_run
@@ -225,7 +225,7 @@ def _tiny_arch():
 def _rank_first_minibatch_pi_old(rank, world, hf_dir, out_dir, minibatches, full_pass):
     """One GSPO step from the checkpoint; `full_pass` forces the forward-only π_old pass over every
     minibatch (what the loop did before the first minibatch took π_old from its own forward)."""
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
     from gspo_megatron.model.export import iter_hf_tensors
     from gspo_megatron.train import loop
     from gspo_megatron.train.setup import setup_run

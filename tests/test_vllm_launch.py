@@ -49,7 +49,8 @@ RECORDER = textwrap.dedent("""
 
 
 def _config(*overrides):
-    from gspo_megatron.config import load_config
+    from gspo_megatron import resolve
+    from gspo_megatron.resolve import load_config
 
     return load_config(TINY, [*VLLM, *HEAD32, *overrides])
 
@@ -58,7 +59,7 @@ def _hf_dir(tmp_path, cfg) -> str:
     """The run's architecture as a checkpoint directory's config.json (what the server loads)."""
     d = tmp_path / "model"
     d.mkdir(exist_ok=True)
-    arch = {**cfg.hf_config_dict(), "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    arch = {**resolve.hf_config_dict(cfg), "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
     (d / "config.json").write_text(json.dumps(arch))
     return str(d)
 
@@ -71,7 +72,7 @@ def _recorded_launch(tmp_path, cfg) -> tuple[list[str], dict]:
     script = tmp_path / "record_server.py"
     script.write_text(RECORDER)
     out = tmp_path / "launched.json"
-    eng = VLLMEngine.from_config(cfg, hf_config=cfg.hf_config_dict(), model_path=_hf_dir(tmp_path, cfg),
+    eng = VLLMEngine.from_config(cfg, hf_config=resolve.hf_config_dict(cfg), model_path=_hf_dir(tmp_path, cfg),
                                  server_command=[sys.executable, str(script), str(out)], wait_ready=False,
                                  log_dir=str(tmp_path / "logs"))
     try:
@@ -163,7 +164,7 @@ def test_a_server_dtype_other_than_the_trainers_is_kept_and_said_once(tmp_path, 
 
 
 def test_config_refuses_what_vllm_would_not_take():
-    from gspo_megatron.config import ConfigError
+    from gspo_megatron.errors import ConfigError
 
     for bad, key in ((["rollout.vllm.dtype=fp8"], "rollout.vllm.dtype"), (["rollout.vllm.gpus=[1,1]"], "rollout.vllm.gpus"),
                      (["rollout.vllm.launch=false", "rollout.vllm.urls=[http://h:1]", "rollout.vllm.gpus=[1]"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from gspo_megatron.cli_util import InputError
+from gspo_megatron.errors import InputError
 from gspo_megatron.fsutil import (  # noqa: F401  (re-exported)
     NotOurOutputError, TargetExistsError, check_replaceable, current_command, discard, make_tmp, publish,
 )

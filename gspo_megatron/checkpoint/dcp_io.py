@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from gspo_megatron.checkpoint.safe_metadata import METADATA_FILE, read_dcp_metadata, require_tensor_entries
-from gspo_megatron.model.hf_io import CheckpointError
+from gspo_megatron.errors import CheckpointError
 
 
 @dataclass

@@ -144,7 +144,7 @@ def verify_before_parse(directory: str, *, data: bool, require: bool = False, di
     folder has no checksums.json (one warning naming it, once per process, from rank 0), unless
     `require`: then refused. A mismatch, a missing file or an unreadable checksums.json: one
     CheckpointError line naming the file."""
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     directory = os.fspath(directory)
     try:
@@ -181,7 +181,7 @@ def check_listed(directory: str, files) -> None:
     """Every file of `files` (relative paths a checkpoint's metadata points into) is listed in its
     checksums.json, when it has one: a data file added to a folder after it was saved (e.g. the
     storage of a crafted `.metadata` entry) is one CheckpointError line, not read unverified."""
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     try:
         recorded = read(directory)

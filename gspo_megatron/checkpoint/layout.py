@@ -19,7 +19,7 @@ torch_dist stores every parameter as one *global* tensor under a key that Megatr
 
 `tests/test_converters.py` checks these keys and shapes against the `sharded_state_dict()` of
 models built at several layouts, so this module and Megatron cannot drift apart silently.
-Nothing here names an HF tensor: the HF side is entirely `mapping.RULES`.
+Nothing here names an HF tensor: the HF side is entirely the family's rules (`arch.family.rules`).
 """
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from gspo_megatron.model import mapping
-from gspo_megatron.model.mapping import HF_RULES, RULES, Rule
-from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+from gspo_megatron.errors import ModelConfigError
+from gspo_megatron.model.arch import MoeArch
+from gspo_megatron.model.mapping import Rule
 
 # Megatron-Core 0.16.1's local (non-TE) layer spec maps `pre_mlp_layernorm.` to
 # `mlp.linear_fc1.layer_norm_` for every layer, although in an MoE layer there is no linear_fc1 to
@@ -67,17 +68,14 @@ def dist_key(rule: Rule) -> str:
     return k
 
 
-def _check_rules() -> None:
+def _check_rules(rules) -> None:
     # The local- and TE-spec variants of one HF tensor must share a key, or the spec would leak
     # into the checkpoint format.
     by_hf: dict[tuple, str] = {}
-    for r in RULES:
+    for r in rules:
         k = dist_key(r)
         if by_hf.setdefault(r.hf, k) != k:
             raise AssertionError(f"layout: {r.mcore!r} and its sibling rule map to different keys")
-
-
-_check_rules()
 
 
 def canonical_key(state_dict_name: str, sharded_key: str) -> str:
@@ -88,7 +86,7 @@ def canonical_key(state_dict_name: str, sharded_key: str) -> str:
     return sharded_key
 
 
-def prepend_dims(rule: Rule, arch: Qwen3MoeArch) -> tuple[int, ...]:
+def prepend_dims(rule: Rule, arch: MoeArch) -> tuple[int, ...]:
     if rule.kind.is_expert:
         return (arch.num_layers, arch.num_experts)
     if rule.per_layer:
@@ -96,7 +94,7 @@ def prepend_dims(rule: Rule, arch: Qwen3MoeArch) -> tuple[int, ...]:
     return ()
 
 
-def full_shape(rule: Rule, arch: Qwen3MoeArch) -> tuple[int, ...]:
+def full_shape(rule: Rule, arch: MoeArch) -> tuple[int, ...]:
     """Shape of one full Megatron tensor (one layer / one expert), vocab unpadded."""
     if rule.kind is mapping.Kind.VOCAB:  # lm_head has no entry in hf_shapes when tied
         metas = [torch.empty(arch.vocab_size, arch.hidden_size, device="meta")]
@@ -132,16 +130,24 @@ class Item:
         return n
 
 
-def _rules_in_order(arch: Qwen3MoeArch) -> list[Rule]:
+def _rules_in_order(arch: MoeArch) -> list[Rule]:
+    if arch.dense_layers:
+        # Megatron keys every layer of a model with dense and MoE layers apart
+        # (transformer_block.py:830-834 non_homogeneous_layers); this stacked layout is not that.
+        raise ModelConfigError(
+            f"torch_dist conversion of a {arch.family.display_name} with dense layers {list(arch.dense_layers)} is "
+            "not supported yet (Megatron keys such checkpoints per layer); train from the HF checkpoint "
+            "(model.hf_dir) instead")
+    _check_rules(arch.family.rules(arch))
     rules = []
-    for r in HF_RULES:
+    for r in mapping.hf_rules(arch.family.rules(arch)):
         if r.hf == ("lm_head.weight",) and arch.tie_word_embeddings:
             continue  # tied: Megatron's output layer reads the embedding's key
         rules.append(r)
     return rules
 
 
-def plan_items(arch: Qwen3MoeArch) -> list[Item]:
+def plan_items(arch: MoeArch) -> list[Item]:
     """Every chunk of a converted checkpoint, in HF order (embedding, layer by layer, head)."""
     rules = _rules_in_order(arch)
     head = [r for r in rules if not r.per_layer and r.hf == ("model.embed_tokens.weight",)]
@@ -171,7 +177,7 @@ def plan_items(arch: Qwen3MoeArch) -> list[Item]:
     return items
 
 
-def expected_keys(arch: Qwen3MoeArch) -> dict[str, tuple[int, ...]]:
+def expected_keys(arch: MoeArch) -> dict[str, tuple[int, ...]]:
     """torch_dist key -> global shape (vocab rows = HF vocab) of a Qwen3-MoE checkpoint."""
     out: dict[str, tuple[int, ...]] = {}
     for r in _rules_in_order(arch):
@@ -179,5 +185,5 @@ def expected_keys(arch: Qwen3MoeArch) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def is_vocab_key(key: str) -> bool:
-    return any(dist_key(r) == key for r in HF_RULES if r.kind is mapping.Kind.VOCAB)
+def is_vocab_key(key: str, arch: MoeArch) -> bool:
+    return any(dist_key(r) == key for r in arch.family.rules(arch) if r.kind is mapping.Kind.VOCAB)

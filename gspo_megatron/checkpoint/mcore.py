@@ -27,7 +27,7 @@ metadata is not needed to resume bf16/fp32 training), so both the CPU and TE lay
 
 Public API
     read_hf_config(C) -> (dict, path)            the HF config stored with an mcore checkpoint
-    read_mcore_arch(C) -> Qwen3MoeArch           its architecture (errors name the path)
+    read_mcore_arch(C) -> MoeArch           its architecture (errors name the path)
     model_sharded_state_dict(chunks) -> dict     the model's sharded state dict in checkpoint keys
     save_mcore_checkpoint(chunks, C, hf_config)  collective, atomic save of the sharded model
     load_mcore_into_model(chunks, C)             collective load into already-built chunks, any layout
@@ -51,7 +51,8 @@ from gspo_megatron.checkpoint import atomic, integrity, layout, megatron_dirs
 from gspo_megatron.checkpoint.dcp_io import Chunk, DcpReader, save_chunks
 from gspo_megatron.checkpoint.safetensors_data import SafetensorsData
 from gspo_megatron.model import mapping
-from gspo_megatron.model.hf_io import CheckpointError, HFCheckpointReader
+from gspo_megatron.errors import CheckpointError
+from gspo_megatron.model.hf_io import HFCheckpointReader
 from gspo_megatron.model.hf_writer import (
     DEFAULT_MAX_SHARD_BYTES,
     HFShardWriter,
@@ -59,7 +60,8 @@ from gspo_megatron.model.hf_writer import (
     parse_size,
     save_hf_checkpoint,
 )
-from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch
+from gspo_megatron.model.arch import MoeArch
+from gspo_megatron.errors import ModelConfigError
 
 HF_CONFIG_DIR = "hf_config"
 FORMAT_FILE = "metadata.json"  # megatron.core.dist_checkpointing.core.CONFIG_FNAME
@@ -117,16 +119,16 @@ def read_hf_config(ckpt_dir: str, require_checksums: bool = False) -> tuple[dict
         raise ModelConfigError(f"{path}: invalid JSON ({e})") from None
 
 
-def read_mcore_arch(ckpt_dir: str, require_checksums: bool = False) -> Qwen3MoeArch:
+def read_mcore_arch(ckpt_dir: str, require_checksums: bool = False) -> MoeArch:
     """The Qwen3-MoE architecture of an mcore checkpoint (from the HF config it carries)."""
     cfg, path = read_hf_config(ckpt_dir, require_checksums)
-    return Qwen3MoeArch.from_hf_dict(cfg, source=path)
+    return MoeArch.from_hf_dict(cfg, source=path)
 
 
 def _hf_config_dict(hf_config: dict | str) -> tuple[dict, str | None]:
     if isinstance(hf_config, dict):
         return dict(hf_config), None
-    Qwen3MoeArch.from_hf_dir(hf_config)  # validates, errors name the path
+    MoeArch.from_hf_dir(hf_config)  # validates, errors name the path
     with open(os.path.join(hf_config, "config.json")) as f:
         return json.load(f), hf_config
 
@@ -147,8 +149,7 @@ def _write_hf_config(directory: str, hf_config: dict, side_files_from: str | Non
     if side_files_from:
         copy_side_files(side_files_from, d)
     dtype = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "bfloat16")
-    megatron_dirs.write_run_config(directory, Qwen3MoeArch.from_hf_dict(hf_config), dtype,
-                                   hf_config.get("intermediate_size"))
+    megatron_dirs.write_run_config(directory, MoeArch.from_hf_dict(hf_config), dtype)
 
 
 def _with_dtype(cfg: dict, dtype: torch.dtype | None) -> dict:
@@ -160,7 +161,7 @@ def _with_dtype(cfg: dict, dtype: torch.dtype | None) -> dict:
     return cfg
 
 
-def check_matches_arch(reader: DcpReader, arch: Qwen3MoeArch) -> None:
+def check_matches_arch(reader: DcpReader, arch: MoeArch) -> None:
     """Every tensor a Qwen3-MoE of `arch` needs is stored, with the global shape it implies (as a
     tensor: a byte entry under its key is refused, see safe_metadata.byte_entry_error)."""
     for key, shape in layout.expected_keys(arch).items():
@@ -169,7 +170,7 @@ def check_matches_arch(reader: DcpReader, arch: Qwen3MoeArch) -> None:
         if key not in reader.tensors:
             raise CheckpointError(f"{reader.directory}: tensor {key!r} is missing from the checkpoint")
         got = reader.shape(key)
-        if layout.is_vocab_key(key):
+        if layout.is_vocab_key(key, arch):
             ok = got[1:] == shape[1:] and got[0] >= shape[0]
         else:
             ok = got == shape
@@ -250,7 +251,7 @@ def _one_torch_thread():
 def _hf_to_mcore(hf_dir, out_dir, *, dtype, max_file_size, progress, overwrite, threads) -> ConversionStats:
     t0 = time.monotonic()
     rank, world = atomic.rank_world()
-    arch = Qwen3MoeArch.from_hf_dir(hf_dir)
+    arch = MoeArch.from_hf_dir(hf_dir)
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     reader = HFCheckpointReader(hf_dir)
@@ -307,13 +308,13 @@ def _hf_to_mcore(hf_dir, out_dir, *, dtype, max_file_size, progress, overwrite, 
     return stats
 
 
-def _produce(data: SafetensorsData, it: layout.Item, arch: Qwen3MoeArch, dtype: torch.dtype) -> torch.Tensor:
+def _produce(data: SafetensorsData, it: layout.Item, arch: MoeArch, dtype: torch.dtype) -> torch.Tensor:
     tensors = [data.get(n) for n in it.hf_names()]
     full = mapping.hf_to_full(it.rule, tensors, arch, padded_vocab=0)
     return full.to(dtype).reshape(it.sizes)
 
 
-def _iter_hf(reader: DcpReader, items: Iterable[layout.Item], arch: Qwen3MoeArch, bar=None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_hf(reader: DcpReader, items: Iterable[layout.Item], arch: MoeArch, bar=None) -> Iterator[tuple[str, torch.Tensor]]:
     for it in items:
         t = reader.read(it.key, it.offsets, it.sizes).reshape(it.full_shape)
         yield from zip(it.hf_names(), mapping.full_to_hf(it.rule, t, arch))
@@ -356,13 +357,13 @@ def _mcore_to_hf(ckpt_dir, out_dir, *, hf_config_dir, dtype, max_shard_size, pro
     ckpt_dir = megatron_dirs.resolve(ckpt_dir)
     check_mcore_dir(ckpt_dir, require_checksums)  # its files but the tensor data verified, then parsed
     if hf_config_dir is not None:
-        arch = Qwen3MoeArch.from_hf_dir(hf_config_dir)
+        arch = MoeArch.from_hf_dir(hf_config_dir)
         with open(os.path.join(hf_config_dir, "config.json")) as f:
             cfg = json.load(f)
         side = hf_config_dir
     else:
         cfg, path = read_hf_config(ckpt_dir)
-        arch = Qwen3MoeArch.from_hf_dict(cfg, source=path)
+        arch = MoeArch.from_hf_dict(cfg, source=path)
         side = os.path.dirname(path)
     reader = DcpReader(ckpt_dir)
     reader.check_files()
@@ -619,7 +620,7 @@ def save_mcore_checkpoint(
 
     cfg, side = _hf_config_dict(hf_config)
     side = side_files_from or side
-    Qwen3MoeArch.from_hf_dict(cfg, source="save_mcore_checkpoint(hf_config=...)")
+    MoeArch.from_hf_dict(cfg, source="save_mcore_checkpoint(hf_config=...)")
     sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks))
     for k, v in (extra_sharded_state or {}).items():
         if k in sd:
@@ -638,7 +639,7 @@ def save_mcore_checkpoint(
     out = os.path.abspath(ckpt_dir)
     tmp = atomic.make_tmp_collective(out, d)
     try:
-        arch = Qwen3MoeArch.from_hf_dict(cfg)
+        arch = MoeArch.from_hf_dict(cfg)
         content = dict(megatron_dirs.CONTENT_METADATA)
         # the `_extra_state` entries: the architecture's list (megatron_dirs) and whatever this
         # model's modules ask for (on GPU, Transformer Engine's exact set), gathered onto rank 0

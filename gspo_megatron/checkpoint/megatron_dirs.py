@@ -23,11 +23,11 @@ What this module gives the project's readers and writers:
 
 * `resolve(path)`: the torch_dist directory of a root (tracker, else the newest iter_*), of an
   iteration directory, or of a flat directory (the project's older converter output).
-* `carried_config(dir)`: a Qwen3-MoE HF config dict from Bridge's run_config.yaml
+* `carried_config(dir)`: an HF config dict (the family's table: model/families/*/bridge.py) from Bridge's run_config.yaml
   (`yaml.safe_load`; hydra `_target_` entries are read as data, never instantiated), else from the
   run arguments Megatron-LM keeps in common.pt (`torch.load(weights_only=True)`, allowing only
   argparse.Namespace and Megatron-Core enums).
-* `bridge_run_config(hf)`: the run_config.yaml the project writes next to its tensors, so that
+* `write_run_config(dir, arch)`: the run_config.yaml (the family's `bridge_run_config`) the project writes next to its tensors, so that
   Bridge's `AutoBridge.load_megatron_model` (training/model_load_save.py:213-227: instantiates
   run_config["model"]) and its training loader (training/checkpointing.py:1451-1509) accept them.
 * `extra_state_objects(arch)`: the `_extra_state` entries Megatron's Transformer Engine layers
@@ -46,8 +46,9 @@ from __future__ import annotations
 import os
 import re
 
-from gspo_megatron.model.hf_io import CheckpointError
-from gspo_megatron.model.qwen3_moe import ModelConfigError, Qwen3MoeArch
+from gspo_megatron.errors import CheckpointError, ModelConfigError
+from gspo_megatron.model.arch import MoeArch
+from gspo_megatron.model.family import DEFAULT_MODEL_TYPE, FAMILY_MODULES, family_of_type
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM training/checkpointing.py get_checkpoint_tracker_filename
 RELEASE = "release"
@@ -154,17 +155,6 @@ def resolve(path: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # run_config.yaml (Megatron-Bridge)
 
-_QWEN3_MOE_PROVIDER = "megatron.bridge.models.qwen.qwen_provider.Qwen3MoEModelProvider"
-# Qwen3MoEModelProvider's defaults that decide the architecture (models/qwen/qwen_provider.py:364-398),
-# for a run_config that names that provider without listing them
-_QWEN3_MOE_DEFAULTS = {"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
-                       "add_qkv_bias": False, "qk_layernorm": True, "position_embedding_type": "rope",
-                       "layernorm_epsilon": 1e-6, "rotary_base": 1000000.0, "moe_router_pre_softmax": False,
-                       "share_embeddings_and_output_weights": False}
-# what a Qwen3-MoE must have; anything else is another architecture
-_REQUIRED = {"normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
-             "add_qkv_bias": False, "qk_layernorm": True, "position_embedding_type": "rope"}
-_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 
 def carried_config(ckpt_dir: str, require_checksums: bool = False) -> tuple[dict, str] | None:
@@ -178,7 +168,9 @@ def carried_config(ckpt_dir: str, require_checksums: bool = False) -> tuple[dict
 
 
 def hf_config_from_run_config(ckpt_dir: str) -> tuple[dict, str] | None:
-    """(HF Qwen3-MoE config dict, source path) from ckpt_dir/run_config.yaml; None without one."""
+    """(HF config dict, source path) from ckpt_dir/run_config.yaml; None without one. The family is
+    the one whose Megatron-Bridge provider `model._target_` names (the default family's reader
+    decides for a provider no family claims, and names the field that differs)."""
     import yaml
 
     path = os.path.join(ckpt_dir, RUN_CONFIG)
@@ -194,9 +186,11 @@ def hf_config_from_run_config(ckpt_dir: str) -> tuple[dict, str] | None:
     m = run.get("model") if isinstance(run, dict) else None
     if not isinstance(m, dict):
         raise ModelConfigError(f"{path}: no `model:` section")
-    if m.get("_target_") == _QWEN3_MOE_PROVIDER:
-        m = {**_QWEN3_MOE_DEFAULTS, **{k: v for k, v in m.items() if v is not None}}
-    return _hf_from_provider_fields(m, path, "model."), path
+    families = [family_of_type(t) for t in FAMILY_MODULES]
+    family = next((f for f in families if f.bridge_provider() and f.bridge_provider() == m.get("_target_")), None)
+    known = family is not None
+    family = family or family_of_type(DEFAULT_MODEL_TYPE)
+    return family.hf_from_provider_fields(m, path, "model.", provider_defaults=known), path
 
 
 # Megatron-LM's argument names (megatron/training/arguments.py) -> the provider field names above
@@ -242,88 +236,23 @@ def hf_config_from_megatron_lm_args(ckpt_dir: str) -> tuple[dict, str] | None:
     m["activation_func"] = "torch.nn.functional.silu" if a.get("swiglu") else a.get("activation_func", "gelu")
     dtype = a.get("params_dtype")
     m["params_dtype"] = str(dtype) if dtype is not None else ("torch.bfloat16" if a.get("bf16") else "torch.float32")
-    return _hf_from_provider_fields(m, path, "args."), path
+    # Megatron-LM's arguments name no model class: the default family's reader decides
+    return family_of_type(DEFAULT_MODEL_TYPE).hf_from_provider_fields(m, path, "args.", provider_defaults=False), path
 
 
-def _hf_from_provider_fields(m: dict, path: str, prefix: str) -> dict:
-    """A Qwen3-MoE HF config dict from Megatron model-provider fields (checked to be Qwen3-MoE);
-    errors name the file and the field (`prefix`: "model." for run_config.yaml, "args." for
-    Megatron-LM's arguments; field names are the provider's)."""
-
-    def req(key):
-        if m.get(key) is None:
-            raise ModelConfigError(f"{path}: {prefix}{key} is missing")
-        return m[key]
-
-    for key, want in _REQUIRED.items():
-        if m.get(key) != want:
-            raise ModelConfigError(f"{path}: {prefix}{key} is {m.get(key)!r}; a Qwen3-MoE has {want!r}")
-    act = m.get("activation_func")
-    target = act.get("_target_") if isinstance(act, dict) else act
-    if target not in (None, "torch.nn.functional.silu"):
-        raise ModelConfigError(f"{path}: {prefix}activation_func is {target!r}; a Qwen3-MoE uses silu")
-    if m.get("moe_shared_expert_intermediate_size"):
-        raise ModelConfigError(f"{path}: shared experts ({prefix}moe_shared_expert_intermediate_size) are not Qwen3-MoE")
-    freq = m.get("moe_layer_freq", 1)
-    if freq != 1 and not (isinstance(freq, list) and all(x == 1 for x in freq)):
-        raise ModelConfigError(f"{path}: {prefix}moe_layer_freq={freq!r} mixes dense layers in (not supported)")
-    heads = int(req("num_attention_heads"))
-    dtype = m.get("params_dtype")
-    dtype = _DTYPES.get(dtype.get("_target_") if isinstance(dtype, dict) else dtype, "bfloat16")
-    hf = {
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": int(req("vocab_size")), "hidden_size": int(req("hidden_size")),
-        "intermediate_size": int(m.get("ffn_hidden_size") or req("moe_ffn_hidden_size")),
-        "moe_intermediate_size": int(req("moe_ffn_hidden_size")),
-        "num_hidden_layers": int(req("num_layers")), "num_attention_heads": heads,
-        "num_key_value_heads": int(m.get("num_query_groups") or heads),
-        "head_dim": int(m.get("kv_channels") or int(req("hidden_size")) // heads),
-        "num_experts": int(req("num_moe_experts")), "num_experts_per_tok": int(req("moe_router_topk")),
-        "norm_topk_prob": not bool(m.get("moe_router_pre_softmax", False)),
-        "rms_norm_eps": float(req("layernorm_epsilon")),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(req("rotary_base"))},
-        "max_position_embeddings": int(m.get("max_position_embeddings") or m.get("seq_length") or 32768),
-        "tie_word_embeddings": bool(m.get("share_embeddings_and_output_weights", False)),
-        "hidden_act": "silu", "attention_bias": False, "dtype": dtype,
-    }
-    Qwen3MoeArch.from_hf_dict(hf, source=path)
-    return hf
-
-
-def bridge_run_config(arch: Qwen3MoeArch, dtype: str = "bfloat16", ffn_hidden_size: int | None = None) -> dict:
-    """The run_config.yaml contents for a checkpoint of `arch`: the Qwen3-MoE provider with the
-    architecture's fields (its defaults give RMSNorm, SwiGLU, QK norm, RoPE, no biases) and the
-    checkpoint fields Bridge's training loader reads. TP/PP 1: a checkpoint is layout-free."""
-    torch_dtype = {"float32": "torch.float32", "float16": "torch.float16"}.get(dtype, "torch.bfloat16")
-    return {
-        "model": {
-            "_target_": _QWEN3_MOE_PROVIDER,
-            "num_layers": arch.num_layers, "hidden_size": arch.hidden_size,
-            # the dense MLP width (HF intermediate_size; unused when every layer is MoE)
-            "ffn_hidden_size": ffn_hidden_size or arch.moe_intermediate_size,
-            "moe_ffn_hidden_size": arch.moe_intermediate_size,
-            "num_attention_heads": arch.num_attention_heads, "num_query_groups": arch.num_key_value_heads,
-            "kv_channels": arch.head_dim, "num_moe_experts": arch.num_experts, "moe_router_topk": arch.moe_topk,
-            "moe_router_pre_softmax": not arch.norm_topk_prob,
-            "vocab_size": arch.vocab_size, "seq_length": arch.max_position_embeddings,
-            "max_position_embeddings": arch.max_position_embeddings, "layernorm_epsilon": arch.rms_norm_eps,
-            "rotary_base": arch.rope_theta, "share_embeddings_and_output_weights": arch.tie_word_embeddings,
-            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-            "params_dtype": {"_target_": torch_dtype, "_call_": False},
-            "bf16": torch_dtype == "torch.bfloat16", "fp16": torch_dtype == "torch.float16",
-        },
-        "checkpoint": {"save_rng": False, "save_optim": False, "fully_parallel_save": True},
-    }
-
-
-def write_run_config(ckpt_dir: str, arch: Qwen3MoeArch, dtype: str = "bfloat16",
-                     ffn_hidden_size: int | None = None) -> None:
+def write_run_config(ckpt_dir: str, arch: MoeArch, dtype: str = "bfloat16") -> None:
+    """Megatron-Bridge's run_config.yaml for `arch`, when its family has a Bridge table (else none:
+    the checkpoint's hf_config/ is what every reader here uses)."""
     import yaml
+
+    run_config = arch.family.bridge_run_config(arch, dtype)
+    if run_config is None:
+        return
 
     with open(os.path.join(ckpt_dir, RUN_CONFIG), "w") as f:
         f.write("# Megatron-Bridge run config (the model provider and checkpoint fields its loaders read),\n"
                 "# written by gspo-megatron; its own readers take the architecture from hf_config/.\n")
-        yaml.safe_dump(bridge_run_config(arch, dtype, ffn_hidden_size), f, sort_keys=False)
+        yaml.safe_dump(run_config, f, sort_keys=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,7 +264,7 @@ _PER_LAYER_EXTRA = ("self_attention.linear_qkv", "self_attention.linear_proj", "
 _PER_EXPERT_EXTRA = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 
 
-def extra_state_objects(arch: Qwen3MoeArch) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+def extra_state_objects(arch: MoeArch) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """(key, global shape, global offset) of every `_extra_state` entry, in the stacked layout
     ([layers] or [layers, experts]; a model-level norm has shape (1,))."""
     L, E = arch.num_layers, arch.num_experts
@@ -351,7 +280,7 @@ def dcp_key(key: str, shape: tuple[int, ...], offset: tuple[int, ...]) -> str:
     return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
 
 
-def extra_state_entries(arch: Qwen3MoeArch) -> dict[str, bytes]:
+def extra_state_entries(arch: MoeArch) -> dict[str, bytes]:
     """DCP key -> stored bytes of every `_extra_state` entry (for dcp_io.save_chunks)."""
     data = extra_state_bytes()
     return {dcp_key(*x): data for x in extra_state_objects(arch)}

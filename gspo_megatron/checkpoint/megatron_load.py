@@ -47,7 +47,7 @@ from gspo_megatron.checkpoint.safe_metadata import (
     require_tensor_entries,
     safe_file_system_reader,
 )
-from gspo_megatron.model.hf_io import CheckpointError
+from gspo_megatron.errors import CheckpointError
 
 # sha256 of inspect.getsource(TorchDistLoadShardedStrategy.load) in megatron-core 0.16.1
 UPSTREAM_LOAD_SHA256 = "960cfa14f177d722fda23c97fdc3d90dd078a2b98d28fbaeefe63dd1cc9c37db"

@@ -72,7 +72,7 @@ import pathlib
 import pickle
 from typing import Any
 
-from gspo_megatron.model.hf_io import CheckpointError
+from gspo_megatron.errors import CheckpointError
 
 METADATA_FILE = ".metadata"  # torch/distributed/checkpoint/filesystem.py _metadata_fn
 

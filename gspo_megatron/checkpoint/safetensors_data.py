@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from gspo_megatron.model.hf_io import CheckpointError
+from gspo_megatron.errors import CheckpointError
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

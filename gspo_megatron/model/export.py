@@ -26,7 +26,7 @@ import torch.distributed as dist
 from gspo_megatron.model import mapping
 from gspo_megatron.model.hf_io import layer_offset, named_local_params
 from gspo_megatron.model.mapping import Kind, Rule
-from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+from gspo_megatron.model.arch import MoeArch
 
 
 @dataclass(frozen=True)
@@ -36,14 +36,14 @@ class ExportItem:
     layer: int | None  # global layer
 
 
-def export_items(arch: Qwen3MoeArch, pp: int) -> list[ExportItem]:
+def export_items(arch: MoeArch, pp: int) -> list[ExportItem]:
     per = arch.num_layers // pp
     items = []
-    for r in mapping.HF_RULES:
+    for r in mapping.hf_rules(arch.family.rules(arch)):
         if r.hf == ("lm_head.weight",) and arch.tie_word_embeddings:
             continue
         if r.per_layer:
-            items += [ExportItem(layer // per, r, layer) for layer in range(arch.num_layers)]
+            items += [ExportItem(layer // per, r, layer) for layer in r.layer_indices(arch)]
         elif r.hf == ("model.embed_tokens.weight",):
             items.append(ExportItem(0, r, None))
         else:  # final norm, output layer
@@ -60,7 +60,7 @@ def _gather_to_root(rule: Rule, local: torch.Tensor, group, my_rank: int, size: 
         dist.send(local.contiguous(), dst=root)
         return None
     d = mapping.split_dim(rule.kind)
-    if d == 0 and rule.kind is not Kind.EXPERT_FC1:
+    if d == 0 and rule.kind not in (Kind.EXPERT_FC1, Kind.DENSE_FC1):
         # shards are contiguous row blocks of the full tensor: receive in place
         full = torch.empty((local.shape[0] * size, *local.shape[1:]), dtype=local.dtype, device=local.device)
         n = local.shape[0]
@@ -104,12 +104,12 @@ def grad_tensor(p: torch.nn.Parameter) -> torch.Tensor:
 class _LocalIndex:
     """(rule hf-key, global layer, local expert) -> local parameter, for this rank's chunks."""
 
-    def __init__(self, chunks):
+    def __init__(self, chunks, arch: MoeArch):
         self.by_key: dict[tuple, torch.nn.Parameter] = {}
         for chunk in chunks:
             off = layer_offset(chunk)
-            for name, p in named_local_params(chunk):
-                m = mapping.match(name)
+            for name, p in named_local_params(chunk, arch):
+                m = mapping.match(name, arch)
                 layer = None if m.layer is None else m.layer + off
                 self.by_key[(m.rule.hf, layer, m.expert)] = (m.rule, p)
 
@@ -120,7 +120,7 @@ class _LocalIndex:
 def iter_hf_tensors(
     chunks: list[torch.nn.Module],
     ctx,
-    arch: Qwen3MoeArch,
+    arch: MoeArch,
     *,
     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = param_tensor,
     dtype: torch.dtype | None = None,
@@ -135,7 +135,11 @@ def iter_hf_tensors(
     if dtype is not None:
         tensor_of = _cast_to(tensor_of, dtype)
         hint = dtype if hint.is_floating_point else hint
-    index = _LocalIndex(chunks)
+    elif hint.is_floating_point:
+        # one dtype on the wire: Megatron keeps the router's expert bias (a buffer) in float32
+        # whatever the parameters' dtype (router.py _maintain_float32_expert_bias)
+        tensor_of = _cast_to(tensor_of, hint)
+    index = _LocalIndex(chunks, arch)
     par = ctx.parallel
     pp = par.pp
     first_replica = ctx.dp_rank == 0 and ctx.cp_rank == 0

@@ -1,11 +1,12 @@
-"""Build this rank's Qwen3-MoE chunks and fill them with weights (HF or Megatron checkpoint)."""
+"""Build this rank's model chunks and fill them with weights (HF or Megatron checkpoint)."""
 from __future__ import annotations
 
 import torch
 
 from gspo_megatron.model import mapping
 from gspo_megatron.model.hf_io import HFCheckpointReader, load_hf_into_model
-from gspo_megatron.model.qwen3_moe import Qwen3MoeArch, build_model_chunks
+from gspo_megatron.model.arch import MoeArch
+from gspo_megatron.model.spec import build_model_chunks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -17,7 +18,7 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
 
 
-def mark_expert_params(model: torch.nn.Module) -> None:
+def mark_expert_params(model: torch.nn.Module, arch: MoeArch) -> None:
     """Reduce expert gradients over the expert-data-parallel group, also when EP == 1.
 
     Megatron-Core 0.16.1 marks expert weights `allreduce=False` (reduce over the expert-DP group)
@@ -25,14 +26,14 @@ def mark_expert_params(model: torch.nn.Module) -> None:
     every TP rank runs the full experts on its own token shard, so the expert gradient must be
     summed over the TP ranks too — which is the expert-DP group, not the DP group Megatron then
     uses. tests/test_megatron_parity.py::...[tp2-sp] fails without this. (Here, not in
-    qwen3_moe.build_model_chunks: the map imports qwen3_moe.)
+    spec.build_model_chunks: the map belongs to the family.)
     """
     for name, p in model.named_parameters():
-        if mapping.match(name).rule.kind.is_expert:
+        if mapping.match(name, arch).rule.kind.is_expert:
             setattr(p, "allreduce", False)
 
 
-def build_policy(ctx, arch: Qwen3MoeArch, *, hf_dir: str | None = None, dtype=torch.float32, recompute="none",
+def build_policy(ctx, arch: MoeArch, *, hf_dir: str | None = None, dtype=torch.float32, recompute="none",
                  reader: HFCheckpointReader | None = None, fused_logprobs: bool = False, routing_replay: bool = False):
     """Model chunks for this rank; loaded from `hf_dir` when given (else Megatron's random init).
 
@@ -41,7 +42,7 @@ def build_policy(ctx, arch: Qwen3MoeArch, *, hf_dir: str | None = None, dtype=to
     model, so every forward step works with either."""
     chunks, config = build_model_chunks(arch, ctx, dtype=dtype, recompute=recompute, routing_replay=routing_replay)
     for chunk in chunks:
-        mark_expert_params(chunk)
+        mark_expert_params(chunk, arch)
     if fused_logprobs:
         from gspo_megatron.parallel.fused_head import install_hidden_head
 

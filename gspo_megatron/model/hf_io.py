@@ -12,8 +12,9 @@ from typing import Iterable
 import torch
 
 from gspo_megatron.model import mapping
+from gspo_megatron.errors import CheckpointError
 from gspo_megatron.model.mapping import Kind, MappingError
-from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+from gspo_megatron.model.arch import MoeArch
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors maps shard files; pages read through an open handle stay charged to this process
@@ -22,10 +23,6 @@ INDEX_FILE = "model.safetensors.index.json"
 # overhead 0.97x -> 0.19x of a 1 GB checkpoint at TP2). A tensor already read keeps its data.
 HANDLE_RECYCLE_BYTES = 64 * 1024**2
 SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file or tensor."""
 
 
 class HFCheckpointReader:
@@ -101,7 +98,7 @@ class HFCheckpointReader:
             self._read_since_recycle = 0
         return t
 
-    def validate(self, arch: Qwen3MoeArch) -> None:
+    def validate(self, arch: MoeArch) -> None:
         """Names and shapes against the config, before any rank loads anything."""
         expected = mapping.hf_shapes(arch)
         have = self.names()
@@ -112,16 +109,32 @@ class HFCheckpointReader:
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
             )
         ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
-        unknown = sorted(have - set(expected) - ignorable)
+        mtp = {n for n in have if _layer_of(n) is not None
+               and arch.num_layers <= _layer_of(n) < arch.num_layers + arch.mtp_layers}
+        if mtp:
+            import warnings
+
+            warnings.warn(f"{self.hf_dir}: skipping the {len(mtp)} tensors of the {arch.mtp_layers} multi-token-"
+                          f"prediction layer(s) (model.layers.{arch.num_layers}...): not part of the policy; "
+                          "exports and engine pushes declare num_nextn_predict_layers=0", stacklevel=2)
+        unknown = sorted(have - set(expected) - ignorable - mtp)
         if unknown:
             raise CheckpointError(
-                f"{self.hf_dir}: unknown tensor {unknown[0]!r} (not part of a Qwen3-MoE with this config)"
+                f"{self.hf_dir}: unknown tensor {unknown[0]!r} (not part of a {arch.family.display_name} with "
+                "this config)"
                 + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
             )
         for n, shp in expected.items():
             got = self.shape(n)
             if got != shp:
                 raise CheckpointError(f"{self.hf_dir}: tensor {n!r} has shape {list(got)}, config implies {list(shp)}")
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -138,20 +151,25 @@ def layer_offset(model: torch.nn.Module) -> int:
     return layers[0].layer_number - 1
 
 
-def global_expert(local: int, ep_rank: int, arch: Qwen3MoeArch, ep: int) -> int:
+def global_expert(local: int, ep_rank: int, arch: MoeArch, ep: int) -> int:
     # Megatron assigns experts to EP ranks in contiguous blocks.
     return ep_rank * (arch.num_experts // ep) + local
 
 
-def named_local_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter]]:
-    """Parameters of one model chunk, with wrapper prefixes removed."""
-    return _unwrap(model).named_parameters()
+def named_local_params(model: torch.nn.Module, arch: MoeArch) -> Iterable[tuple[str, torch.Tensor]]:
+    """The weights of one model chunk, with wrapper prefixes removed: its parameters and the
+    buffers the family's map names (the router's expert bias)."""
+    m = _unwrap(model)
+    yield from m.named_parameters()
+    for name, b in m.named_buffers():
+        if b is not None and mapping.is_mapped_buffer(name, arch):
+            yield name, b
 
 
 def load_hf_into_model(
     models: list[torch.nn.Module],
     reader: HFCheckpointReader,
-    arch: Qwen3MoeArch,
+    arch: MoeArch,
     *,
     tp_rank: int,
     tp: int,
@@ -164,8 +182,8 @@ def load_hf_into_model(
     n = 0
     for model in models:
         offset = layer_offset(model)
-        for name, param in named_local_params(model):
-            m = mapping.match(name)
+        for name, param in named_local_params(model, arch):
+            m = mapping.match(name, arch)
             layer = None if m.layer is None else m.layer + offset
             expert = None if m.expert is None else global_expert(m.expert, ep_rank, arch, ep)
             hf_names = m.rule.hf_names(layer, expert)

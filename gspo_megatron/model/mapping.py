@@ -1,9 +1,11 @@
-"""The one Hugging Face <-> Megatron-Core name/shape map for Qwen3-MoE.
+"""The Hugging Face <-> Megatron-Core name/shape map: the generic machinery every family uses.
 
-Declarative: `RULES` pairs a Megatron parameter-name template with the HF tensor name(s) it is
-made of and a `Kind` saying how the tensors combine and how the result is split across ranks.
-Loading (HF -> sharded model), conversion (both directions) and weight sync (sharded model -> HF)
-all go through the helpers below; nothing else in the project spells these names.
+Declarative: a family's rules (`ModelFamily.rules(arch)`, built with `decoder_rules` below for the
+HF naming transformers' decoder families share) pair a Megatron parameter-name template with the HF
+tensor name(s) it is made of and a `Kind` saying how the tensors combine and how the result is
+split across ranks. Loading (HF -> sharded model), conversion (both directions) and weight sync
+(sharded model -> HF) all go through the helpers below; nothing else in the project spells these
+names.
 
 Three layouts appear:
   * HF tensors: what a Hub checkpoint stores (per-expert gate/up/down, separate q/k/v).
@@ -16,11 +18,11 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+from gspo_megatron.model.arch import MoeArch
 
 
 class Kind(enum.Enum):
@@ -30,6 +32,7 @@ class Kind(enum.Enum):
     ROW = "row"  # split on dim 1 across TP (attention output projection)
     EXPERT_FC1 = "expert_fc1"  # [gate; up] of one expert, split across expert-TP as [gate_i; up_i]
     EXPERT_FC2 = "expert_fc2"  # down projection of one expert, split on dim 1 across expert-TP
+    DENSE_FC1 = "dense_fc1"  # [gate; up] of a dense or shared-expert MLP, split across TP as [gate_i; up_i]
 
     @property
     def is_expert(self) -> bool:
@@ -41,6 +44,12 @@ class Rule:
     mcore: str  # Megatron name template; {layer} is the local (per-stage) index, {expert} local
     hf: tuple[str, ...]  # HF name templates; {layer}/{expert} are global indices
     kind: Kind
+    # The HF shape of each tensor in `hf`, from the architecture.
+    shapes: Callable[[MoeArch], tuple[tuple[int, ...], ...]] = field(compare=False, repr=False, default=None)
+    # Which decoder layers hold it: "all", "moe" (MoE layers) or "dense" (dense-MLP layers).
+    layers: str = "all"
+    # Megatron keeps it as a buffer, not a parameter (the router's expert bias).
+    buffer: bool = False
     _regex: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -56,38 +65,106 @@ class Rule:
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> tuple[str, ...]:
         return tuple(t.format(layer=layer, expert=expert) for t in self.hf)
 
+    def in_layer(self, arch: MoeArch, layer: int) -> bool:
+        if self.layers == "all":
+            return True
+        return arch.is_moe_layer(layer) == (self.layers == "moe")
+
+    def layer_indices(self, arch: MoeArch) -> list[int]:
+        return [i for i in range(arch.num_layers) if self.in_layer(arch, i)]
+
 
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
-_EXP_HF = (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight")
-_DOWN_HF = (_H + "mlp.experts.{expert}.down_proj.weight",)
 
-RULES: tuple[Rule, ...] = (
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Kind.VOCAB),
-    Rule("output_layer.weight", ("lm_head.weight",), Kind.VOCAB),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED),
-    # local spec: separate norm; TE spec: fused into linear_qkv
-    Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Kind.REPLICATED),
-    Rule(_L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",), Kind.REPLICATED),
-    Rule(
-        _L + "self_attention.linear_qkv.weight",
-        (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
-        Kind.QKV,
-    ),
-    Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), Kind.REPLICATED),
-    Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), Kind.REPLICATED),
-    Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Kind.ROW),
-    Rule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED),
-    Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), Kind.REPLICATED),
-    # SequentialMLP (portable spec) and TEGroupedMLP (GPU spec) name the same expert weights
-    Rule(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", _EXP_HF, Kind.EXPERT_FC1),
-    Rule(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", _DOWN_HF, Kind.EXPERT_FC2),
-    Rule(_L + "mlp.experts.linear_fc1.weight{expert}", _EXP_HF, Kind.EXPERT_FC1),
-    Rule(_L + "mlp.experts.linear_fc2.weight{expert}", _DOWN_HF, Kind.EXPERT_FC2),
-)
 
-# The HF-side rules, one per distinct HF tensor group (TE/local variants collapse).
-HF_RULES: tuple[Rule, ...] = tuple({r.hf: r for r in RULES}.values())
+def decoder_rules(*, qk_norm: bool, qkv_bias: bool, dense_mlp: bool, shared_experts: bool,
+                  expert_bias: bool) -> tuple[Rule, ...]:
+    """The rules of a decoder in transformers' common naming (`model.embed_tokens`,
+    `model.layers.N.self_attn.{q,k,v,o}_proj`, `mlp.gate`, `mlp.experts.E.{gate,up,down}_proj`,
+    `lm_head`), which the families here share; the flags add what a family has beyond the first
+    one. Local-spec and TE-spec Megatron names of one HF tensor are separate rules with the same
+    `hf` (the exporter and the checkpoint layout collapse them)."""
+    def hd(a):
+        return a.hidden_size
+
+    def q(a):
+        return a.num_attention_heads * a.head_dim
+
+    def kv(a):
+        return a.num_key_value_heads * a.head_dim
+
+    vec = lambda f: (lambda a: ((f(a),),))  # noqa: E731
+    exp_fc1 = (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight")
+    exp_fc2 = (_H + "mlp.experts.{expert}.down_proj.weight",)
+    fc1_shape = lambda width: (lambda a: ((width(a), a.hidden_size),) * 2)  # noqa: E731
+    fc2_shape = lambda width: (lambda a: ((a.hidden_size, width(a)),))  # noqa: E731
+    moe_i = lambda a: a.moe_intermediate_size  # noqa: E731
+    rules = [
+        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Kind.VOCAB,
+             lambda a: ((a.vocab_size, a.hidden_size),)),
+        Rule("output_layer.weight", ("lm_head.weight",), Kind.VOCAB, lambda a: ((a.vocab_size, a.hidden_size),)),
+        Rule("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED, vec(hd)),
+        # local spec: separate norm; TE spec: fused into linear_qkv
+        Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Kind.REPLICATED, vec(hd)),
+        Rule(_L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",),
+             Kind.REPLICATED, vec(hd)),
+        Rule(_L + "self_attention.linear_qkv.weight",
+             (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
+             Kind.QKV, lambda a: ((q(a), a.hidden_size), (kv(a), a.hidden_size), (kv(a), a.hidden_size))),
+        Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Kind.ROW,
+             lambda a: ((a.hidden_size, q(a)),)),
+        Rule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED, vec(hd)),
+        Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), Kind.REPLICATED,
+             lambda a: ((a.num_experts, a.hidden_size),), layers="moe"),
+        # SequentialMLP (portable spec) and TEGroupedMLP (GPU spec) name the same expert weights
+        Rule(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", exp_fc1, Kind.EXPERT_FC1,
+             fc1_shape(moe_i), layers="moe"),
+        Rule(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", exp_fc2, Kind.EXPERT_FC2,
+             fc2_shape(moe_i), layers="moe"),
+        Rule(_L + "mlp.experts.linear_fc1.weight{expert}", exp_fc1, Kind.EXPERT_FC1, fc1_shape(moe_i), layers="moe"),
+        Rule(_L + "mlp.experts.linear_fc2.weight{expert}", exp_fc2, Kind.EXPERT_FC2, fc2_shape(moe_i), layers="moe"),
+    ]
+    if qk_norm:
+        rules += [
+            Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), Kind.REPLICATED,
+                 lambda a: ((a.head_dim,),)),
+            Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), Kind.REPLICATED,
+                 lambda a: ((a.head_dim,),)),
+        ]
+    if qkv_bias:
+        rules.append(Rule(
+            _L + "self_attention.linear_qkv.bias",
+            (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
+            Kind.QKV, lambda a: ((q(a),), (kv(a),), (kv(a),))))
+    if expert_bias:
+        # Megatron: a float32 buffer of the router (moe_router_enable_expert_bias); transformers: a
+        # buffer of the gate. Neither is trained by the policy gradient (model/spec.py).
+        rules.append(Rule(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",),
+                          Kind.REPLICATED, lambda a: ((a.num_experts,),), layers="moe", buffer=True))
+    if shared_experts:
+        sh = lambda a: a.shared_expert_intermediate_size  # noqa: E731
+        rules += [
+            Rule(_L + "mlp.shared_experts.linear_fc1.weight",
+                 (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
+                 Kind.DENSE_FC1, fc1_shape(sh), layers="moe"),
+            Rule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_experts.down_proj.weight",),
+                 Kind.ROW, fc2_shape(sh), layers="moe"),
+        ]
+    if dense_mlp:
+        di = lambda a: a.dense_intermediate_size  # noqa: E731
+        rules += [
+            Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+                 Kind.DENSE_FC1, fc1_shape(di), layers="dense"),
+            Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Kind.ROW, fc2_shape(di),
+                 layers="dense"),
+        ]
+    return tuple(rules)
+
+
+def hf_rules(rules: Sequence[Rule]) -> tuple[Rule, ...]:
+    """One rule per distinct HF tensor group (the TE/local variants collapse)."""
+    return tuple({r.hf: r for r in rules}.values())
 
 
 class MappingError(ValueError):
@@ -101,26 +178,33 @@ class Match:
     expert: int | None  # local expert index (per EP rank)
 
 
-def match(mcore_name: str) -> Match:
-    """Which rule produces this Megatron parameter (exact match; names never overlap)."""
+def match(mcore_name: str, arch: MoeArch) -> Match:
+    """Which of `arch`'s family's rules produces this Megatron parameter (exact match; names never
+    overlap)."""
     name = mcore_name[len("module."):] if mcore_name.startswith("module.") else mcore_name
-    hits = [(r, m) for r in RULES if (m := r._regex.fullmatch(name))]
+    hits = [(r, m) for r in arch.family.rules(arch) if (m := r._regex.fullmatch(name))]
     if not hits:
         raise MappingError(f"no HF mapping for Megatron parameter {mcore_name!r}")
-    if len(hits) > 1:  # a bug in RULES, not in the input
+    if len(hits) > 1:  # a bug in the rules, not in the input
         raise AssertionError(f"ambiguous mapping rules for {mcore_name!r}")
     rule, m = hits[0]
     gd = m.groupdict()
     return Match(rule, int(gd["layer"]) if "layer" in gd else None, int(gd["expert"]) if "expert" in gd else None)
 
 
-def expected_hf_names(arch: Qwen3MoeArch) -> list[str]:
+def is_mapped_buffer(name: str, arch: MoeArch) -> bool:
+    """A module buffer that is part of the model's weights (a rule with buffer=True names it)."""
+    n = name[len("module."):] if name.startswith("module.") else name
+    return any(r.buffer and r._regex.fullmatch(n) for r in arch.family.rules(arch))
+
+
+def expected_hf_names(arch: MoeArch) -> list[str]:
     """Every tensor name a Hub checkpoint of `arch` holds (lm_head absent when tied)."""
     names: list[str] = []
-    for r in HF_RULES:
+    for r in hf_rules(arch.family.rules(arch)):
         if r.hf == ("lm_head.weight",) and arch.tie_word_embeddings:
             continue
-        layers = range(arch.num_layers) if r.per_layer else [None]
+        layers = r.layer_indices(arch) if r.per_layer else [None]
         experts = range(arch.num_experts) if r.kind.is_expert else [None]
         for layer in layers:
             for e in experts:
@@ -128,30 +212,18 @@ def expected_hf_names(arch: Qwen3MoeArch) -> list[str]:
     return names
 
 
-def hf_shapes(arch: Qwen3MoeArch) -> dict[str, tuple[int, ...]]:
+def hf_shapes(arch: MoeArch) -> dict[str, tuple[int, ...]]:
     """Expected HF tensor shapes, for validating checkpoints before any heavy work."""
-    H, D, I = arch.hidden_size, arch.head_dim, arch.moe_intermediate_size
-    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
-    by_suffix = {
-        "embed_tokens.weight": (arch.vocab_size, H),
-        "lm_head.weight": (arch.vocab_size, H),
-        "model.norm.weight": (H,),
-        "input_layernorm.weight": (H,),
-        "post_attention_layernorm.weight": (H,),
-        "q_proj.weight": (nq * D, H),
-        "k_proj.weight": (nkv * D, H),
-        "v_proj.weight": (nkv * D, H),
-        "o_proj.weight": (H, nq * D),
-        "q_norm.weight": (D,),
-        "k_norm.weight": (D,),
-        "mlp.gate.weight": (arch.num_experts, H),
-        "gate_proj.weight": (I, H),
-        "up_proj.weight": (I, H),
-        "down_proj.weight": (H, I),
-    }
     out = {}
-    for n in expected_hf_names(arch):
-        out[n] = next(v for k, v in by_suffix.items() if n.endswith(k))
+    for r in hf_rules(arch.family.rules(arch)):
+        if r.hf == ("lm_head.weight",) and arch.tie_word_embeddings:
+            continue
+        shapes = r.shapes(arch)
+        layers = r.layer_indices(arch) if r.per_layer else [None]
+        experts = range(arch.num_experts) if r.kind.is_expert else [None]
+        for layer in layers:
+            for e in experts:
+                out.update(zip(r.hf_names(layer, e), shapes))
     return out
 
 
@@ -159,7 +231,7 @@ def hf_shapes(arch: Qwen3MoeArch) -> dict[str, tuple[int, ...]]:
 # HF tensors <-> full Megatron tensor
 
 
-def hf_to_full(rule: Rule, tensors: Sequence[torch.Tensor], arch: Qwen3MoeArch, padded_vocab: int) -> torch.Tensor:
+def hf_to_full(rule: Rule, tensors: Sequence[torch.Tensor], arch: MoeArch, padded_vocab: int) -> torch.Tensor:
     k = rule.kind
     if k is Kind.VOCAB:
         (t,) = tensors
@@ -169,28 +241,28 @@ def hf_to_full(rule: Rule, tensors: Sequence[torch.Tensor], arch: Qwen3MoeArch, 
         return t
     if k is Kind.QKV:
         q, kk, v = tensors
-        g, D, H = arch.num_key_value_heads, arch.head_dim, arch.hidden_size
-        q = q.reshape(g, arch.q_per_group * D, H)
-        kk = kk.reshape(g, D, H)
-        v = v.reshape(g, D, H)
-        return torch.cat([q, kk, v], 1).reshape(-1, H)
-    if k is Kind.EXPERT_FC1:
+        g, D, rest = arch.num_key_value_heads, arch.head_dim, tuple(q.shape[1:])  # rest: (H,) or () (bias)
+        q = q.reshape(g, arch.q_per_group * D, *rest)
+        kk = kk.reshape(g, D, *rest)
+        v = v.reshape(g, D, *rest)
+        return torch.cat([q, kk, v], 1).reshape(-1, *rest)
+    if k in (Kind.EXPERT_FC1, Kind.DENSE_FC1):
         gate, up = tensors
         return torch.cat([gate, up], 0)
     (t,) = tensors
     return t
 
 
-def full_to_hf(rule: Rule, full: torch.Tensor, arch: Qwen3MoeArch) -> tuple[torch.Tensor, ...]:
+def full_to_hf(rule: Rule, full: torch.Tensor, arch: MoeArch) -> tuple[torch.Tensor, ...]:
     k = rule.kind
     if k is Kind.VOCAB:
         return (full[: arch.vocab_size],)
     if k is Kind.QKV:
-        g, D, H = arch.num_key_value_heads, arch.head_dim, arch.hidden_size
-        x = full.reshape(g, (arch.q_per_group + 2) * D, H)
+        g, D, rest = arch.num_key_value_heads, arch.head_dim, tuple(full.shape[1:])
+        x = full.reshape(g, (arch.q_per_group + 2) * D, *rest)
         q, kk, v = torch.split(x, [arch.q_per_group * D, D, D], 1)
-        return (q.reshape(-1, H), kk.reshape(-1, H), v.reshape(-1, H))
-    if k is Kind.EXPERT_FC1:
+        return (q.reshape(-1, *rest), kk.reshape(-1, *rest), v.reshape(-1, *rest))
+    if k in (Kind.EXPERT_FC1, Kind.DENSE_FC1):
         gate, up = full.chunk(2, 0)
         return (gate, up)
     return (full,)
@@ -201,7 +273,8 @@ def full_to_hf(rule: Rule, full: torch.Tensor, arch: Qwen3MoeArch) -> tuple[torc
 
 
 def split_dim(kind: Kind) -> int | None:
-    return {Kind.VOCAB: 0, Kind.QKV: 0, Kind.ROW: 1, Kind.EXPERT_FC1: 0, Kind.EXPERT_FC2: 1}.get(kind)
+    return {Kind.VOCAB: 0, Kind.QKV: 0, Kind.ROW: 1, Kind.EXPERT_FC1: 0, Kind.EXPERT_FC2: 1,
+            Kind.DENSE_FC1: 0}.get(kind)
 
 
 def shard(rule: Rule, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -209,7 +282,7 @@ def shard(rule: Rule, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     d = split_dim(rule.kind)
     if d is None or size == 1:
         return full
-    if rule.kind is Kind.EXPERT_FC1:
+    if rule.kind in (Kind.EXPERT_FC1, Kind.DENSE_FC1):
         gate, up = full.chunk(2, 0)
         return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], 0)
     if full.shape[d] % size:
@@ -221,7 +294,7 @@ def unshard(rule: Rule, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     d = split_dim(rule.kind)
     if d is None or len(pieces) == 1:
         return pieces[0]
-    if rule.kind is Kind.EXPERT_FC1:
+    if rule.kind in (Kind.EXPERT_FC1, Kind.DENSE_FC1):
         halves = [p.chunk(2, 0) for p in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
     return torch.cat(list(pieces), d)

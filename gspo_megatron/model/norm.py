@@ -13,7 +13,7 @@ class SPRMSNorm(torch.nn.Module):
     sum over this rank's tokens) is all-reduced across TP. Megatron's finalize_model_grads does
     that for parameters carrying `sequence_parallel=True`, which this module sets.
 
-    Computed in fp32 and cast back, like Hugging Face's Qwen3MoeRMSNorm, so fp32 runs agree with
+    Computed in fp32 and cast back, like transformers' RMSNorm of every family here, so fp32 runs agree with
     the reference to rounding.
     """
 

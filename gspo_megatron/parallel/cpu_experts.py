@@ -20,7 +20,7 @@ It takes the grouped path only where that identity holds: expert TP of 1 (with e
 linear_fc1/fc2 carry TP communication), no bias, gated SiLU without clamp or offset, no FP8/FP4,
 probabilities applied after the activation, more than one local expert. Anything else runs
 ``SequentialMLP.forward`` unchanged. On GPU the Transformer Engine spec's ``TEGroupedMLP`` is used
-instead; this class is only in the CPU (local) spec (model/qwen3_moe.py ``layer_block_spec``).
+instead; this class is only in the CPU (local) spec (model/spec.py ``layer_block_spec``).
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def resolve_device(requested: str = "auto") -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():
-        from gspo_megatron.config import ConfigError
+        from gspo_megatron.errors import ConfigError
 
         raise ConfigError("parallel.device=cuda but CUDA is not available on this machine")
     return torch.device(requested)

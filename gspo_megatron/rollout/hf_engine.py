@@ -86,7 +86,7 @@ def _experts_targets(prefix: str, module: torch.nn.Module) -> dict[str, _Target]
 def hub_weight_targets(model: torch.nn.Module) -> dict[str, _Target]:
     """Every Hub-format tensor name of `model` -> where it lives in memory.
 
-    Plain parameters keep their in-memory names; fused expert modules (a module owning 3-D
+    Plain parameters and persistent buffers keep their in-memory names; fused expert modules (a module owning 3-D
     ``gate_up_proj`` and ``down_proj`` parameters) are expanded to per-expert Hub names. Tied
     parameters get one target per name, sharing a coverage key (either name covers them).
     """
@@ -106,6 +106,12 @@ def hub_weight_targets(model: torch.nn.Module) -> dict[str, _Target]:
             continue
         key = first_name.setdefault(id(p), pname)
         targets[pname] = _Target((lambda p=p: p.data), tuple(p.shape), key)
+    # persistent buffers are weights too (a checkpoint holds them: GLM-4.5's router expert bias)
+    for mname, mod in model.named_modules():
+        for bname, b in mod._buffers.items():
+            if b is not None and bname not in mod._non_persistent_buffers_set:
+                name = f"{mname}.{bname}" if mname else bname
+                targets[name] = _Target((lambda b=b: b), tuple(b.shape), name)
     return targets
 
 
@@ -352,8 +358,8 @@ class HFEngine(RolloutEngine):
             output_logits=True,
         )
         # every forward of generate (the prefill, then one decode step per new token but the last)
-        # records each layer's top-k (transformers' Qwen3MoeTopKRouter returns (logits, scores,
-        # indices))
+        # records each layer's top-k (the first family's transformers router returns (logits,
+        # scores, indices); a family whose gate does not has no `return_routing` here)
         routed: list[list[torch.Tensor]] = [[] for _ in self._gates]
         hooks = [g.register_forward_hook(lambda m, i, out, li=li: routed[li].append(out[2].detach().cpu()))
                  for li, g in enumerate(self._gates)]

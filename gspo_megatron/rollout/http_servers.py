@@ -39,7 +39,7 @@ import urllib.parse
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
-from gspo_megatron.cli_util import InputError
+from gspo_megatron.errors import InputError
 
 log = logging.getLogger("gspo_megatron.rollout")
 

@@ -45,7 +45,7 @@ class JudgeScorer:
         self.cfg = cfg
         key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         if cfg.api_key_env and not key:
-            from gspo_megatron.cli_util import InputError
+            from gspo_megatron.errors import InputError
 
             raise InputError(f"reward.judge.api_key_env={cfg.api_key_env}: that environment variable is not set")
         self.client = ServerClient(cfg.url, api_key=key, timeout_s=cfg.timeout_s, max_retries=cfg.retries,

@@ -126,7 +126,7 @@ from typing import Any, Mapping
 
 import torch
 
-from gspo_megatron.cli_util import InputError
+from gspo_megatron.errors import InputError
 
 from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
 from .http_servers import generate_response_cap
@@ -412,8 +412,9 @@ class SGLangEngine(RolloutEngine):
                 with open(os.path.join(config.model.hf_dir, "config.json")) as f:
                     hf = json.load(f)
             elif config.model.hf_config:
-                hf = dict(config.model.hf_config, model_type="qwen3_moe",
-                          architectures=["Qwen3MoeForCausalLM"])
+                from gspo_megatron.model.family import family_for
+
+                hf = family_for(config.model.hf_config).hf_config(dict(config.model.hf_config))
             kw["hf_config"] = hf
         kw.setdefault("sync_dtype", getattr(config.model, "dtype", None))
         # Config.engine_routing (rollout.return_routing, or routing replay of the rollout's experts)

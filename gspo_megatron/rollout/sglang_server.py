@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     from gspo_megatron.cli_util import user_errors
-    from gspo_megatron.config import load_config
+    from gspo_megatron.resolve import load_config
 
     prog = "gspo_megatron.rollout.sglang_server"
     ap = argparse.ArgumentParser(

@@ -25,7 +25,7 @@ from dataclasses import replace
 from numbers import Real
 from typing import Any, Mapping, Sequence
 
-from gspo_megatron.cli_util import InputError
+from gspo_megatron.errors import InputError
 
 from .base import Sample
 

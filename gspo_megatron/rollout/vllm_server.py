@@ -37,7 +37,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from gspo_megatron.cli_util import InputError
+from gspo_megatron.errors import InputError
 
 from . import http_servers as _http
 from .colocate import TORCHRUN_ENV

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-parameter INFO lists drown ours
     with user_errors("gspo_megatron.train"):
-        from gspo_megatron.config import load_config
+        from gspo_megatron.resolve import load_config
 
         cfg = load_config(args.config, args.overrides)  # a bad key: one line before Megatron is imported
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -82,7 +82,7 @@ class BackgroundSaves:
         writer's error, or a CheckpointError when it does not finish within the timeout."""
         if self._thread is None:
             return 0.0
-        from gspo_megatron.model.hf_io import CheckpointError
+        from gspo_megatron.errors import CheckpointError
 
         t0 = time.perf_counter()
         if self._thread.is_alive() and why:

@@ -167,7 +167,7 @@ def _wrap_write_errors(final: str, fn):
 
         code = getattr(e, "errno", None)
         if code in (errno.EFBIG, errno.ENOSPC, errno.EDQUOT) or "unexpected pos" in str(e):
-            from gspo_megatron.model.hf_io import CheckpointError
+            from gspo_megatron.errors import CheckpointError
 
             why = {errno.EFBIG: "a file exceeds the process's file-size limit (ulimit -f)",
                    errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded"}.get(
@@ -183,7 +183,7 @@ def _refuse_non_finite(final: str, model, optimizer, ctx) -> None:
     first such tensor (rank order), before anything is written: the previous checkpoint and the
     tracker stay as they were. The loop skips non-finite steps (train/loop.py); this is the last
     line of defence (a checkpoint of NaN weights would be resumed from and exported)."""
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
     from gspo_megatron.train.optim import inner_optimizers
 
     named: list[tuple[str, torch.Tensor]] = []
@@ -228,7 +228,7 @@ def _refuse_non_finite_chunks(final: str, chunks: list, d) -> None:
     model's weights and the optimizer's masters and moments of this rank's shard: every rank's
     chunks together cover what _refuse_non_finite checks), collective on the writer's group `d`,
     so the step does not wait for it. Raises the same one line."""
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     mine = next((f"{c.key} (the chunk at offsets {list(c.offsets)})" for c in chunks
                  if c.dtype.is_floating_point and not bool(torch.isfinite(c.produce()).all())), None)
@@ -381,7 +381,7 @@ def find_latest(out_dir: str) -> str | None:
     incomplete one and passed over for an older iteration, whose resume would then save over it."""
     from gspo_megatron.checkpoint.megatron_dirs import iterations, read_tracker
 
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     root = ckpt_root(out_dir)
     if not os.path.isdir(root):
@@ -439,7 +439,7 @@ def agree_on_resume(resume: str, out_dir: str, ctx) -> str | None:
     Rank 0 also removes temporary directories of saves that never finished (the run lock,
     train/runlock.py, guarantees no other job is writing them). A CheckpointError on rank 0 is
     raised on every rank."""
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     box: list = [None, None]
     if ctx.rank == 0:
@@ -480,7 +480,7 @@ def _read_common(path: str, require_checksums: bool = False) -> dict:
     """common.pt of a trainer checkpoint (read once per load): {"trainer": ..., "optimizer": ...}."""
     from gspo_megatron.checkpoint import integrity
     from gspo_megatron.checkpoint.megatron_load import load_common_state_dict
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     if not is_trainer_checkpoint(path):
         raise CheckpointError(f"{path}: not a trainer checkpoint (no metadata.json/common.pt; written by an "
@@ -508,7 +508,7 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     from gspo_megatron.checkpoint import integrity
     from gspo_megatron.checkpoint.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
 
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
 
     try:
         if require_checksums:  # a checkpoint without checksums.json: refused before anything is read
@@ -551,8 +551,8 @@ def check_architecture(path: str, arch) -> None:
     import dataclasses
     import json
 
-    from gspo_megatron.model.hf_io import CheckpointError
-    from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+    from gspo_megatron.errors import CheckpointError
+    from gspo_megatron.model.arch import MoeArch
 
     cfg_path = os.path.join(path, "hf_config", "config.json")
     if not os.path.isfile(cfg_path):
@@ -562,10 +562,12 @@ def check_architecture(path: str, arch) -> None:
             saved_cfg = json.load(f)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"{cfg_path}: invalid JSON ({str(e).splitlines()[0]})") from None
-    saved = Qwen3MoeArch.from_hf_dict(saved_cfg, source=cfg_path)
-    # max_position_embeddings only bounds the RoPE table (no effect on the math of a sequence)
+    saved = MoeArch.from_hf_dict(saved_cfg, source=cfg_path)
+    # max_position_embeddings only bounds the RoPE table (no effect on the math of a sequence);
+    # MTP layers are never part of the policy (checkpoints declare none)
     diff = [f"{f.name} {getattr(saved, f.name)!r} -> {getattr(arch, f.name)!r}" for f in dataclasses.fields(saved)
-            if f.name != "max_position_embeddings" and getattr(saved, f.name) != getattr(arch, f.name)]
+            if f.name not in ("max_position_embeddings", "mtp_layers")
+            and getattr(saved, f.name) != getattr(arch, f.name)]
     if diff:
         raise CheckpointError(f"{path}: this run's architecture differs from the checkpoint's ({cfg_path}): "
                               f"{', '.join(diff)}; resume with the model it was trained as")
@@ -574,7 +576,7 @@ def check_architecture(path: str, arch) -> None:
 def _check_optimizer_kind(path: str, common: dict, optimizer) -> None:
     """Megatron's plain and distributed optimizers keep different plain state (param groups vs
     per-optimizer dicts with a sharding type): a checkpoint loads into the kind that wrote it."""
-    from gspo_megatron.model.hf_io import CheckpointError
+    from gspo_megatron.errors import CheckpointError
     from gspo_megatron.train.optim import inner_optimizers
 
     first = common.get(0, common) if isinstance(common, dict) else {}

@@ -20,7 +20,7 @@ import logging
 import random
 
 from gspo_megatron.algorithms.passk import ks_for, mean_pass_at_k
-from gspo_megatron.cli_util import InputError
+from gspo_megatron.errors import InputError
 from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.validate import rejected_reason
 

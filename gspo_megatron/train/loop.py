@@ -580,11 +580,10 @@ def to_train_samples(samples: list[Sample], rewards: list[float], group_size: in
 
 def startup_summary(parts: RunParts) -> str:
     """One paragraph on rank 0: what this run is (clusters run with the progress bar off)."""
-    from gspo_megatron.config import hf_model_dims
-    from gspo_megatron.planner import count_params, training_setup
+    from gspo_megatron.planner import training_setup
 
     cfg, ctx, p = parts.cfg, parts.ctx, parts.cfg.parallel
-    n = count_params(hf_model_dims(parts.hf_config))
+    n = parts.arch.count_params()
     src = cfg.model.load or cfg.model.hf_dir or f"random init (seed {cfg.model.init_seed})"
     data = (f"synthetic task {cfg.data.task!r}" if parts.prompts.task is not None
             else f"{cfg.data.path} ({len(parts.prompts.stream.examples)} records)")

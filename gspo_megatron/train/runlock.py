@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 
-from gspo_megatron.cli_util import InputError
+from gspo_megatron.errors import InputError
 
 log = logging.getLogger("gspo_megatron.train")
 

@@ -11,8 +11,9 @@ from typing import Any, Callable
 
 import torch
 
-from gspo_megatron.cli_util import InputError
-from gspo_megatron.model.qwen3_moe import Qwen3MoeArch
+from gspo_megatron import resolve
+from gspo_megatron.errors import InputError
+from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.train.batch import TrainSample
 
 log = logging.getLogger("gspo_megatron.train")
@@ -245,7 +246,7 @@ class ReferencePolicy:
 class RunParts:
     cfg: Any
     ctx: Any
-    arch: Qwen3MoeArch
+    arch: MoeArch
     hf_config: dict
     dtype: torch.dtype
     model: list  # DDP-wrapped chunks
@@ -287,7 +288,7 @@ class RunParts:
 
     def export_config(self) -> dict:
         """config.json of the policy as an HF model (exports and checkpoints carry it)."""
-        cfg = {**self.hf_config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+        cfg = self.arch.family.hf_config(self.hf_config)
         if self.tokenizer.eos_token_id is not None:
             cfg.setdefault("eos_token_id", self.tokenizer.eos_token_id)
             cfg.setdefault("pad_token_id", self.tokenizer.pad_token_id)
@@ -395,15 +396,14 @@ def load_tokenizer(cfg, load=None):
 
 
 def _make_hf_engine(cfg, hf_config, tokenizer, dtype):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
+    from gspo_megatron.model.family import family_for
     from gspo_megatron.rollout.hf_engine import HFEngine
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.model.hf_dir:
         return HFEngine(cfg.model.hf_dir, device=device, dtype=dtype, tokenizer=tokenizer,
                         return_routing=cfg.engine_routing)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf_config)).to(dtype)  # weights pushed before use
+    model = family_for(hf_config).reference_model(hf_config).to(dtype)  # weights pushed before use
     return HFEngine(model, device=device, tokenizer=tokenizer, return_routing=cfg.engine_routing)
 
 
@@ -414,17 +414,20 @@ def _make_sglang_engine(cfg, hf_config, tokenizer, dtype, urls: list[str] | None
     servers' config.json."""
     from gspo_megatron.rollout.sglang_engine import SGLangEngine
 
+    from gspo_megatron.model.family import family_for
+
     overrides = None if urls is None else {"launch": False, "urls": list(urls), "api_key": api_key}
-    arch = {**hf_config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    arch = family_for(hf_config).hf_config(hf_config)
     return SGLangEngine.from_config(cfg, sglang_overrides=overrides, hf_config=arch)
 
 
 def _make_vllm_engine(cfg, hf_config, tokenizer, dtype):
     """vLLM servers (running, or launched now by rank 0 from their own environment), given the
     run's architecture for the pushed config.json."""
+    from gspo_megatron.model.family import family_for
     from gspo_megatron.rollout.vllm_engine import VLLMEngine
 
-    arch = {**hf_config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    arch = family_for(hf_config).hf_config(hf_config)
     v = cfg.rollout.vllm
     if v.launch and v.model_path is None and cfg.model.hf_dir is None:
         # A random-init run has no checkpoint directory for the server to start from. It starts
@@ -453,7 +456,7 @@ class Inputs:
     """What a run reads from outside before any process group: checked in seconds, by setup_run
     and by `--dry-run` alike."""
     hf_config: dict
-    arch: Qwen3MoeArch
+    arch: MoeArch
     reader: Any  # HFCheckpointReader of model.hf_dir, or None
     tokenizer: Any
     prompts: PromptSource
@@ -471,10 +474,10 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     from gspo_megatron.model.hf_io import HFCheckpointReader
 
     load = read_load_source(cfg)  # model.load's checkpoint: resolved and read once, here
-    hf_config = cfg.hf_config_dict(load)
+    hf_config = resolve.hf_config_dict(cfg, load)
     sources = cfg.model_sources(load)
-    arch = Qwen3MoeArch.from_hf_dict(hf_config, source=sources[0][0] if sources else "model.hf_config")
-    cfg.validate_world(world_size, hf_config)
+    arch = MoeArch.from_hf_dict(hf_config, source=sources[0][0] if sources else "model.hf_config")
+    resolve.validate_world(cfg, world_size, hf_config)
     reader = None
     if cfg.model.hf_dir:
         reader = HFCheckpointReader(cfg.model.hf_dir)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 
-from gspo_megatron.cli_util import InputError
+from gspo_megatron.errors import InputError
 
 FLUSH_INTERVAL_S = 0.25
 

@@ -1,142 +1,18 @@
-"""Qwen3-MoE as a Megatron-Core GPTModel: HF config -> TransformerConfig, layer specs, builder.
+"""Megatron-Core model of any family: a MoeArch -> TransformerConfig, layer specs, builder.
 
-Only this file knows how Qwen3-MoE's architecture maps onto Megatron's config knobs; the weight
-name/shape map lives in `mapping.py`.
+The family gives the Megatron options its features map to (`ModelFamily.megatron_options`); the
+layout, dtype, recompute and RL choices are the same for every family and live here.
 """
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from gspo_megatron.config import ConfigError
-
-# Megatron pads the vocabulary so each TP shard is a multiple of this (Megatron-LM's default
-# make-vocab-size-divisible-by); exports slice back to the HF vocab size.
-VOCAB_PAD_MULTIPLE = 128
-
-
-class ModelConfigError(ConfigError):
-    """The HF config is not a Qwen3-MoE this backend supports."""
-
-
-@dataclass(frozen=True)
-class Qwen3MoeArch:
-    """The architecture fields of a Hugging Face Qwen3MoeConfig that the backend uses."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_experts: int
-    moe_topk: int
-    moe_intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    norm_topk_prob: bool
-
-    # ------------------------------------------------------------------------------------------
-    @classmethod
-    def from_hf_dict(cls, d: dict[str, Any], source: str = "config") -> "Qwen3MoeArch":
-        """Validate an HF config dict (config.json contents or an inline dict)."""
-        mt = d.get("model_type", "qwen3_moe")
-        if mt != "qwen3_moe":
-            raise ModelConfigError(f"{source}: model_type is {mt!r}, expected 'qwen3_moe'")
-
-        def req(*keys):
-            for k in keys:
-                if k in d and d[k] is not None:
-                    return d[k]
-            raise ModelConfigError(f"{source}: missing required field {keys[0]!r}")
-
-        num_experts = int(req("num_experts", "num_local_experts"))
-        if num_experts <= 0:
-            raise ModelConfigError(f"{source}: num_experts must be > 0 for Qwen3-MoE")
-        if d.get("shared_expert_intermediate_size"):
-            raise ModelConfigError(f"{source}: shared experts are not supported (Qwen3-MoE has none)")
-        if d.get("mlp_only_layers"):
-            raise ModelConfigError(
-                f"{source}: dense MLP layers mixed in (mlp_only_layers={d['mlp_only_layers']}) are not supported"
-            )
-        if int(d.get("decoder_sparse_step", 1)) != 1:
-            raise ModelConfigError(f"{source}: decoder_sparse_step != 1 (dense layers mixed in) is not supported")
-        if d.get("use_sliding_window"):
-            raise ModelConfigError(f"{source}: sliding-window attention is not supported")
-        if d.get("attention_bias"):
-            raise ModelConfigError(f"{source}: attention_bias=true is not Qwen3-MoE and is not supported")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ModelConfigError(f"{source}: rope_type {rope_type!r} is not supported (default RoPE only)")
-        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        hidden = int(req("hidden_size"))
-        heads = int(req("num_attention_heads"))
-        arch = cls(
-            vocab_size=int(req("vocab_size")),
-            hidden_size=hidden,
-            num_layers=int(req("num_hidden_layers")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            num_experts=num_experts,
-            moe_topk=int(req("num_experts_per_tok")),
-            moe_intermediate_size=int(req("moe_intermediate_size")),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-        )
-        if arch.num_attention_heads % arch.num_key_value_heads:
-            raise ModelConfigError(f"{source}: num_attention_heads not a multiple of num_key_value_heads")
-        if not 0 < arch.moe_topk <= arch.num_experts:
-            raise ModelConfigError(f"{source}: num_experts_per_tok must be in [1, num_experts]")
-        return arch
-
-    @classmethod
-    def from_hf_dir(cls, hf_dir: str) -> "Qwen3MoeArch":
-        path = os.path.join(hf_dir, "config.json")
-        if not os.path.isdir(hf_dir):
-            raise ModelConfigError(f"{hf_dir}: no such directory")
-        if not os.path.isfile(path):
-            raise ModelConfigError(f"{path}: missing (not a Hugging Face checkpoint directory)")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{path}: invalid JSON ({e})") from None
-        return cls.from_hf_dict(d, source=path)
-
-    # ------------------------------------------------------------------------------------------
-    def padded_vocab_size(self, tp: int) -> int:
-        m = VOCAB_PAD_MULTIPLE * tp
-        return -(-self.vocab_size // m) * m
-
-    @property
-    def q_per_group(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    def dims_for_validation(self) -> dict[str, int]:
-        return dict(
-            num_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_key_value_heads,
-            num_experts=self.num_experts,
-            moe_ffn_hidden_size=self.moe_intermediate_size,
-        )
+from gspo_megatron.errors import ModelConfigError
+from gspo_megatron.model.arch import MoeArch
 
 
 def transformer_config(
-    arch: Qwen3MoeArch,
+    arch: MoeArch,
     parallel,
     *,
     dtype: torch.dtype = torch.float32,
@@ -177,29 +53,27 @@ def transformer_config(
             "parallel.etp > 1 together with parallel.pp > 1 needs the alltoall MoE dispatcher, which "
             "gloo (CPU) cannot run with expert-TP; use etp=1 or pp=1 on CPU"
         )
+    family_options = arch.family.megatron_options(arch)
+    if arch.dense_layers:
+        # Megatron's pattern of MoE (1) and dense (0) layers; it also makes checkpoints key each layer
+        # apart (transformer_block.py:830-834, non_homogeneous_layers)
+        family_options["moe_layer_freq"] = [int(arch.is_moe_layer(i)) for i in range(arch.num_layers)]
     config = TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_key_value_heads,
-        kv_channels=arch.head_dim,  # must be explicit: heads*head_dim != hidden for Qwen3
-        ffn_hidden_size=arch.moe_intermediate_size,  # unused by MoE layers; set for validation
+        kv_channels=arch.head_dim,  # must be explicit: heads*head_dim != hidden for Qwen3-MoE
         normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
-        qk_layernorm=True,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         num_moe_experts=arch.num_experts,
         moe_router_topk=arch.moe_topk,
         moe_ffn_hidden_size=arch.moe_intermediate_size,
-        moe_router_score_function="softmax",
-        # HF: softmax over all experts, top-k, renormalise if norm_topk_prob. Megatron with
-        # pre_softmax=False: top-k logits, then softmax over them == the renormalised version.
-        moe_router_pre_softmax=not arch.norm_topk_prob,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_router_dtype="fp32",
@@ -227,6 +101,7 @@ def transformer_config(
         variable_seq_lengths=variable_seq_lengths,
         moe_enable_routing_replay=routing_replay,
         moe_router_fusion=router_fusion,
+        **family_options,
     )
     check_routing_replay(config)
     return config
@@ -247,9 +122,10 @@ def check_routing_replay(config) -> None:
 
 
 def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank: int | None = None):
-    """TransformerBlockSubmodules for this rank's layers.
+    """TransformerBlockSubmodules for this rank's layers (MoE or dense by config.moe_layer_freq).
 
-    GPU: Megatron's Transformer Engine spec (grouped-GEMM experts, fused norm+QKV).
+    GPU: Megatron's Transformer Engine spec (grouped-GEMM experts, fused norm+QKV), its own
+    per-layer choice (gpt_layer_specs.py get_gpt_decoder_block_spec).
     CPU: Megatron's local spec with every RMSNorm swapped for `SPRMSNorm` (the local spec's torch
     norm refuses sequence parallel, which MoE+TP training requires), the core attention for
     `CpuCoreAttention` (parallel/cp_attention.py: context parallelism and packed THD sequences) and
@@ -261,34 +137,46 @@ def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank:
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    freq = config.moe_layer_freq
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+    moe = [bool(pattern[offset + i]) for i in range(n)]
+    qk = config.qk_layernorm
     if use_te:
-        layer = specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=True, qk_layernorm=True
-        )
         from megatron.core.extensions.transformer_engine import TENorm
 
-        return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=TENorm)
+        te = {m: specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts if m else None, moe_grouped_gemm=m, qk_layernorm=qk)
+            for m in set(moe)}
+        return TransformerBlockSubmodules(layer_specs=[te[m] for m in moe], layer_norm=TENorm)
 
     from gspo_megatron.model.norm import SPRMSNorm
     from gspo_megatron.parallel.cp_attention import CpuCoreAttention
     from gspo_megatron.parallel.cpu_experts import CpuGroupedExperts
 
-    layer = specs.get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, qk_layernorm=True, normalization="RMSNorm"
-    )
-    sub = layer.submodules
-    # Megatron's local DotProductAttention refuses CP and packed THD sequences; the CPU runtime's
-    # attention does both (a test vehicle; on GPU TE's attention does).
-    sub.self_attention.submodules.core_attention = CpuCoreAttention
-    # SequentialMLP's parameters with its expert loop as two grouped GEMMs (parallel/cpu_experts.py)
-    sub.mlp.submodules.experts.module = CpuGroupedExperts
-    sub.input_layernorm = SPRMSNorm
-    sub.pre_mlp_layernorm = SPRMSNorm
-    sub.self_attention.submodules.q_layernorm = SPRMSNorm
-    sub.self_attention.submodules.k_layernorm = SPRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=SPRMSNorm)
+    def local(is_moe: bool):
+        layer = specs.get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts if is_moe else None, qk_layernorm=qk, normalization="RMSNorm"
+        )
+        sub = layer.submodules
+        # Megatron's local DotProductAttention refuses CP and packed THD sequences; the CPU runtime's
+        # attention does both (a test vehicle; on GPU TE's attention does).
+        sub.self_attention.submodules.core_attention = CpuCoreAttention
+        if is_moe:
+            # SequentialMLP's parameters with its expert loop as two grouped GEMMs (parallel/cpu_experts.py)
+            sub.mlp.submodules.experts.module = CpuGroupedExperts
+        sub.input_layernorm = SPRMSNorm
+        sub.pre_mlp_layernorm = SPRMSNorm
+        if qk:
+            sub.self_attention.submodules.q_layernorm = SPRMSNorm
+            sub.self_attention.submodules.k_layernorm = SPRMSNorm
+        return layer
+
+    built = {m: local(m) for m in set(moe)}
+    return TransformerBlockSubmodules(layer_specs=[built[m] for m in moe], layer_norm=SPRMSNorm)
 
 
 def te_available() -> bool:
@@ -299,8 +187,8 @@ def te_available() -> bool:
     return True
 
 
-def build_gpt_model(arch: Qwen3MoeArch, config, *, pre_process: bool, post_process: bool, use_te: bool):
-    """One pipeline stage of the Qwen3-MoE GPTModel (Megatron's global parallel state must exist)."""
+def build_gpt_model(arch: MoeArch, config, *, pre_process: bool, post_process: bool, use_te: bool):
+    """One pipeline stage of the GPTModel (Megatron's global parallel state must exist)."""
     from megatron.core.models.gpt import GPTModel
 
     spec = layer_block_spec(config, use_te)
@@ -314,7 +202,7 @@ def build_gpt_model(arch: Qwen3MoeArch, config, *, pre_process: bool, post_proce
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
-        rotary_percent=1.0,
+        rotary_percent=arch.rotary_percent,
     )
 
 
@@ -330,14 +218,13 @@ def recompute_settings(recompute: str, *, grouped_experts: bool) -> dict:
     raise ValueError(f"train.recompute must be none, selective or full, got {recompute!r}")
 
 
-def build_model_chunks(arch: Qwen3MoeArch, ctx, *, dtype: torch.dtype = torch.float32, recompute: str = "none",
+def build_model_chunks(arch: MoeArch, ctx, *, dtype: torch.dtype = torch.float32, recompute: str = "none",
                        routing_replay: bool = False):
     """This rank's model chunk(s) for the layout in `ctx` (a parallel.state.ParallelContext).
 
     Returns (chunks, transformer_config). One chunk per rank (no virtual pipeline stages yet).
     The expert parameters are marked for the expert-DP gradient reduction by the caller,
-    model/factory.py build_policy (mark_expert_params reads the HF <-> Megatron map, which
-    imports this module: marking here made an import circle).
+    model/factory.py build_policy (mark_expert_params reads the family's HF <-> Megatron map).
     """
     from gspo_megatron.model import rope
 

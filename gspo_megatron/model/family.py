@@ -1,0 +1,108 @@
+"""Model families: what one needs to provide, and the registry keyed by `model_type`.
+
+A family (one folder in model/families/) owns everything that knows its Hugging Face config and
+tensor names: its HF-config reader and validation (the one parser of that config: the planner, the
+loader, the converter, the engines and `score` all get a `MoeArch` from it), its rules for the
+shared HF <-> Megatron map (model/mapping.py), the Megatron-Core options its features map to
+(model/spec.py builds the TransformerConfig and the layer specs from them), its Megatron-Bridge /
+Megatron-LM argument table, and the transformers class that is its reference. Code outside the
+families asks `family_for(hf_config)` or `arch.family`, never a literal model type.
+
+"Adding a model family" in docs/design.md lists what a new family provides and the parametrized
+suite it must pass (tests/test_model_families.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from gspo_megatron.errors import ModelConfigError
+from gspo_megatron.model.arch import MoeArch
+from gspo_megatron.model.registry import (  # noqa: F401 (the registry's API, re-exported)
+    DEFAULT_MODEL_TYPE, FAMILY_MODULES, arch_from_hf_dict, arch_from_hf_dir, family_for, family_of_type,
+    read_hf_config_dir)
+
+
+class ModelFamily(Protocol):
+    model_type: str  # HF config's model_type
+    display_name: str  # for messages: "Qwen3-MoE"
+    hf_architecture: str  # config.json "architectures" entry: the transformers / vLLM / SGLang class
+    # Keys an inline model.hf_config may hold (the HF config class's arguments and what real
+    # config.json files carry; a typo would be silently ignored by transformers) and those it must
+    # state (transformers' defaults are a big model's).
+    inline_keys: frozenset[str]
+    required_inline_keys: tuple[str, ...]
+
+    def read_config(self, hf: dict[str, Any], source: str) -> MoeArch:
+        """The one parser of this family's HF config: validated, or ModelConfigError naming
+        `source` and the field."""
+
+    def rules(self, arch: MoeArch) -> tuple:
+        """mapping.Rule's for this architecture (model/mapping.py decoder_rules)."""
+
+    def megatron_options(self, arch: MoeArch) -> dict[str, Any]:
+        """TransformerConfig fields this family's features map to (model/spec.py adds the rest)."""
+
+    def hf_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """A config.json for `hf` (an inline or read config dict): model_type and architectures set."""
+
+    def bridge_model_fields(self, arch: MoeArch) -> dict[str, Any]:
+        """Megatron-Bridge run_config.yaml model fields that differ from the first family's."""
+
+    def reference_model(self, hf: dict[str, Any]):
+        """transformers' model of this family for `hf` (random init): the reference of the tests
+        and the in-process rollout engine."""
+
+
+# ---- shared helpers for the families' readers ------------------------------------------------
+
+
+def required(d: dict, source: str, *keys: str):
+    """The first of `keys` that `d` holds (not None), else a one-line error naming the first."""
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    raise ModelConfigError(f"{source}: missing required field {keys[0]!r}")
+
+
+def rope_theta(d: dict, source: str) -> float:
+    """RoPE base of a config with plain RoPE (transformers 4.x `rope_theta`/`rope_scaling`, 5.x
+    `rope_parameters`); scaled RoPE variants are refused."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ModelConfigError(f"{source}: rope_type {rope_type!r} is not supported (default RoPE only)")
+    return float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+
+
+def check_attention(arch: MoeArch, source: str) -> None:
+    if arch.num_attention_heads % arch.num_key_value_heads:
+        raise ModelConfigError(f"{source}: num_attention_heads not a multiple of num_key_value_heads")
+    if not 0 < arch.moe_topk <= arch.num_experts:
+        raise ModelConfigError(f"{source}: num_experts_per_tok must be in [1, num_experts]")
+
+
+def check_inline(hf: dict, family: ModelFamily, where: str, *, require: bool = True) -> None:
+    """Key names (for an inline config) and the family's own validation, as ConfigError's naming
+    `where`."""
+    from gspo_megatron.errors import ConfigError
+
+    if require:
+        unknown = sorted(k for k in hf if k not in family.inline_keys)
+        if unknown:
+            import difflib
+
+            close = difflib.get_close_matches(unknown[0], sorted(family.inline_keys), n=1)
+            raise ConfigError(
+                f"unknown key '{where}.{unknown[0]}'" + (f" (did you mean '{where}.{close[0]}'?)" if close else "")
+                + f" for a {family.display_name} config; valid keys: {', '.join(sorted(family.inline_keys))}")
+        missing = [k for k in family.required_inline_keys if k not in hf]
+        if missing:
+            raise ConfigError(f"{where} is missing required field(s): {', '.join(missing)}")
+    for k, v in hf.items():
+        if k.startswith(("num_", "n_")) or k.endswith(("_size", "_dim", "_replace")):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ConfigError(f"{where}.{k} must be a non-negative integer, got {v!r}")
+    try:
+        family.read_config(hf, where)
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None

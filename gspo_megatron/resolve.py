@@ -1,0 +1,78 @@
+"""Config resolution: a loaded Config (config.py: schema + loader, no model knowledge) and what it
+points at on disk -> the model architecture, checked against the layout.
+
+The architecture comes from the model family (model/family.py) of whichever config gives it:
+model.load's checkpoint, model.hf_dir's config.json, or the inline model.hf_config. Every source
+given must agree with the chosen one field by field, never a silent override (a smaller inline
+vocab_size used to load a larger checkpoint's embedding cut to its first rows).
+"""
+from __future__ import annotations
+
+from gspo_megatron import config as _config
+from gspo_megatron.config import Config, LoadSource
+from gspo_megatron.errors import ConfigError
+from gspo_megatron.model.arch import MoeArch
+from gspo_megatron.model.family import check_inline, family_for
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """YAML file (or none: defaults) + dotted overrides -> a validated Config whose model (when
+    it is not model.load's: that is read where the run is set up, train/setup.py check_inputs)
+    is checked against the layout. Raises ConfigError (one line)."""
+    cfg = _config.load_config(path, overrides)
+    if cfg.model.load is None:
+        check_model(cfg)
+    return cfg
+
+
+def _inline_where() -> str:
+    return "model.hf_config"
+
+
+def hf_config_dict(cfg: Config, load: LoadSource | None = None) -> dict:
+    """The model architecture as an HF config dict: the config a checkpoint carries (model.load's,
+    else model.hf_dir's config.json), else the inline hf_config (checked key by key against its
+    family's). `load`: what model.load's checkpoint holds, read by train/setup.py
+    read_load_source (required when model.load is set)."""
+    m = cfg.model
+    configs = cfg.config_sources(load)
+    if not configs:
+        if m.hf_config is None:
+            raise ConfigError(f"model.load: {m.load} has no hf_config/config.json (nor a Megatron-Bridge "
+                              "run_config.yaml); set model.hf_config or model.hf_dir to give the architecture")
+        hf = dict(m.hf_config)
+        check_inline(hf, family_for(hf, _inline_where()), _inline_where())
+        return hf
+    opt0, path0, chosen = configs[0]
+    family = family_for(chosen, f"{opt0} ({path0})")
+    for opt, path, other in configs[1:]:
+        for k in sorted(family.inline_keys & chosen.keys() & other.keys()):
+            if other[k] != chosen[k]:
+                raise ConfigError(f"{opt}: {path} has {k}={other[k]!r} but {opt0} ({path0}) has "
+                                  f"{k}={chosen[k]!r}; they must describe the same model")
+    for k, v in (m.hf_config or {}).items():
+        if k in chosen and chosen[k] != v:
+            raise ConfigError(
+                f"model.hf_config.{k}={v!r} disagrees with {path0} ({k}={chosen[k]!r}); "
+                f"drop the inline field or fix {opt0}"
+            )
+    check_inline(chosen, family, f"{opt0} ({path0})", require=False)
+    return chosen
+
+
+def arch_of(cfg: Config, hf: dict | None = None, load: LoadSource | None = None) -> MoeArch:
+    """The run's architecture (from `hf`, else resolved from the config)."""
+    hf = hf_config_dict(cfg, load) if hf is None else hf
+    return family_for(hf).read_config(hf, "model")
+
+
+def check_model(cfg: Config, hf: dict | None = None) -> None:
+    """Layout checks that need the model but not the world size."""
+    cfg.parallel.check_model(**arch_of(cfg, hf).dims_for_validation())
+
+
+def validate_world(cfg: Config, world_size: int, hf: dict | None = None) -> None:
+    """Check the layout against the world size and the model (ParallelConfig.validate)."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
+    cfg.parallel.validate(world_size, **arch_of(cfg, hf).dims_for_validation())
