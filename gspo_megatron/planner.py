@@ -67,12 +67,11 @@ from typing import Sequence
 from gspo_megatron import resolve
 from gspo_megatron.config import Config
 from gspo_megatron.errors import ConfigError
-from gspo_megatron.model.arch import MoeArch
+from gspo_megatron.model.arch import MoeArch, padded_vocab  # noqa: F401 (planner.padded_vocab)
 from gspo_megatron.resolve import load_config
 
 GiB = 1024**3
 ORDER = "tp-cp-ep-dp-pp"  # Megatron-Core's default rank order (first = fastest varying)
-VOCAB_DIVISOR = 128  # Megatron's make_vocab_size_divisible_by; times TP
 
 
 # ---- rank grid ------------------------------------------------------------------------------
@@ -125,11 +124,6 @@ def _coord(dims, rank: int) -> dict[str, int]:
 
 
 # ---- parameter counts -----------------------------------------------------------------------
-
-
-def padded_vocab(vocab: int, tp: int) -> int:
-    m = VOCAB_DIVISOR * tp
-    return -(-vocab // m) * m
 
 
 def planner_dims(arch: MoeArch) -> dict:

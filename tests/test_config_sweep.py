@@ -91,7 +91,14 @@ FACTORS: dict[str, dict[str, list[str]]] = {
                     "cosine_warmup": ["optimizer.lr_decay_style=cosine", "optimizer.warmup_steps=1"]},
     # every cell saves at its end (checkpoint.interval=0): in the step, or in the background
     "save": {"sync": ["checkpoint.async_save=false"], "async": ["checkpoint.async_save=true"]},
+    # the model family (model/families/): the cell's checkpoint (model_dirs) is the demo
+    # architecture of tiny_cpu.yaml or tiny_cpu_glm.yaml (dense first layer, shared expert, sigmoid
+    # routing with a non-zero expert bias, partial RoPE, QKV biases); no override: the checkpoint's
+    # config.json names the family
+    "family": {"qwen3_moe": [], "glm4_moe": []},
 }
+FAMILY_CONFIGS = {"qwen3_moe": os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml"),
+                  "glm4_moe": os.path.join(REPO, "launch", "configs", "tiny_cpu_glm.yaml")}
 
 # What every cell shares: 2 steps of 2 prompts x 2 samples, nothing saved, head_dim 32 (vLLM's CPU
 # attention takes 32, 64, 80, ...: cpu_attn.py) so that one model serves every engine.
@@ -275,28 +282,38 @@ def test_refused_combinations_are_refused_in_one_line(refused):
 
 # ------------------------------------------------------------------------------------- the cells
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny demo model with head_dim 32 as an HF checkpoint (save_pretrained + the project's
-    tokenizer): what every cell trains and every engine serves."""
+def model_dirs(tmp_path_factory):
+    """family -> the family's tiny demo model with head_dim 32 as an HF checkpoint (save_pretrained +
+    the project's tokenizer): what the family's cells train and every engine serves."""
     import torch
     import yaml
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from gspo_megatron.model.family import family_for
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
-    with open(TINY) as f:
-        hf = {**yaml.safe_load(f)["model"]["hf_config"], "head_dim": 32}
-    path = tmp_path_factory.mktemp("sweep_model") / "hf"
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf)).save_pretrained(str(path))
-    build_tokenizer(str(path))
-    return str(path)
+    out = {}
+    for name, config in FAMILY_CONFIGS.items():
+        with open(config) as f:
+            hf = {**yaml.safe_load(f)["model"]["hf_config"], "head_dim": 32}
+        family = family_for(hf)
+        path = tmp_path_factory.mktemp(f"sweep_model_{name}") / "hf"
+        torch.manual_seed(0)
+        model = family.reference_model(family.hf_config(hf))
+        with torch.no_grad():
+            for bname, b in model.named_buffers():
+                if bname.endswith("e_score_correction_bias"):
+                    b.copy_(torch.linspace(-0.05, 0.05, b.numel()))
+        model.save_pretrained(str(path))
+        build_tokenizer(str(path))
+        out[name] = str(path)
+    return out
 
 
 @pytest.fixture(scope="module")
-def vllm_server(model_dir, tmp_path_factory):
-    """One real vLLM server for the module's vLLM cells (urls mode, disk sync); None when the vLLM
-    venv cannot be built here (no package index): those cells are then skipped."""
+def vllm_servers(model_dirs, tmp_path_factory):
+    """family -> a real vLLM server for the module's vLLM cells of that family (urls mode, disk sync),
+    started by the family's first vLLM cell; None when the vLLM venv cannot be built here (no
+    package index): those cells are then skipped."""
     from test_vllm import NETWORK, _free_port
 
     from dist_utils import with_free_port
@@ -311,7 +328,7 @@ def vllm_server(model_dir, tmp_path_factory):
             return
         raise
 
-    def start(port):
+    def start(port, model_dir):
         spec = VLLMLaunchSpec(model_path=model_dir, port=port, api_key="k3y", python=python, trainer_dtype="float32",
                               max_model_len=512, log_dir=str(tmp_path_factory.mktemp("sweep_vllm_logs")))
         procs = launch(spec)
@@ -322,9 +339,18 @@ def vllm_server(model_dir, tmp_path_factory):
             raise
         return procs
 
-    procs = with_free_port(start, free=_free_port)
-    yield procs.urls[0]
-    procs.stop()
+    started = {}
+
+    def get(family):
+        if family not in started:
+            started[family] = with_free_port(lambda port: start(port, model_dirs[family]), free=_free_port)
+        return started[family].urls[0]
+
+    try:
+        yield get
+    finally:
+        for procs in started.values():
+            procs.stop()
 
 
 def _cell_rank(rank, world, out_dir, overrides):
@@ -360,9 +386,10 @@ def _finite(v) -> bool:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cell", CELLS, ids=_cell_id)
-def test_cell_trains_or_is_refused_in_one_line(cell, model_dir, tmp_path, request):
+def test_cell_trains_or_is_refused_in_one_line(cell, model_dirs, tmp_path, request):
     from sglang_double import SGLangDouble, sglang_overrides
 
+    model_dir = model_dirs[cell["family"]]
     overrides = [*BASE, f"model.hf_dir={model_dir}"]
     for name, level in cell.items():
         overrides += FACTORS[name][level]
@@ -371,9 +398,10 @@ def test_cell_trains_or_is_refused_in_one_line(cell, model_dir, tmp_path, reques
         double = SGLangDouble(model_dir).__enter__()
         overrides += sglang_overrides(double.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))
     elif cell["engine"] == "vllm":
-        vllm_server = request.getfixturevalue("vllm_server")  # started by the first vLLM cell only
-        if vllm_server is None:
+        servers = request.getfixturevalue("vllm_servers")
+        if servers is None:
             pytest.skip("the vLLM venv cannot be built here (no package index)")
+        vllm_server = servers(cell["family"])  # started by the family's first vLLM cell
         overrides += [f"rollout.vllm.urls=[{vllm_server}]", "rollout.vllm.api_key=k3y",
                       f"rollout.vllm.shared_dir={tmp_path / 'sync'}", "rollout.vllm.request_timeout_s=120"]
     try:

@@ -179,7 +179,8 @@ def test_mtp_layers_are_skipped_with_a_warning_and_never_declared_in_what_is_wri
 def test_the_glm_demo_learns_the_task(tmp_path):
     """tiny_cpu_glm.yaml (make demo's run with the second family, its 100 steps: ~70 s here): after
     the warm start, GSPO raises held-out pass@1 on a task seed the training never sees (measured
-    0.180 after the warm start -> 0.312 at step 50 -> 0.336 at step 100)."""
+    0.180 after the warm start -> 0.312 at step 50 -> 0.336 at step 100); the export is the same
+    GLM architecture and the checkpoint resumes at another layout."""
     import subprocess
     import sys
 
@@ -202,3 +203,50 @@ def test_the_glm_demo_learns_the_task(tmp_path):
     p1 = [e["eval/heldout/pass@1"] for e in evals]
     print("GLM demo held-out pass@1:", p1)
     assert len(p1) == 3 and p1[2] > p1[0] + 0.08 and p1[1] > p1[0], p1
+    # the run's export is a GLM checkpoint of the same architecture (what an engine or a user loads)
+    from gspo_megatron.model.family import arch_from_hf_dir, arch_from_hf_dict
+    from gspo_megatron.resolve import hf_config_dict, load_config
+
+    exported = arch_from_hf_dir(str(out / "hf"))
+    assert exported == arch_from_hf_dict(hf_config_dict(load_config(GLM_TINY, [])))
+    # its end-of-run checkpoint resumes at another layout (EP2: resharded) and trains on
+    res = tmp_path / "resumed"
+    r = subprocess.run(torchrun_cmd(2, "--config", GLM_TINY, f"out_dir={res}", "train.max_steps=101",
+                                    f"checkpoint.resume={out / 'checkpoints'}", "parallel.tp=1",
+                                    "parallel.sequence_parallel=false", "parallel.ep=2", "checkpoint.interval=0",
+                                    "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false"),
+                       capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resumed from" in r.stderr and "resharding" in r.stderr
+    assert [x["step"] for x in gspo_rows(res)] == [101]
+
+
+@pytest.mark.timeout(900)
+def test_a_stage_without_moe_layers_saves_and_resumes_bit_identically(tmp_path):
+    """GLM's dense first layer alone on pipeline stage 0: Megatron gives that stage an expert
+    optimizer with no parameters (the group keys are gathered from every rank), whose state_dict over
+    torch's Adam asserted one step: no checkpoint could be written (found by the configuration
+    sweep's GLM x PP2 cells). 2 steps, saved, resumed to 4 at PP2: the rows of steps 3 and 4 equal the
+    uninterrupted run's (the expert optimizer resumes at the right Adam step on stage 1, from the
+    common state stage 0 wrote)."""
+    import subprocess
+
+    from test_train_loop import _env, gspo_rows, torchrun_cmd
+
+    common = ["--config", GLM_TINY, "parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=2",
+              "train.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+              "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false", "eval.interval=0",
+              "checkpoint.interval=0", "train.max_steps=4", "optimizer.lr_decay_style=constant"]
+
+    def run(out, *extra):
+        r = subprocess.run(torchrun_cmd(2, *common, f"out_dir={out}", *extra), capture_output=True, text=True,
+                           timeout=600, env=_env(), cwd=REPO)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return gspo_rows(out)
+
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "first", "train.max_steps=2")
+    resumed = run(tmp_path / "resumed", f"checkpoint.resume={tmp_path / 'first' / 'checkpoints'}")
+    assert [r["step"] for r in resumed] == [3, 4]
+    keys = ("loss", "grad_norm", "reward_mean", "clip_frac", "entropy")
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in whole[2:]]

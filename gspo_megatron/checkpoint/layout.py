@@ -108,7 +108,7 @@ def full_shape(rule: Rule, arch: MoeArch) -> tuple[int, ...]:
 class Item:
     """One chunk of the checkpoint: one full Megatron tensor (a layer's, or an expert's)."""
 
-    rule: Rule  # an HF_RULES entry
+    rule: Rule  # one of mapping.hf_rules(the family's rules)
     layer: int | None  # global layer
     expert: int | None  # global expert
     key: str
@@ -141,7 +141,7 @@ def _rules_in_order(arch: MoeArch) -> list[Rule]:
     _check_rules(arch.family.rules(arch))
     rules = []
     for r in mapping.hf_rules(arch.family.rules(arch)):
-        if r.hf == ("lm_head.weight",) and arch.tie_word_embeddings:
+        if r.is_output and arch.tie_word_embeddings:
             continue  # tied: Megatron's output layer reads the embedding's key
         rules.append(r)
     return rules
@@ -150,7 +150,7 @@ def _rules_in_order(arch: MoeArch) -> list[Rule]:
 def plan_items(arch: MoeArch) -> list[Item]:
     """Every chunk of a converted checkpoint, in HF order (embedding, layer by layer, head)."""
     rules = _rules_in_order(arch)
-    head = [r for r in rules if not r.per_layer and r.hf == ("model.embed_tokens.weight",)]
+    head = [r for r in rules if r.is_embedding]
     tail = [r for r in rules if not r.per_layer and r not in head]
     per_layer = [r for r in rules if r.per_layer]
     dense = [r for r in per_layer if not r.kind.is_expert]

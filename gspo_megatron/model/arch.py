@@ -18,6 +18,12 @@ from dataclasses import dataclass
 VOCAB_PAD_MULTIPLE = 128
 
 
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The vocabulary Megatron builds: each TP shard a multiple of VOCAB_PAD_MULTIPLE rows."""
+    m = VOCAB_PAD_MULTIPLE * tp
+    return -(-vocab // m) * m
+
+
 @dataclass(frozen=True)
 class MoeArch:
     """What the backend uses of a model's HF config (model_type names its family)."""
@@ -71,8 +77,7 @@ class MoeArch:
         return arch_from_hf_dir(hf_dir)
 
     def padded_vocab_size(self, tp: int) -> int:
-        m = VOCAB_PAD_MULTIPLE * tp
-        return -(-self.vocab_size // m) * m
+        return padded_vocab(self.vocab_size, tp)
 
     @property
     def q_per_group(self) -> int:

@@ -32,7 +32,7 @@ from gspo_megatron.model.arch import MoeArch
 @dataclass(frozen=True)
 class ExportItem:
     stage: int
-    rule: Rule  # an HF_RULES entry
+    rule: Rule  # one of mapping.hf_rules(the family's rules)
     layer: int | None  # global layer
 
 
@@ -40,11 +40,11 @@ def export_items(arch: MoeArch, pp: int) -> list[ExportItem]:
     per = arch.num_layers // pp
     items = []
     for r in mapping.hf_rules(arch.family.rules(arch)):
-        if r.hf == ("lm_head.weight",) and arch.tie_word_embeddings:
+        if r.is_output and arch.tie_word_embeddings:
             continue
         if r.per_layer:
             items += [ExportItem(layer // per, r, layer) for layer in r.layer_indices(arch)]
-        elif r.hf == ("model.embed_tokens.weight",):
+        elif r.is_embedding:
             items.append(ExportItem(0, r, None))
         else:  # final norm, output layer
             items.append(ExportItem(pp - 1, r, None))

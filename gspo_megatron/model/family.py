@@ -55,6 +55,19 @@ class ModelFamily(Protocol):
 
 # ---- shared helpers for the families' readers ------------------------------------------------
 
+# Keys every transformers decoder config of the families here has (PretrainedConfig's own and the
+# common decoder arguments); a family's inline_keys are these plus its own.
+COMMON_INLINE_KEYS = frozenset(
+    """
+    vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
+    num_key_value_heads head_dim hidden_act max_position_embeddings initializer_range rms_norm_eps
+    use_cache tie_word_embeddings rope_theta rope_scaling rope_parameters attention_bias
+    attention_dropout moe_intermediate_size num_experts_per_tok num_local_experts norm_topk_prob
+    output_router_logits pad_token_id bos_token_id eos_token_id architectures model_type torch_dtype
+    dtype transformers_version
+    """.split()
+)
+
 
 def required(d: dict, source: str, *keys: str):
     """The first of `keys` that `d` holds (not None), else a one-line error naming the first."""

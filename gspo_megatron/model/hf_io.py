@@ -108,7 +108,7 @@ class HFCheckpointReader:
                 f"{self.hf_dir}: tensor {missing[0]!r} is missing"
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
             )
-        ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+        ignorable = set(mapping.output_rule(arch).hf) if arch.tie_word_embeddings else set()
         mtp = {n for n in have if _layer_of(n) is not None
                and arch.num_layers <= _layer_of(n) < arch.num_layers + arch.mtp_layers}
         if mtp:
@@ -188,7 +188,7 @@ def load_hf_into_model(
             expert = None if m.expert is None else global_expert(m.expert, ep_rank, arch, ep)
             hf_names = m.rule.hf_names(layer, expert)
             if m.rule.kind is Kind.VOCAB and arch.tie_word_embeddings:
-                hf_names = ("model.embed_tokens.weight",)
+                hf_names = mapping.embedding_rule(arch).hf
             if m.rule.kind is Kind.VOCAB:
                 _load_vocab_rows(param, hf_names[0], reader, arch, tp_rank)
                 n += 1

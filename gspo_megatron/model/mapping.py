@@ -65,6 +65,15 @@ class Rule:
     def hf_names(self, layer: int | None = None, expert: int | None = None) -> tuple[str, ...]:
         return tuple(t.format(layer=layer, expert=expert) for t in self.hf)
 
+    @property
+    def is_embedding(self) -> bool:
+        return self.mcore == EMBEDDING
+
+    @property
+    def is_output(self) -> bool:
+        """The output layer (absent from checkpoints of a model with tied embeddings)."""
+        return self.mcore == OUTPUT_LAYER
+
     def in_layer(self, arch: MoeArch, layer: int) -> bool:
         if self.layers == "all":
             return True
@@ -76,6 +85,8 @@ class Rule:
 
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
+EMBEDDING = "embedding.word_embeddings.weight"  # Megatron's names, the same for every family
+OUTPUT_LAYER = "output_layer.weight"
 
 
 def decoder_rules(*, qk_norm: bool, qkv_bias: bool, dense_mlp: bool, shared_experts: bool,
@@ -101,9 +112,9 @@ def decoder_rules(*, qk_norm: bool, qkv_bias: bool, dense_mlp: bool, shared_expe
     fc2_shape = lambda width: (lambda a: ((a.hidden_size, width(a)),))  # noqa: E731
     moe_i = lambda a: a.moe_intermediate_size  # noqa: E731
     rules = [
-        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Kind.VOCAB,
+        Rule(EMBEDDING, ("model.embed_tokens.weight",), Kind.VOCAB,
              lambda a: ((a.vocab_size, a.hidden_size),)),
-        Rule("output_layer.weight", ("lm_head.weight",), Kind.VOCAB, lambda a: ((a.vocab_size, a.hidden_size),)),
+        Rule(OUTPUT_LAYER, ("lm_head.weight",), Kind.VOCAB, lambda a: ((a.vocab_size, a.hidden_size),)),
         Rule("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED, vec(hd)),
         # local spec: separate norm; TE spec: fused into linear_qkv
         Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Kind.REPLICATED, vec(hd)),
@@ -167,6 +178,14 @@ def hf_rules(rules: Sequence[Rule]) -> tuple[Rule, ...]:
     return tuple({r.hf: r for r in rules}.values())
 
 
+def embedding_rule(arch: MoeArch) -> Rule:
+    return next(r for r in arch.family.rules(arch) if r.is_embedding)
+
+
+def output_rule(arch: MoeArch) -> Rule:
+    return next(r for r in arch.family.rules(arch) if r.is_output)
+
+
 class MappingError(ValueError):
     pass
 
@@ -202,7 +221,7 @@ def expected_hf_names(arch: MoeArch) -> list[str]:
     """Every tensor name a Hub checkpoint of `arch` holds (lm_head absent when tied)."""
     names: list[str] = []
     for r in hf_rules(arch.family.rules(arch)):
-        if r.hf == ("lm_head.weight",) and arch.tie_word_embeddings:
+        if r.is_output and arch.tie_word_embeddings:
             continue
         layers = r.layer_indices(arch) if r.per_layer else [None]
         experts = range(arch.num_experts) if r.kind.is_expert else [None]
@@ -216,7 +235,7 @@ def hf_shapes(arch: MoeArch) -> dict[str, tuple[int, ...]]:
     """Expected HF tensor shapes, for validating checkpoints before any heavy work."""
     out = {}
     for r in hf_rules(arch.family.rules(arch)):
-        if r.hf == ("lm_head.weight",) and arch.tie_word_embeddings:
+        if r.is_output and arch.tie_word_embeddings:
             continue
         shapes = r.shapes(arch)
         layers = r.layer_indices(arch) if r.per_layer else [None]

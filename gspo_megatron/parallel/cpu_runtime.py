@@ -162,11 +162,17 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "included, from saved tensors that have no 'step' (KeyError); (3) load_state_dict gives every "
         "parameter's state the same 'step' tensor object, and torch's Adam increments each parameter's "
         "step in place, so after a resume the step grows by the number of parameters per update "
-        "(wrong bias correction)",
+        "(wrong bias correction); (4) an optimizer holding no parameter of this rank has no Adam state "
+        "and state_dict asserts exactly one step: Megatron builds one optimizer per parameter-group "
+        "key gathered from every rank (optimizer/__init__.py _get_param_groups, all_gather_object of "
+        "the keys), so a pipeline stage without MoE layers (GLM-4.5's dense first layers on their "
+        "own stage) gets an expert optimizer with no parameters and no checkpoint can be saved",
         "(1) a never-stepped DistributedOptimizer first gets the state torch's Adam would create lazily at "
         "its first step (step 0, zero moments: _init_group in torch/optim/adam.py); (2) the copy "
         "skips 'step', which load_state_dict restores from the saved param groups; (3) after "
-        "load_state_dict each state gets its own copy of the step tensor",
+        "load_state_dict each state gets its own copy of the step tensor; (4) the state_dict of an "
+        "optimizer with no parameters records its chained siblings' step in its groups (the step "
+        "load_state_dict gives the same optimizer on ranks that hold parameters)",
         when="torch-adam",
     ),
     Assumption(
@@ -420,6 +426,32 @@ def _distopt_sharded_state_dict(method: Callable) -> Callable:
     return functools.wraps(method)(wrapper)
 
 
+def _distopt_state_dict(method: Callable) -> Callable:
+    def wrapper(self):
+        if any(g["params"] for g in self.optimizer.param_groups):
+            return method(self)
+        # No parameter on this rank: no Adam state holds the step (Megatron's own code asserts one).
+        # The step is its chained siblings' (every update steps them all; train/optim.py
+        # build_optimizer links them), so a checkpoint whose common state this rank writes resumes
+        # the other ranks' optimizer of the same kind at the right step.
+        step = None
+        for sibling in getattr(self, "gspo_siblings", ()):
+            steps = {float(st["step"]) for st in sibling.optimizer.state.values() if "step" in st}
+            if len(steps) == 1:
+                step = steps.pop()
+                break
+        inner = self.optimizer.state_dict()  # torch packs fresh group dicts: safe to edit
+        out = {"optimizer": {k: v for k, v in inner.items() if k != "state"}}
+        for group in out["optimizer"]["param_groups"]:
+            del group["params"]
+            group["step"] = step
+        if self.grad_scaler:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    return functools.wraps(method)(wrapper)
+
+
 def _distopt_load_state_dict(method: Callable) -> Callable:
     def wrapper(self, state_dict):
         out = method(self, state_dict)
@@ -566,6 +598,7 @@ def activate(device: str | torch.device | None = None) -> bool:
 
         cls = distrib_optimizer.DistributedOptimizer
         _set(cls, "sharded_state_dict", _distopt_sharded_state_dict(cls.sharded_state_dict))
+        _set(cls, "state_dict", _distopt_state_dict(cls.state_dict))
         _set(cls, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
         _set(cls, "load_state_dict", _distopt_load_state_dict(cls.load_state_dict))
     if device_type == "cpu":

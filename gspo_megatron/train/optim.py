@@ -44,6 +44,13 @@ def build_optimizer(opt_cfg, model, *, total_steps: int = 1, dtype=torch.float32
     )
     optimizer = get_megatron_optimizer(config, model)
     fuse_cpu_adam(optimizer)
+    # Megatron builds an optimizer for every parameter-group kind any rank has (optimizer/__init__.py
+    # all-gathers the keys), so a pipeline stage without MoE layers holds an expert optimizer with
+    # no parameters; over torch's Adam its checkpoint step comes from these siblings
+    # (parallel/cpu_runtime.py _distopt_state_dict).
+    inner = inner_optimizers(optimizer)
+    for opt in inner:
+        opt.gspo_siblings = [o for o in inner if o is not opt]
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if opt_cfg.warmup_steps else lr,

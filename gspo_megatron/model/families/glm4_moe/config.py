@@ -27,23 +27,15 @@ from typing import Any
 
 from gspo_megatron.errors import ModelConfigError
 from gspo_megatron.model.arch import MoeArch
-from gspo_megatron.model.family import check_attention, required, rope_theta
+from gspo_megatron.model.family import COMMON_INLINE_KEYS, check_attention, required, rope_theta
 
 MODEL_TYPE = "glm4_moe"
 HF_ARCHITECTURE = "Glm4MoeForCausalLM"
 
-INLINE_KEYS = frozenset(
-    """
-    vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
-    num_key_value_heads head_dim hidden_act max_position_embeddings initializer_range rms_norm_eps
-    use_cache tie_word_embeddings rope_theta rope_scaling rope_parameters partial_rotary_factor
-    attention_bias attention_dropout moe_intermediate_size num_experts_per_tok n_shared_experts
-    n_routed_experts num_local_experts routed_scaling_factor n_group topk_group first_k_dense_replace
-    norm_topk_prob use_qk_norm num_nextn_predict_layers num_mtp_layers output_router_logits
-    pad_token_id bos_token_id eos_token_id architectures model_type torch_dtype dtype
-    transformers_version
-    """.split()
-)
+# transformers' Glm4MoeConfig arguments plus the keys real GLM-4.5 config.json files carry
+INLINE_KEYS = COMMON_INLINE_KEYS | frozenset(
+    "partial_rotary_factor n_shared_experts n_routed_experts routed_scaling_factor n_group topk_group "
+    "first_k_dense_replace use_qk_norm num_nextn_predict_layers num_mtp_layers".split())
 REQUIRED_INLINE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                         "num_attention_heads", "num_key_value_heads", "n_routed_experts",
                         "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",

@@ -5,23 +5,15 @@ from typing import Any
 
 from gspo_megatron.errors import ModelConfigError
 from gspo_megatron.model.arch import MoeArch
-from gspo_megatron.model.family import check_attention, required, rope_theta
+from gspo_megatron.model.family import COMMON_INLINE_KEYS, check_attention, required, rope_theta
 
 MODEL_TYPE = "qwen3_moe"
 HF_ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 # transformers' Qwen3MoeConfig arguments plus the keys real Qwen3 config.json files carry
-INLINE_KEYS = frozenset(
-    """
-    vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
-    num_key_value_heads head_dim hidden_act max_position_embeddings initializer_range rms_norm_eps
-    use_cache tie_word_embeddings rope_theta rope_scaling rope_parameters attention_bias
-    use_sliding_window sliding_window max_window_layers attention_dropout decoder_sparse_step
-    moe_intermediate_size num_experts_per_tok num_experts num_local_experts norm_topk_prob
-    output_router_logits router_aux_loss_coef mlp_only_layers pad_token_id bos_token_id
-    eos_token_id architectures model_type torch_dtype dtype transformers_version
-    """.split()
-)
+INLINE_KEYS = COMMON_INLINE_KEYS | frozenset(
+    "use_sliding_window sliding_window max_window_layers decoder_sparse_step num_experts router_aux_loss_coef "
+    "mlp_only_layers".split())
 REQUIRED_INLINE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
