@@ -250,3 +250,45 @@ def test_a_stage_without_moe_layers_saves_and_resumes_bit_identically(tmp_path):
     assert [r["step"] for r in resumed] == [3, 4]
     keys = ("loss", "grad_norm", "reward_mean", "clip_frac", "entropy")
     assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in whole[2:]]
+
+
+def _glm_sharded_keys(rank, world):
+    from gspo_megatron.checkpoint.mcore import model_sharded_state_dict
+    from gspo_megatron.config import ParallelConfig
+    from gspo_megatron.model.family import arch_from_hf_dict
+    from gspo_megatron.model.factory import build_policy
+    from gspo_megatron.parallel.state import destroy_parallel, init_parallel
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    arch = arch_from_hf_dict(_glm())
+    ctx = init_parallel(ParallelConfig(), model_dims=arch.dims_for_validation())
+    chunks, _ = build_policy(ctx, arch)
+    keys = sorted(v.key for v in nested_values(model_sharded_state_dict(chunks)) if hasattr(v, "key"))
+    destroy_parallel()
+    return keys
+
+
+def test_glm_checkpoint_keys_are_the_te_specs_on_every_device():
+    """Dense and MoE layers mixed: Megatron keys every layer apart. The CPU (local) spec renames
+    every pre-MLP norm to mlp.linear_fc1.layer_norm_weight; the TE spec fuses only a dense layer's
+    norm there and keeps an MoE layer's pre_mlp_layernorm. Checkpoints use the TE names, so one
+    written on CPU loads on GPU; the TE spec's fused dense-layer norm maps to the HF tensor too."""
+    from gspo_megatron.checkpoint import layout
+    from gspo_megatron.model import mapping
+    from gspo_megatron.model.family import arch_from_hf_dict
+
+    keys = run_distributed(_glm_sharded_keys, 1, timeout=240)[0]
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in keys  # dense layer 0 (TE: fused)
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" not in keys
+    for i in (1, 2, 3):  # MoE layers
+        assert f"decoder.layers.{i}.pre_mlp_layernorm.weight" in keys
+        assert f"decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight" not in keys
+        assert f"decoder.layers.{i}.mlp.router.expert_bias" in keys
+        assert f"decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight" in keys
+    assert layout.canonical_key("decoder.layers.2.pre_mlp_layernorm.weight",
+                                "decoder.layers.2.mlp.linear_fc1.layer_norm_weight", frozenset({2})) == \
+        "decoder.layers.2.pre_mlp_layernorm.weight"
+    arch = arch_from_hf_dict(_glm())
+    te = mapping.match("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", arch)
+    local = mapping.match("decoder.layers.0.pre_mlp_layernorm.weight", arch)
+    assert te.rule.hf == local.rule.hf == ("model.layers.{layer}.post_attention_layernorm.weight",)

@@ -78,11 +78,24 @@ def _check_rules(rules) -> None:
             raise AssertionError(f"layout: {r.mcore!r} and its sibling rule map to different keys")
 
 
-def canonical_key(state_dict_name: str, sharded_key: str) -> str:
-    """The checkpoint key for a ShardedTensor of Megatron's `sharded_state_dict()`."""
+_PER_LAYER_FUSED_NORM = re.compile(r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.layer_norm_weight")
+
+
+def canonical_key(state_dict_name: str, sharded_key: str, moe_layers: frozenset[int] | None = None) -> str:
+    """The checkpoint key for a ShardedTensor of Megatron's `sharded_state_dict()`.
+
+    `moe_layers`: the global indices of the MoE layers, for a model whose checkpoint keys every
+    layer apart (dense and MoE layers mixed, transformer_block.py:830-834). There the local spec's
+    rename applies per layer: the TE spec fuses a *dense* layer's pre-MLP norm into its linear_fc1
+    (the renamed key is TE's own), while an MoE layer keeps pre_mlp_layernorm."""
+    if not state_dict_name.endswith("pre_mlp_layernorm.weight"):
+        return sharded_key
     fixed = LOCAL_SPEC_KEY_QUIRKS.get(sharded_key)
-    if fixed is not None and state_dict_name.endswith("pre_mlp_layernorm.weight"):
+    if fixed is not None:
         return fixed
+    m = _PER_LAYER_FUSED_NORM.fullmatch(sharded_key)
+    if m is not None and moe_layers is not None and int(m.group(1)) in moe_layers:
+        return f"decoder.layers.{m.group(1)}.pre_mlp_layernorm.weight"
     return sharded_key
 
 

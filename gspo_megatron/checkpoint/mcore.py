@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -483,11 +484,15 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
     out = {}
     for i, chunk in enumerate(chunks):
         sd = {}
-        for name, v in _unwrap(chunk).sharded_state_dict().items():
+        full = _unwrap(chunk).sharded_state_dict()
+        # per-layer keys (dense and MoE layers mixed): which of this chunk's layers are MoE
+        moe_layers = frozenset(int(m.group(1)) for v in full.values() if isinstance(v, ShardedTensor)
+                               and (m := re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.router\.weight", v.key)))
+        for name, v in full.items():
             if isinstance(v, ShardedObject) or name.endswith("._extra_state"):
                 continue
             if isinstance(v, ShardedTensor):
-                v.key = layout.canonical_key(name, v.key)
+                v.key = layout.canonical_key(name, v.key, moe_layers)
             sd[name] = v
         out[_chunk_key(i, len(chunks))] = sd
     return out

@@ -165,6 +165,11 @@ def decoder_rules(*, qk_norm: bool, qkv_bias: bool, dense_mlp: bool, shared_expe
     if dense_mlp:
         di = lambda a: a.dense_intermediate_size  # noqa: E731
         rules += [
+            # TE spec: a dense layer's pre-MLP norm is fused into its linear_fc1 (TE's
+            # LayerNormColumnParallelLinear; gpt_layer_specs.py get_mlp_module_spec_for_backend);
+            # the local spec keeps pre_mlp_layernorm (the rule above)
+            Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED,
+                 vec(hd), layers="dense"),
             Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
                  Kind.DENSE_FC1, fc1_shape(di), layers="dense"),
             Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Kind.ROW, fc2_shape(di),
@@ -174,8 +179,12 @@ def decoder_rules(*, qk_norm: bool, qkv_bias: bool, dense_mlp: bool, shared_expe
 
 
 def hf_rules(rules: Sequence[Rule]) -> tuple[Rule, ...]:
-    """One rule per distinct HF tensor group (the TE/local variants collapse)."""
-    return tuple({r.hf: r for r in rules}.values())
+    """One rule per distinct HF tensor group (the TE/local variants collapse), the first listed: the
+    one whose `layers` covers every layer holding the tensor (a TE-only variant may cover fewer)."""
+    out: dict[tuple[str, ...], Rule] = {}
+    for r in rules:
+        out.setdefault(r.hf, r)
+    return tuple(out.values())
 
 
 def embedding_rule(arch: MoeArch) -> Rule:
