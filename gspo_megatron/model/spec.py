@@ -124,8 +124,9 @@ def check_routing_replay(config) -> None:
 def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank: int | None = None):
     """TransformerBlockSubmodules for this rank's layers (MoE or dense by config.moe_layer_freq).
 
-    GPU: Megatron's Transformer Engine spec (grouped-GEMM experts, fused norm+QKV), its own
-    per-layer choice (gpt_layer_specs.py get_gpt_decoder_block_spec).
+    GPU: Megatron's Transformer Engine layer spec (grouped-GEMM experts, fused norm+QKV; a dense
+    layer's pre-MLP norm fused into its linear_fc1), dense or MoE per layer as
+    gpt_layer_specs.py get_gpt_decoder_block_spec picks them from moe_layer_freq.
     CPU: Megatron's local spec with every RMSNorm swapped for `SPRMSNorm` (the local spec's torch
     norm refuses sequence parallel, which MoE+TP training requires), the core attention for
     `CpuCoreAttention` (parallel/cp_attention.py: context parallelism and packed THD sequences) and
