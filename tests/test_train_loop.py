@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from gspo_megatron import resolve
 from megatron_utils import dcp_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -412,7 +413,6 @@ def test_no_silent_slicing_or_ignored_data(tmp_path):
 _GC_PROBE = '''
 import gc, json, sys
 import gspo_megatron.train.loop as loop
-from gspo_megatron import resolve
 from gspo_megatron.train.__main__ import main
 
 seen, step = [], loop.gspo_step

@@ -28,6 +28,7 @@ import textwrap
 import pytest
 import torch
 
+from gspo_megatron import resolve
 from test_train_loop import REPO
 
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -49,7 +50,6 @@ RECORDER = textwrap.dedent("""
 
 
 def _config(*overrides):
-    from gspo_megatron import resolve
     from gspo_megatron.resolve import load_config
 
     return load_config(TINY, [*VLLM, *HEAD32, *overrides])
