@@ -25,10 +25,6 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     return cfg
 
 
-def _inline_where() -> str:
-    return "model.hf_config"
-
-
 def hf_config_dict(cfg: Config, load: LoadSource | None = None) -> dict:
     """The model architecture as an HF config dict: the config a checkpoint carries (model.load's,
     else model.hf_dir's config.json), else the inline hf_config (checked key by key against its
@@ -41,7 +37,7 @@ def hf_config_dict(cfg: Config, load: LoadSource | None = None) -> dict:
             raise ConfigError(f"model.load: {m.load} has no hf_config/config.json (nor a Megatron-Bridge "
                               "run_config.yaml); set model.hf_config or model.hf_dir to give the architecture")
         hf = dict(m.hf_config)
-        check_inline(hf, family_for(hf, _inline_where()), _inline_where())
+        check_inline(hf, family_for(hf, "model.hf_config"), "model.hf_config")
         return hf
     opt0, path0, chosen = configs[0]
     family = family_for(chosen, f"{opt0} ({path0})")

@@ -36,6 +36,14 @@ def test_the_suite_runs_every_registered_family():
         import transformers
 
         assert hasattr(transformers, fam.hf_architecture)  # its reference class exists
+        # it provides everything the protocol names (what loader, planner, engines and converters call)
+        from gspo_megatron.model.family import ModelFamily
+
+        for name in ModelFamily.__annotations__:
+            assert hasattr(fam, name), (t, name)
+        for name, member in vars(ModelFamily).items():
+            if callable(member) and not name.startswith("_"):
+                assert callable(getattr(fam, name, None)), (t, name)
 
 
 def _glm(**over) -> dict:

@@ -45,8 +45,16 @@ class ModelFamily(Protocol):
     def hf_config(self, hf: dict[str, Any]) -> dict[str, Any]:
         """A config.json for `hf` (an inline or read config dict): model_type and architectures set."""
 
-    def bridge_model_fields(self, arch: MoeArch) -> dict[str, Any]:
-        """Megatron-Bridge run_config.yaml model fields that differ from the first family's."""
+    def bridge_run_config(self, arch: MoeArch, dtype: str = "bfloat16") -> dict | None:
+        """Megatron-Bridge's run_config.yaml for a checkpoint of `arch`; None without a Bridge table
+        (checkpoint/megatron_dirs.py then writes none)."""
+
+    def bridge_provider(self) -> str | None:
+        """The Megatron-Bridge model provider (`model._target_`) that names this family, or None."""
+
+    def hf_from_provider_fields(self, m: dict, path: str, prefix: str, *, provider_defaults: bool) -> dict:
+        """An HF config dict from Megatron-Bridge provider fields or Megatron-LM run arguments `m`
+        (read from `path`), or ModelConfigError naming `path`, `prefix` and the field."""
 
     def reference_model(self, hf: dict[str, Any]):
         """transformers' model of this family for `hf` (random init): the reference of the tests
