@@ -8,6 +8,7 @@ import os
 import pytest
 
 from test_train_loop import DEMO_EVAL, REPO, _env, gspo_rows, torchrun_cmd
+from run_output import explain
 
 AGENT = os.path.join(REPO, "launch", "configs", "tiny_cpu_agent.yaml")
 
@@ -21,7 +22,7 @@ def test_calculator_agent_learns_the_tool(tmp_path):
     out = tmp_path / "agent"
     r = subprocess.run(torchrun_cmd(2, "--config", AGENT, f"out_dir={out}", *DEMO_EVAL, "logging.progress_bar=false"),
                        capture_output=True, text=True, timeout=1480, env=_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
     assert len(rows) == 300
     evals = [json.loads(x) for x in open(out / "metrics.jsonl") if '"eval"' in x]

@@ -15,6 +15,7 @@ import pytest
 from gspo_megatron.rollout.agent import AgentRunner, AgentSession, run_and_score
 from gspo_megatron.rollout.base import Sample, SamplingParams
 from gspo_megatron.rollout.tokenizer import build_tokenizer
+from run_output import explain
 
 TOK = build_tokenizer()
 
@@ -265,7 +266,7 @@ def _agent_train(tmp_path, name, agent, *extra):
     env = dict(_env(), AGENT_LOG=str(log))
     r = subprocess.run(torchrun_cmd(2, "--config", TINY, f"out_dir={out}", f"rollout.agent=tests.agent_fns:{agent}",
                                     *AGENT_RUN, *extra), capture_output=True, text=True, timeout=560, env=env, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     sessions = [json.loads(x) for x in open(log)]
     return gspo_rows(out), sessions
 

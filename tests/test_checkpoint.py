@@ -13,6 +13,7 @@ import torch
 
 from dist_utils import run_distributed
 from megatron_utils import dcp_tensors
+from run_output import explain
 
 VOCAB = 98  # tiny_cpu.yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +60,7 @@ def _train_tp2(out, *extra):
                         "--standalone", "-m", "gspo_megatron.train", "--config", TINY,
                         f"out_dir={out}", *SMALL, *extra], capture_output=True, text=True, timeout=600, env=env,
                        cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, explain(r.stderr)
     return out / "checkpoints" / "iter_0000002"
 
 

@@ -29,6 +29,7 @@ import pytest
 
 from dist_utils import run_distributed
 from test_safe_loading import _Payload, _run  # the attacker's pickle; the subprocess runner
+from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -94,7 +95,7 @@ def trained(tmp_path_factory):
     """One single-process trainer run, two steps, a checkpoint after each: run/checkpoints/iter_000000{1,2}."""
     out = tmp_path_factory.mktemp("trust") / "run"
     r = _run(_train(out, "train.max_steps=2"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, explain(r.stderr)
     assert sorted(os.listdir(out / "checkpoints")) == ["iter_0000001", NEWEST, "latest_checkpointed_iteration.txt"]
     return out
 
@@ -321,7 +322,7 @@ def test_missing_checksums_warn_naming_the_folder_and_are_refused_when_required(
     warning = f"{ckpt}: no checksums.json"
     for name in ("resume", "score"):
         r = done[name]
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.returncode == 0, explain(r.stderr)
         assert sum(warning in ln for ln in r.stderr.splitlines()) == 1, r.stderr[-3000:]
     assert _steps(run) == [1, 2, 3]
     for name in ("resume_required", "score_required"):

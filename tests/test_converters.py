@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from dist_utils import run_distributed
 from megatron_utils import hf_token_logprobs, make_tiny_hf, random_sequences
+from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGPROB_TOL = 1e-4
@@ -281,7 +282,7 @@ def test_score_cli_loads_converted_checkpoint_at_tp1(ckpts, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
     r = _run_score("--load", str(mc), "--input", str(inp), "--output", str(tmp_path / "out.jsonl"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, explain(r.stderr)
     out = [json.loads(x)["token_logprobs"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     with torch.no_grad():
         ref = hf_token_logprobs(model, seqs)
@@ -360,7 +361,7 @@ def test_cli_under_torchrun(ckpts, tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                "-m", "converters.cli", *args, "--no-progress"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.returncode == 0, explain(r.stderr)
 
     torchrun("hf-to-mcore", "--hf-dir", str(hf), "--out", str(tmp_path / "mc"))
     files = os.listdir(tmp_path / "mc" / ITER0)

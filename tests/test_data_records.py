@@ -14,6 +14,7 @@ import types
 import pytest
 
 from gspo_megatron.rollout.data import PromptDataError, load_prompts, record_problem
+from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -265,7 +266,7 @@ def test_dry_run_names_bad_answers_and_oversized_records_with_file_and_line(tmp_
                           "data.source=file", f"data.path={data}", "reward.fn=math", f"model.tokenizer={tok}",
                           "train.sft_warmup_steps=0", "data.max_record_bytes=2000"],
                          capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
-    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert dry.returncode == 0, explain(dry.stderr)
     (line,) = [x for x in dry.stdout.splitlines() if "records checked in" in x]
     assert "10 records checked in" in line and "8 usable, 2 skipped by training" in line
     assert f"record 3 'answer' is dict {{'value': 4}}, expected a string or a number ({data}:4)" in line

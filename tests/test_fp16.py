@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from run_output import explain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +31,7 @@ def test_float16_warm_start_learns_like_float32(tmp_path):
              "checkpoint.interval=0", "checkpoint.export_hf=false", "rollout.prompts_per_step=2",
              f"logging.tensorboard={'true' if dtype == 'float32' else 'false'}"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.returncode == 0, explain(r.stderr)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         nll[dtype] = [x["nll"] for x in rows if x.get("phase") == "sft"]
         gspo = [x for x in rows if x.get("phase") == "gspo"]

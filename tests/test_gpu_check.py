@@ -17,6 +17,7 @@ import subprocess
 import pytest
 
 from bare_env import BareEnvError, bare_python, carried_wheels
+from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK_TIMEOUT_S = 900
@@ -44,7 +45,7 @@ def _has_megatron(py: str, cwd) -> bool:
     r = subprocess.run([py, "-c", "import importlib.util as u; print(bool(u.find_spec('megatron')))"],
                        capture_output=True, text=True, timeout=120, cwd=cwd,
                        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, explain(r.stderr)
     return r.stdout.strip() == "True"
 
 

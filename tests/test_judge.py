@@ -20,6 +20,7 @@ from gspo_megatron.config import ConfigError, JudgeConfig
 from gspo_megatron.resolve import load_config
 from gspo_megatron.rollout.judge import CHAT_ROUTE, CombinedScorer, JudgeScorer
 from gspo_megatron.rollout.rewards import RewardError
+from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -221,7 +222,7 @@ def test_a_judge_drives_training_and_its_failures_are_counted(judge, tmp_path):
             f"reward.judge.url={j.url}", "reward.judge.retries=0", "reward.judge.timeout_s=20",
             "reward.fn_weight=0.5", "reward.max_error_frac=0.9"]
     r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=500, env=_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3]
     print([{k: x.get(k) for k in ("reward_mean", "reward_judge_mean", "judge_errors", "reward_raised")} for x in rows])

@@ -17,6 +17,7 @@ from gspo_megatron import resolve
 from gspo_megatron import planner
 from gspo_megatron.config import ConfigError
 from gspo_megatron.resolve import load_config
+from run_output import explain
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -759,7 +760,7 @@ def test_dry_run_checks_data_tokenizer_and_warm_start(tmp_path):
     file_data = ["data.source=file", f"data.path={data}", "reward.fn=math", f"model.tokenizer={tok}"]
     # a record without the prompt key is reported (training skips it and counts it in data_skipped)
     ok, probe = _cli_probed(tmp_path, "--dry-run", *file_data, "train.sft_warmup_steps=0")
-    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.returncode == 0, explain(ok.stderr)
     _before_heavy_work(probe)  # a dry run that passes does not start the trainer either
     assert "3 records checked in" in ok.stdout and "2 usable, 1 skipped by training (record 3 has no key 'prompt'" \
         in ok.stdout and "data.prompt_key" in ok.stdout, ok.stdout
@@ -774,7 +775,7 @@ def test_dry_run_checks_data_tokenizer_and_warm_start(tmp_path):
     assert "train.sft_warmup_steps=60" in line and "synthetic" in line, line
     ok = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", preset("tiny_cpu"), "--dry-run",
                          *file_data, "train.sft_warmup_steps=0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert ok.returncode == 0, explain(ok.stderr)
     assert "world size 2 (assumed" in ok.stdout and "1 records checked in" in ok.stdout and "1 usable, 0 skipped" in ok.stdout
 
 

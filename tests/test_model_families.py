@@ -19,6 +19,7 @@ import torch
 
 from dist_utils import run_distributed
 from megatron_utils import FAMILIES, make_tiny_hf, tiny_glm_config
+from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLM_TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu_glm.yaml")
@@ -200,7 +201,7 @@ def test_the_glm_demo_learns_the_task(tmp_path):
                                     "eval.interval=50", "eval.num_prompts=64", "eval.samples_per_prompt=4",
                                     "logging.progress_bar=false", "logging.plot=false", "checkpoint.interval=0"),
                        capture_output=True, text=True, timeout=840, env=_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     assert sys.executable
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == list(range(1, steps + 1))
@@ -224,7 +225,7 @@ def test_the_glm_demo_learns_the_task(tmp_path):
                                     "parallel.sequence_parallel=false", "parallel.ep=2", "checkpoint.interval=0",
                                     "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false"),
                        capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     assert "resumed from" in r.stderr and "resharding" in r.stderr
     assert [x["step"] for x in gspo_rows(res)] == [101]
 
@@ -249,7 +250,7 @@ def test_a_stage_without_moe_layers_saves_and_resumes_bit_identically(tmp_path):
     def run(out, *extra):
         r = subprocess.run(torchrun_cmd(2, *common, f"out_dir={out}", *extra), capture_output=True, text=True,
                            timeout=600, env=_env(), cwd=REPO)
-        assert r.returncode == 0, r.stderr[-4000:]
+        assert r.returncode == 0, explain(r.stderr)
         return gspo_rows(out)
 
     whole = run(tmp_path / "whole")

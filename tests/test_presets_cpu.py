@@ -8,6 +8,7 @@ import os
 import pytest
 
 from test_train_loop import REPO, _env, torchrun_cmd
+from run_output import explain
 
 SCALED = os.path.join(REPO, "launch", "configs", "qwen3_30b_a3b_cpu_scaled.yaml")
 
@@ -20,7 +21,7 @@ def _run(out, *overrides):
     r = subprocess.run(torchrun_cmd(2, "--config", SCALED, f"out_dir={out}", "reward.fn=tests.reward_fns:response_length",
                                     *overrides),
                        capture_output=True, text=True, timeout=280, env=_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     return r, [json.loads(line) for line in open(out / "metrics.jsonl") if '"gspo"' in line]
 
 

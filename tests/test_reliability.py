@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gspo_megatron.train.metrics import wall_clock
+from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -35,7 +36,7 @@ def train(out, *overrides, ok=True, timeout=300):
     r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE,
                         *overrides], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
     if ok:
-        assert r.returncode == 0, r.stderr[-4000:]
+        assert r.returncode == 0, explain(r.stderr)
     else:
         assert r.returncode != 0, r.stderr[-2000:]
     return r
@@ -241,7 +242,7 @@ def test_bad_records_are_reported_by_dry_run_and_skipped_by_training(tmp_path):
                  "train.sft_warmup_steps=0", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=2"]
     dry = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, "--dry-run", *file_data],
                          capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO)
-    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert dry.returncode == 0, explain(dry.stderr)
     assert "24 records checked in" in dry.stdout and "22 usable, 2 skipped by training" in dry.stdout
     assert "record 5 'answer' is null" in dry.stdout and "record 20 'prompt' is int 12345" in dry.stdout
 
@@ -295,7 +296,7 @@ def test_a_non_finite_step_is_skipped_and_nothing_non_finite_is_saved(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE,
                         "train.max_steps=3", "reward.fn=tests.nonfinite_fns:poisoned", "reward.workers=0"],
                        capture_output=True, text=True, timeout=500, env={**_env(), **env_nan}, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     rows = {json.loads(x)["step"]: json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
             if '"gspo"' in x}
     assert [rows[s]["skipped_updates"] for s in (1, 2, 3)] == [0, 4, 0], rows

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from gspo_megatron.rollout.rewards import RewardError, RewardScorer
+from run_output import explain
 
 SPEC = ("spec", "reward_fns:sleepy")  # tests/ is on the path of pytest and of the spawned workers
 
@@ -37,7 +38,7 @@ def test_a_hung_inline_call_does_not_hold_the_process_at_exit():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, explain(out.stderr)
     assert out.stdout.strip() == "([0.0, 1.0], [True, False])"
 
 

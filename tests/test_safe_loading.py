@@ -24,6 +24,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -81,7 +82,7 @@ def trained(tmp_path_factory):
     r = _run(["-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *TP1, *QUIET,
               "train.max_steps=1", "train.sft_warmup_steps=1", "rollout.prompts_per_step=2",
               "rollout.samples_per_prompt=2", "checkpoint.interval=1", "checkpoint.export_hf=false"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, explain(r.stderr)
     assert (out / "checkpoints" / "iter_0000001" / ".metadata").is_file()
     return out
 
@@ -300,7 +301,7 @@ def test_megatron_load_path_reads_metadata_safely(loader_runs):
     is refused without running; Megatron's stock strategy would have run it (the control)."""
     done, _, ckpt = loader_runs
     r = done["megatron"]
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, explain(r.stderr)
     out = r.stdout
     lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
     assert "GOOD loaded" in out and "STRATEGY refused" in out and REFUSED in lines["STRATEGY"], out
@@ -366,7 +367,7 @@ except CheckpointError as e:
     print("refused:", e)
 """
     r = _run(["-c", code])
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, explain(r.stderr)
     out = r.stdout.splitlines()
     assert out[0] == "7 2 auto", r.stdout
     assert out[1].startswith("refused:") and "refused by weights-only loading" in out[1], r.stdout

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_utils import hf_token_logprobs, make_tiny_hf, random_sequences
+from run_output import explain
 
 CLI_TIMEOUT_S = 180
 
@@ -60,7 +61,7 @@ def _assert_scores_like_transformers(out_path, model, seqs) -> None:
 def test_cli_scores_like_transformers(ckpt):
     d, model, seqs = ckpt
     r = run_score("--hf-dir", str(d / "hf"), "--input", str(d / "in.jsonl"), "--output", str(d / "out.jsonl"))
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, explain(r.stderr)
     _assert_scores_like_transformers(d / "out.jsonl", model, seqs)
     assert not [f for f in os.listdir(d) if ".tmp." in f]  # atomic write left nothing behind
 
@@ -185,5 +186,5 @@ def test_context_parallel_scoring_matches_transformers(ckpt, tmp_path, nproc, ex
     inp.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
     r = run_score_torchrun(nproc, "--hf-dir", str(d / "hf"), "--input", str(inp), "--output",
                            str(tmp_path / "out.jsonl"), *extra)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, explain(r.stderr)
     _assert_scores_like_transformers(tmp_path / "out.jsonl", model, seqs)

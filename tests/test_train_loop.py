@@ -14,6 +14,7 @@ import torch
 
 from gspo_megatron import resolve
 from megatron_utils import dcp_tensors
+from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -38,7 +39,7 @@ def torchrun_cmd(nproc: int, *args: str) -> list[str]:
 def run_train(out_dir, *overrides, nproc=2, timeout=900):
     r = subprocess.run(torchrun_cmd(nproc, "--config", TINY, f"out_dir={out_dir}", *overrides),
                        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     return r
 
 
@@ -441,7 +442,7 @@ def test_the_run_freezes_what_setup_built_out_of_the_gc(tmp_path):
            "train.max_steps=2", "train.sft_warmup_steps=0", "checkpoint.interval=0", "checkpoint.export_hf=false",
            "logging.progress_bar=false", "logging.plot=false"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     got = json.loads(r.stdout.split("GC_PROBE ", 1)[1].splitlines()[0])
     assert len(got["during"]) == 2 and min(got["during"]) > 100_000, got
     assert got["after"] == 0, got

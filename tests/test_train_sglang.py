@@ -12,6 +12,7 @@ import torch
 from dist_utils import with_free_port
 from sglang_double import SGLangDouble, sglang_overrides
 from test_train_loop import REPO, TINY, _env, gspo_rows, torchrun_cmd
+from run_output import explain
 
 STEPS = 3
 
@@ -90,7 +91,7 @@ def test_training_loop_with_sglang_disk_sync(tmp_path, family):
                 "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=true",
                 *sglang_overrides(server.url, weight_sync="disk", shared_dir=shared)]
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
-        assert r.returncode == 0, r.stderr[-4000:]
+        assert r.returncode == 0, explain(r.stderr)
         records = list(server.records)
         served_weights = {k: t.get().detach().clone() for k, t in hub_weight_targets(server.engine.model).items()}
     gens = [x for x in records if x.path == "/generate"]
@@ -190,7 +191,7 @@ def test_colocated_engines_release_train_resume_push_every_step(tmp_path):
             "rollout.sglang.ready_timeout_s=120", "rollout.sglang.max_retries=2",
             "rollout.sglang.bucket_mb=1", "rollout.sglang.host=0.0.0.0"]
     r = with_free_port(launch, free=_two_free_ports)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     port = used[-1]
     logs = sorted((out / "sglang_logs" / "node0").glob("sglang_server_*.log"))
     assert len(logs) == 2  # 2 GPUs (local ranks) per node / tp 1
@@ -239,7 +240,7 @@ def test_async_pushes_land_mid_generation_without_waiting(tmp_path):
                 "rollout.async_steps=1", "rollout.dynamic_sampling=false",
                 *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))]
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
-        assert r.returncode == 0, r.stderr[-4000:]
+        assert r.returncode == 0, explain(r.stderr)
         records = list(server.records)
     ctl = [x.path for x in records if x.path in ("/pause_generation", "/update_weights_from_disk", "/flush_cache",
                                                  "/continue_generation")]
@@ -317,7 +318,7 @@ def test_icepop_masks_exactly_the_tokens_an_engine_got_wrong(tmp_path):
                                "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "loss.icepop=[0.5,5.0]",
                                "loss.old_logprobs=recompute")
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
-        assert r.returncode == 0, r.stderr[-4000:]
+        assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
     expected = sum((n + 2) // 3 for n in lengths)  # positions 0, 3, 6, ... of every response

@@ -30,6 +30,7 @@ import torch
 
 from sglang_double import teacher_forced_logprobs
 from test_train_loop import REPO, _env, torchrun_cmd
+from run_output import explain
 
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
 # tiny_cpu.yaml to a launched vLLM server: the engine, and head_dim 32 (vLLM's CPU attention takes
@@ -398,7 +399,7 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
     r = subprocess.run(torchrun_cmd(2, *common, "rollout.vllm.launch=false", f"rollout.vllm.urls=[{url}]",
                                     f"rollout.vllm.api_key={key}"),
                        capture_output=True, text=True, timeout=900, env=_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     rows = _rows(out)
     steps = [x["step"] for x in rows]
     assert steps[-1] == 5 and steps[:done] == list(range(1, done + 1)), steps
@@ -486,7 +487,7 @@ def test_a_vllm_served_judge_drives_three_gspo_steps(server, models, tmp_path, m
             "reward.judge.max_tokens=4", f"reward.judge.extra_body='{extra}'", "reward.judge.max_concurrency=8"]
     env = dict(_env(), GSPO_TEST_JUDGE_KEY=key)
     r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, explain(r.stderr)
     rows = _rows(out)
     print([{k: x.get(k) for k in ("step", "reward_mean", "reward_judge_mean", "judge_errors")} for x in rows])
     assert [x["step"] for x in rows] == [1, 2, 3]
@@ -631,7 +632,7 @@ def test_a_launched_vllm_server_serves_the_glm_family_as_the_trainer_does(vllm_p
             "checkpoint.interval=0", "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
             "eval.interval=0", "rollout.verify_weights=true", f"rollout.vllm.port={_free_port()}"]
     r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=840, env=_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.returncode == 0, explain(r.stderr)
     rows = _rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3]
     print("GLM on vLLM: mismatch_logprob_max", [x["mismatch_logprob_max"] for x in rows],
