@@ -402,7 +402,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=CONFIG,
                     help="the tiny config to run (default tiny_cpu.yaml; launch/configs/tiny_cpu_glm.yaml: the "
                          "GLM-4.5 family's path on the GPU - TE's per-layer dense/MoE spec, sigmoid routing with "
-                         "the expert bias, shared experts; its mcore-to-hf row reports the converter's refusal)")
+                         "the expert bias, shared experts; its mcore-to-hf row converts the per-layer-keyed checkpoint back)")
     ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs); DP = nproc at TP1")
     ap.add_argument("--wheels", default=None, help="folder of carried wheels (`make gpu-wheels`); used when "
                                                    f"megatron-core {MEGATRON_VERSION} is missing")
@@ -612,19 +612,6 @@ def main(argv=None) -> int:
         import torch
 
         from converters.cli import main as convert
-        from gspo_megatron.model.family import arch_from_hf_dir
-
-        if arch_from_hf_dir(os.path.join(run_dir, "hf")).dense_layers:
-            # dense and MoE layers mixed: Megatron keys each layer apart, which the converter's layout
-            # does not write (docs/limitations.md); the refusal itself is the check
-            try:
-                rc = convert(["mcore-to-hf", "--load", ckpt(run_dir, 3), "--out", os.path.join(out, "converted"),
-                              "--no-progress"])
-            except SystemExit as e:  # the CLI's one-line user error exits 2
-                rc = e.code
-            if rc == 0:
-                raise RuntimeError("gspo-convert converted a model with dense layers: update this row")
-            return "refused in one line (dense layers: not supported by the converter yet)"
 
         conv = os.path.join(out, "converted")
         shutil.rmtree(conv, ignore_errors=True)

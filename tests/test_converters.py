@@ -2,13 +2,17 @@
 
 What the tests show:
   * HF -> mcore -> HF is bit-exact for every tensor (fp32/bf16, tied/untied, vocab 300 which
-    Megatron pads to 384 at TP1 and 512 at TP2), side files carried, transformers loads the result;
+    Megatron pads to 384 at TP1 and 512 at TP2; GLM-4.5 in Megatron's per-layer keys: a dense
+    first layer, shared experts, the router's expert bias), side files carried, transformers loads
+    the result;
   * the converted checkpoint has exactly the keys and global shapes Megatron's own
-    `sharded_state_dict()` uses, and loads at TP2+SP, EP2, PP2, TP2xEP2 (through Megatron DDP) and a
-    tied bf16 one at PP2, with every parameter bit-exact and log-probs equal to transformers';
+    `sharded_state_dict()` uses, and loads at TP2+SP, EP2, PP2, TP2xEP2 (through Megatron DDP), a
+    tied bf16 one at TP2, and GLM at TP2+SP and PP2xEP2, with every parameter bit-exact and
+    log-probs equal to transformers';
     at TP1 through `python -m gspo_megatron.score --load`;
-  * a checkpoint the model saves itself (save_mcore_checkpoint at TP2) has the converter's keys,
-    reloads at EP2 and converts back to the original HF tensors; extra sharded state round-trips;
+  * a checkpoint the model saves itself (save_mcore_checkpoint at TP2), of either family, has the
+    converter's keys, reloads at EP2 and converts back to the original HF tensors; extra sharded
+    state round-trips;
   * torchrun: both directions with 2 ranks give the single-process result;
   * bad input -> `gspo-convert: error: ...` naming the file/tensor, exit 2, nothing at --out; a
     failure half-way leaves nothing behind either.
@@ -59,11 +63,14 @@ def assert_bit_exact(a: dict, b: dict) -> None:
         assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
 
 
-CASES = {  # name: (dtype, tied, seed)
-    "fp32-untied": (torch.float32, False, 0),
-    "bf16-tied": (torch.bfloat16, True, 1),
-    "bf16-untied": (torch.bfloat16, False, 2),
-    "fp32-tied": (torch.float32, True, 3),
+CASES = {  # name: (dtype, tied, seed, family)
+    "fp32-untied": (torch.float32, False, 0, "qwen3_moe"),
+    "bf16-tied": (torch.bfloat16, True, 1, "qwen3_moe"),
+    "bf16-untied": (torch.bfloat16, False, 2, "qwen3_moe"),
+    "fp32-tied": (torch.float32, True, 3, "qwen3_moe"),
+    # GLM-4.5: a dense first layer, so Megatron keys every layer apart (checkpoint/layout.py
+    # per_layer_keys); shared experts, the router's expert bias (a buffer), QKV bias
+    "glm-fp32": (torch.float32, False, 4, "glm4_moe"),
 }
 
 
@@ -72,9 +79,9 @@ def ckpts(tmp_path_factory):
     """Each case: a tiny random HF checkpoint (vocab 300, several 200 KB shards) and its conversion."""
     root = tmp_path_factory.mktemp("conv")
     out = {}
-    for name, (dtype, tied, seed) in CASES.items():
+    for name, (dtype, tied, seed, family) in CASES.items():
         hf = root / f"hf-{name}"
-        model = make_tiny_hf(hf, seed=seed, dtype=dtype, tie_word_embeddings=tied)
+        model = make_tiny_hf(hf, seed=seed, dtype=dtype, tie_word_embeddings=tied, family=family)
         if name == "fp32-untied":
             for f, text in TOKENIZER_FILES.items():
                 (hf / f).write_text(text)
@@ -161,7 +168,14 @@ def test_layout_module_matches_the_format(ckpts):
         assert {k: r.shape(k) for k in r.keys()} == layout.expected_keys(arch)
         assert ("output_layer.weight" in r.keys()) == (not arch.tie_word_embeddings)
         # one chunk per layer (and expert), vocab rows unpadded
-        assert len(r.tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"].chunks) == 4 * 8
+        if layout.per_layer_keys(arch):  # GLM: layer 0 dense, 1..3 MoE, each keyed apart
+            assert len(r.tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].chunks) == 8
+            assert r.shape("decoder.layers.1.mlp.experts.experts.linear_fc1.weight") == (8, 64, 64)
+            assert r.shape("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == (64,)  # TE's fused norm
+            assert r.shape("decoder.layers.2.mlp.router.expert_bias") == (8,)
+            assert not any(k.startswith("decoder.layers.0.mlp.experts") for k in r.keys())
+        else:
+            assert len(r.tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"].chunks) == 4 * 8
         assert r.shape("embedding.word_embeddings.weight")[0] == 300
 
 
@@ -244,6 +258,7 @@ def test_converted_checkpoint_loads_at_every_layout(ckpts):
     _, cases = ckpts
     hf, mc, model = cases["fp32-untied"]
     hf_t, mc_t, _ = cases["bf16-tied"]
+    hf_g, mc_g, glm = cases["glm-fp32"]
     seqs = random_sequences(300, LENGTHS)
     f32 = torch.float32
     jobs = [
@@ -254,13 +269,18 @@ def test_converted_checkpoint_loads_at_every_layout(ckpts):
         # (tied embeddings at PP>1 cannot be built on CPU: Megatron moves the last stage's copy of
         # the embedding with tensor.cuda(), which the CPU runtime does not cover)
         ("tied-bf16-tp2", str(mc_t), str(hf_t), dict(tp=2, sequence_parallel=True), torch.bfloat16, False),
+        # per-layer keys: TP shards each layer's tensors; PP2 puts the dense layer alone with one
+        # MoE layer on stage 0, and its global layer numbers are the keys
+        ("glm-tp2-sp", str(mc_g), str(hf_g), dict(tp=2, sequence_parallel=True), f32, False),
+        ("glm-pp2xep2-ddp", str(mc_g), str(hf_g), dict(pp=2, ep=2), f32, True),
     ]
     res = run_distributed(_rank_load_layouts, 4, jobs, seqs, timeout=380)[0]
     with torch.no_grad():
-        ref = hf_token_logprobs(model, seqs)
+        refs = {"qwen": hf_token_logprobs(model, seqs), "glm": hf_token_logprobs(glm, seqs)}
     for name, (bad, lps) in res.items():
         assert not bad, (name, bad[:5])
         if lps is not None:
+            ref = refs["glm" if name.startswith("glm") else "qwen"]
             assert [len(x) for x in lps] == [len(s) - 1 for s in seqs]
             worst = max((torch.tensor(g) - w).abs().max().item() for g, w in zip(lps, ref))
             assert worst <= LOGPROB_TOL, (name, worst)
@@ -323,11 +343,12 @@ def _rank_save_and_reload(rank, world, hf_dir, out):
 
 
 @pytest.mark.timeout(300)
-def test_model_saved_checkpoint_matches_converter(ckpts, tmp_path):
+@pytest.mark.parametrize("case", ["fp32-untied", "glm-fp32"])
+def test_model_saved_checkpoint_matches_converter(ckpts, tmp_path, case):
     from gspo_megatron.checkpoint.dcp_io import DcpReader
 
     _, cases = ckpts
-    hf, mc, _ = cases["fp32-untied"]
+    hf, mc, _ = cases[case]
     saved = tmp_path / "saved"
     exported, step = run_distributed(_rank_save_and_reload, 2, str(hf), str(saved), timeout=280)[0]
     assert step.item() == 7.0
@@ -342,7 +363,10 @@ def test_model_saved_checkpoint_matches_converter(ckpts, tmp_path):
             assert a.shape(k) == (512, 64) and b.shape(k) == (300, 64)
         else:
             assert a.shape(k) == b.shape(k), k
-    assert len(a.tensors["decoder.layers.self_attention.linear_qkv.weight"].chunks) == 8  # 4 layers x 2 TP
+    if case == "glm-fp32":  # per layer: layer 0's QKV in 2 TP chunks
+        assert len(a.tensors["decoder.layers.0.self_attention.linear_qkv.weight"].chunks) == 2
+    else:
+        assert len(a.tensors["decoder.layers.self_attention.linear_qkv.weight"].chunks) == 8  # 4 layers x 2 TP
     convert("mcore-to-hf", "--load", str(saved), "--out", str(tmp_path / "back"))
     assert_bit_exact(hf_tensors(hf), hf_tensors(tmp_path / "back"))
 

@@ -17,8 +17,17 @@ torch_dist stores every parameter as one *global* tensor under a key that Megatr
     vocabulary's rows (loaders zero the padding rows a layout needs; Megatron marks these tensors
     `allow_shape_mismatch`), so the checkpoint does not depend on the TP size it was written for.
 
+A model whose dense and MoE layers mix (GLM-4.5's first dense layers) is keyed per layer instead:
+Megatron sets `non_homogeneous_layers` whenever `moe_layer_freq` is a list
+(transformer_block.py:830-834) and every key keeps its global layer index
+(`decoder.layers.3.self_attention.linear_qkv.weight`, no [num_layers] axis; experts
+`decoder.layers.3.mlp.experts.experts.linear_fc1.weight` with a leading [num_experts]). There a
+dense layer's pre-MLP norm is stored under TE's fused name `decoder.layers.N.mlp.linear_fc1.layer_norm_weight`
+and an MoE layer's under `pre_mlp_layernorm.weight` (see `canonical_key`).
+
 `tests/test_converters.py` checks these keys and shapes against the `sharded_state_dict()` of
-models built at several layouts, so this module and Megatron cannot drift apart silently.
+models built at several layouts, for every family, so this module and Megatron cannot drift apart
+silently.
 Nothing here names an HF tensor: the HF side is entirely the family's rules (`arch.family.rules`).
 """
 from __future__ import annotations
@@ -29,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from gspo_megatron.model import mapping
-from gspo_megatron.errors import ModelConfigError
 from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.mapping import Rule
 
@@ -57,12 +65,30 @@ def stored_key(key: str, stored) -> str:
     return next((a for a in KEY_ALIASES.get(key, ()) if a in stored), key)
 
 
-def dist_key(rule: Rule) -> str:
-    """The torch_dist key of the global tensor holding `rule`'s parameter for all layers/experts."""
-    k = rule.mcore.replace("decoder.layers.{layer}.", "decoder.layers.")
+def per_layer_keys(arch: MoeArch) -> bool:
+    """Whether Megatron keys every layer apart (dense and MoE layers mixed: model/spec.py passes
+    `moe_layer_freq` as a list, which sets non_homogeneous_layers, transformer_block.py:830-834)."""
+    return bool(arch.dense_layers)
+
+
+# TE fuses a dense layer's pre-MLP norm into its linear_fc1 (LayerNormColumnParallelLinear); in a
+# per-layer checkpoint that layer's norm is stored under the fused name (see canonical_key)
+_MOE_PRE_MLP_NORM = "pre_mlp_layernorm.weight"
+_DENSE_PRE_MLP_NORM = "mlp.linear_fc1.layer_norm_weight"
+
+
+def dist_key(rule: Rule, layer: int | None = None, arch: MoeArch | None = None) -> str:
+    """The torch_dist key of the global tensor holding `rule`'s parameter: for all layers/experts
+    (stacked), or, with `layer` (a per-layer checkpoint, `per_layer_keys`), for that global layer."""
+    if layer is None:
+        k = rule.mcore.replace("decoder.layers.{layer}.", "decoder.layers.")
+    else:
+        k = rule.mcore.replace("decoder.layers.{layer}.", f"decoder.layers.{layer}.")
+        if k == f"decoder.layers.{layer}.{_MOE_PRE_MLP_NORM}" and not arch.is_moe_layer(layer):
+            k = f"decoder.layers.{layer}.{_DENSE_PRE_MLP_NORM}"
     k = k.replace("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # SequentialMLP
     k = re.sub(r"mlp\.experts\.(linear_fc[12]\.weight)\{expert\}$", r"mlp.experts.experts.\1", k)  # TEGroupedMLP
-    k = k.replace("decoder.layers.input_layernorm.", "decoder.layers.self_attention.linear_qkv.layer_norm_")
+    k = re.sub(r"^(decoder\.layers\.(?:\d+\.)?)input_layernorm\.", r"\1self_attention.linear_qkv.layer_norm_", k)
     if "{" in k:
         raise AssertionError(f"layout: cannot derive a torch_dist key from {rule.mcore!r}")
     return k
@@ -100,10 +126,13 @@ def canonical_key(state_dict_name: str, sharded_key: str, moe_layers: frozenset[
 
 
 def prepend_dims(rule: Rule, arch: MoeArch) -> tuple[int, ...]:
+    """The leading axes of `rule`'s global tensor: [layers] and/or [experts] (stacked), [experts]
+    only when every layer is keyed apart."""
+    layers = () if per_layer_keys(arch) else (arch.num_layers,)
     if rule.kind.is_expert:
-        return (arch.num_layers, arch.num_experts)
+        return layers + (arch.num_experts,)
     if rule.per_layer:
-        return (arch.num_layers,)
+        return layers
     return ()
 
 
@@ -113,7 +142,8 @@ def full_shape(rule: Rule, arch: MoeArch) -> tuple[int, ...]:
         metas = [torch.empty(arch.vocab_size, arch.hidden_size, device="meta")]
     else:
         shapes = mapping.hf_shapes(arch)
-        metas = [torch.empty(shapes[n], device="meta") for n in rule.hf_names(0, 0)]
+        layer = rule.layer_indices(arch)[0] if rule.per_layer else None  # a layer that holds it
+        metas = [torch.empty(shapes[n], device="meta") for n in rule.hf_names(layer, 0)]
     return tuple(mapping.hf_to_full(rule, metas, arch, padded_vocab=0).shape)
 
 
@@ -128,10 +158,11 @@ class Item:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    lead: int  # leading axes of size 1 before the full tensor (layer and/or expert)
 
     @property
     def full_shape(self) -> tuple[int, ...]:
-        return self.sizes[(self.layer is not None) + (self.expert is not None):]
+        return self.sizes[self.lead:]
 
     def hf_names(self) -> tuple[str, ...]:
         return self.rule.hf_names(self.layer, self.expert)
@@ -144,20 +175,15 @@ class Item:
 
 
 def _rules_in_order(arch: MoeArch) -> list[Rule]:
-    if arch.dense_layers:
-        # Megatron keys every layer of a model with dense and MoE layers apart
-        # (transformer_block.py:830-834 non_homogeneous_layers); this stacked layout is not that.
-        raise ModelConfigError(
-            f"torch_dist conversion of a {arch.family.display_name} with dense layers {list(arch.dense_layers)} is "
-            "not supported yet (Megatron keys such checkpoints per layer); train from the HF checkpoint "
-            "(model.hf_dir) instead")
-    _check_rules(arch.family.rules(arch))
-    rules = []
-    for r in mapping.hf_rules(arch.family.rules(arch)):
+    rules = arch.family.rules(arch)
+    if not per_layer_keys(arch):
+        _check_rules(rules)
+    out = []
+    for r in mapping.hf_rules(rules):
         if r.is_output and arch.tie_word_embeddings:
             continue  # tied: Megatron's output layer reads the embedding's key
-        rules.append(r)
-    return rules
+        out.append(r)
+    return out
 
 
 def plan_items(arch: MoeArch) -> list[Item]:
@@ -168,34 +194,35 @@ def plan_items(arch: MoeArch) -> list[Item]:
     per_layer = [r for r in rules if r.per_layer]
     dense = [r for r in per_layer if not r.kind.is_expert]
     experts = [r for r in per_layer if r.kind.is_expert]
+    apart = per_layer_keys(arch)
     items: list[Item] = []
     shapes = {r: (prepend_dims(r, arch), full_shape(r, arch)) for r in rules}
 
     def add(rule, layer, expert):
         pre, full = shapes[rule]
-        idx = tuple(i for i in (layer, expert) if i is not None)
-        items.append(Item(rule, layer, expert, dist_key(rule), pre + full, idx + (0,) * len(full),
-                          (1,) * len(idx) + full))
+        idx = tuple(i for i in ((None if apart else layer), expert) if i is not None)
+        key = dist_key(rule, layer, arch) if apart and layer is not None else dist_key(rule)
+        items.append(Item(rule, layer, expert, key, pre + full, idx + (0,) * len(full),
+                          (1,) * len(idx) + full, len(idx)))
 
     for r in head:
         add(r, None, None)
     for layer in range(arch.num_layers):
         for r in dense:
-            add(r, layer, None)
+            if r.in_layer(arch, layer):
+                add(r, layer, None)
         for e in range(arch.num_experts):
             for r in experts:
-                add(r, layer, e)
+                if r.in_layer(arch, layer):
+                    add(r, layer, e)
     for r in tail:
         add(r, None, None)
     return items
 
 
 def expected_keys(arch: MoeArch) -> dict[str, tuple[int, ...]]:
-    """torch_dist key -> global shape (vocab rows = HF vocab) of a Qwen3-MoE checkpoint."""
-    out: dict[str, tuple[int, ...]] = {}
-    for r in _rules_in_order(arch):
-        out[dist_key(r)] = prepend_dims(r, arch) + full_shape(r, arch)
-    return out
+    """torch_dist key -> global shape (vocab rows = HF vocab) of a checkpoint of `arch`."""
+    return {it.key: it.global_shape for it in plan_items(arch)}
 
 
 def is_vocab_key(key: str, arch: MoeArch) -> bool:

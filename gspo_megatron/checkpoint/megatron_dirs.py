@@ -47,6 +47,7 @@ import os
 import re
 
 from gspo_megatron.errors import CheckpointError, ModelConfigError
+from gspo_megatron.checkpoint.layout import per_layer_keys
 from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.family import DEFAULT_MODEL_TYPE, FAMILY_MODULES, family_of_type
 
@@ -264,13 +265,29 @@ _PER_LAYER_EXTRA = ("self_attention.linear_qkv", "self_attention.linear_proj", "
 _PER_EXPERT_EXTRA = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 
 
+_DENSE_MLP_EXTRA = ("mlp.linear_fc1", "mlp.linear_fc2")
+_SHARED_EXPERT_EXTRA = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+
+
 def extra_state_objects(arch: MoeArch) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    """(key, global shape, global offset) of every `_extra_state` entry, in the stacked layout
-    ([layers] or [layers, experts]; a model-level norm has shape (1,))."""
+    """(key, global shape, global offset) of every `_extra_state` entry: in the stacked layout
+    ([layers] or [layers, experts]), or keyed per layer where dense and MoE layers mix
+    (layout.per_layer_keys: shape (1,), experts [experts]); a model-level norm has shape (1,)."""
     L, E = arch.num_layers, arch.num_experts
-    out = [(f"decoder.layers.{m}._extra_state", (L,), (i,)) for m in _PER_LAYER_EXTRA for i in range(L)]
-    out += [(f"decoder.layers.{m}._extra_state", (L, E), (i, e))
-            for m in _PER_EXPERT_EXTRA for i in range(L) for e in range(E)]
+    out: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    if not per_layer_keys(arch):
+        out += [(f"decoder.layers.{m}._extra_state", (L,), (i,)) for m in _PER_LAYER_EXTRA for i in range(L)]
+        out += [(f"decoder.layers.{m}._extra_state", (L, E), (i, e))
+                for m in _PER_EXPERT_EXTRA for i in range(L) for e in range(E)]
+    else:
+        for i in range(L):
+            p = f"decoder.layers.{i}."
+            if arch.is_moe_layer(i):
+                mods = _PER_LAYER_EXTRA + (_SHARED_EXPERT_EXTRA if arch.shared_expert_intermediate_size else ())
+                out += [(f"{p}{m}._extra_state", (E,), (e,)) for m in _PER_EXPERT_EXTRA for e in range(E)]
+            else:  # TE fuses the pre-MLP norm into linear_fc1: no module of its own
+                mods = tuple(m for m in _PER_LAYER_EXTRA if m != "pre_mlp_layernorm") + _DENSE_MLP_EXTRA
+            out += [(f"{p}{m}._extra_state", (1,), (0,)) for m in mods]
     out.append(("decoder.final_layernorm._extra_state", (1,), (0,)))
     return out
 
