@@ -184,6 +184,37 @@ def test_mtp_layers_are_skipped_with_a_warning_and_never_declared_in_what_is_wri
         HFCheckpointReader(str(d)).validate(arch)
 
 
+@pytest.mark.timeout(600)
+def test_glm_rollout_routing_replay_forces_the_engines_experts(tmp_path):
+    """R3 for the family with dense layers: in bf16 the engine (transformers) and the trainer
+    (Megatron) route some tokens of GLM's MoE layer differently (routing_agreement < 1, measured by
+    the pi_old pass with rollout.return_routing); with train.routing_replay=rollout the trainer
+    uses the engine's experts (agreement exactly 1; the dense layer's zero rows are never read).
+    Measured: 0.995 / 0.989 without replay, 1.0 / 1.0 with it. Before, the engine refused
+    return_routing for a model with a dense layer."""
+    import subprocess
+
+    from test_train_loop import _env, gspo_rows, torchrun_cmd
+
+    def run(name, *extra):
+        out = tmp_path / name
+        r = subprocess.run(torchrun_cmd(2, "--config", GLM_TINY, f"out_dir={out}", "train.max_steps=2",
+                                        "train.sft_warmup_steps=0", "model.dtype=bfloat16", "checkpoint.interval=0",
+                                        "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
+                                        "reward.fn=tests.reward_fns:response_length", *extra),
+                           capture_output=True, text=True, timeout=280, env=_env(), cwd=REPO)
+        assert r.returncode == 0, explain(r.stderr)
+        return gspo_rows(out)
+
+    plain = run("plain", "rollout.return_routing=true")
+    replayed = run("r3", "train.routing_replay=rollout")
+    print("routing agreement without / with replay:", [x["routing_agreement"] for x in plain],
+          [x["routing_agreement"] for x in replayed])
+    assert [x["step"] for x in plain] == [x["step"] for x in replayed] == [1, 2]
+    assert all(0.5 < x["routing_agreement"] < 1.0 for x in plain), [x["routing_agreement"] for x in plain]
+    assert all(x["routing_agreement"] == 1.0 for x in replayed), [x["routing_agreement"] for x in replayed]
+
+
 @pytest.mark.timeout(900)
 def test_the_glm_demo_learns_the_task(tmp_path):
     """tiny_cpu_glm.yaml (make demo's run with the second family, its 100 steps: ~70 s here): after

@@ -322,3 +322,32 @@ def test_return_routing_records_the_experts_generation_used(model_dir, prompts):
         assert s.routed_experts.shape == (len(seq) - 1, L, k) and s.routed_experts.dtype == torch.int32
         assert torch.equal(s.routed_experts.sort(-1).values, ref.sort(-1).values.to(torch.int32))
     assert HFEngine(model_dir).generate(prompts[:1], 1, SamplingParams(max_new_tokens=2))[0].routed_experts is None
+
+
+def test_return_routing_of_a_model_with_dense_layers_has_sglangs_zero_rows(prompts, tmp_path):
+    """GLM-4.5 (first layer dense, sigmoid routing with a non-zero expert bias): every MoE layer's
+    rows equal the experts transformers' router chooses teacher-forced; the dense layer's rows are
+    zeros, as SGLang 0.5.23 returns them (a zero-initialised buffer over num_hidden_layers that only
+    MoE layers write: state_capturer/base.py:38, :48-50; its glm4_moe.py gives dense layers no
+    router). Before, return_routing refused any model with a dense layer."""
+    from megatron_utils import make_tiny_hf
+
+    model = make_tiny_hf(tmp_path / "glm", family="glm4_moe", vocab_size=98)
+    eng = HFEngine(str(tmp_path / "glm"), seed=5, return_routing=True)
+    L, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
+    dense = [i for i, layer in enumerate(eng.model.model.layers) if not hasattr(layer.mlp, "gate")]
+    assert dense == [0] and L == 4
+    samples = eng.generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=6))
+    for s in samples:
+        seq = s.prompt_ids + s.response_ids
+        chosen = []
+        hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: chosen.append(o[2]))
+                 for layer in eng.model.model.layers if hasattr(layer.mlp, "gate")]
+        with torch.no_grad():
+            eng.model(torch.tensor([seq]))
+        for h in hooks:
+            h.remove()
+        ref = torch.stack(chosen, 1)[: len(seq) - 1]
+        assert s.routed_experts.shape == (len(seq) - 1, L, k) and s.routed_experts.dtype == torch.int32
+        assert torch.equal(s.routed_experts[:, 0], torch.zeros(len(seq) - 1, k, dtype=torch.int32))
+        assert torch.equal(s.routed_experts[:, 1:].sort(-1).values, ref.sort(-1).values.to(torch.int32))

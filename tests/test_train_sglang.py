@@ -70,7 +70,10 @@ def double_run_args(hf_dir, out, steps: int, server_url: str, shared_dir, *extra
 def test_training_loop_with_sglang_disk_sync(tmp_path, family):
     """Each model family's demo config against the SGLang double (its transformers class behind
     SGLang's routes): pushes, versions, log-probs equal to the trainer's, and the served weights
-    equal to the exported ones bit for bit (GLM: the router's expert bias included)."""
+    equal to the exported ones bit for bit (GLM: the router's expert bias included). GLM's run also
+    replays the engine's routing (R3, train.routing_replay=rollout): SGLang's routed experts, one
+    row per decoder layer, the dense first layer's zeros, forced into the trainer's MoE layers
+    (agreement exactly 1)."""
     import re
 
     from safetensors.torch import load_file
@@ -80,7 +83,8 @@ def test_training_loop_with_sglang_disk_sync(tmp_path, family):
     config = FAMILY_CONFIGS[family]
     hf_dir = _tiny_hf_dir(tmp_path / "hf0", config)
     shared = str(tmp_path / "sync")
-    with SGLangDouble(hf_dir) as server:
+    r3 = family == "glm4_moe"
+    with SGLangDouble(hf_dir, enable_return_routed_experts=r3) as server:
         # what each /generate answered, and how many weight updates had reached the double before it
         served = []
         _watch_answers(server, lambda status, rows, n_updates: served.append(
@@ -89,6 +93,7 @@ def test_training_loop_with_sglang_disk_sync(tmp_path, family):
         args = ["--config", config, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
                 f"train.max_steps={STEPS}", "train.sft_warmup_steps=2", "checkpoint.interval=0",
                 "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=true",
+                *(["train.routing_replay=rollout"] if r3 else []),
                 *sglang_overrides(server.url, weight_sync="disk", shared_dir=shared)]
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
         assert r.returncode == 0, explain(r.stderr)
@@ -118,6 +123,9 @@ def test_training_loop_with_sglang_disk_sync(tmp_path, family):
     # after every sync the double's log-probs of the tokens it sampled equal the trainer's π_old
     # pass on them (fp32): it served the weights of the step, not older ones
     assert all(x["mismatch_logprob_max"] < 1e-5 for x in rows), [x["mismatch_logprob_max"] for x in rows]
+    if r3:  # every rollout request asked for the experts, and the trainer used exactly those
+        assert all(x.body.get("return_routed_experts") is True for x in gens)
+        assert all(x["routing_agreement"] == 1.0 for x in rows), [x["routing_agreement"] for x in rows]
     # after the run the double serves exactly the trainer's final weights (fp32, bit for bit) ...
     exported = {}
     for f in sorted(os.listdir(out / "hf")):

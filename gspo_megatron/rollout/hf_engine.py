@@ -133,7 +133,11 @@ class HFEngine(RolloutEngine):
     eos_token_ids: ids that end a response in addition to ``stop_token_ids``; default: the model's
         generation-config / config eos ids plus the tokenizer's eos id.
     return_routing: fill ``Sample.routed_experts`` with the top-k experts every MoE layer routed
-        each token to during generation (prompt prefill and decode steps), in SGLang's layout.
+        each token to during generation (prompt prefill and decode steps), in SGLang's layout: one
+        row per decoder layer; a dense layer's row (GLM-4.5's first layers) is zeros, as SGLang
+        0.5.23 returns it (its capturer's buffer spans num_hidden_layers, is zero-initialised,
+        state_capturer/base.py:38, and only MoE layers write their row, :48-50). The trainer reads
+        only the rows of its MoE layers (parallel/routing_replay.py keys routers by layer).
     """
 
     def __init__(
@@ -203,11 +207,14 @@ class HFEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.seed = seed
         self.return_routing = return_routing
-        self._gates = [layer.mlp.gate for layer in getattr(getattr(self.model, "model", None), "layers", [])
+        # (layer index, router) of every MoE layer; dense layers have no mlp.gate
+        layers = list(getattr(getattr(self.model, "model", None), "layers", []))
+        self._gates = [(i, layer.mlp.gate) for i, layer in enumerate(layers)
                        if hasattr(getattr(layer, "mlp", None), "gate")] if return_routing else []
-        if return_routing and len(self._gates) != self.model.config.num_hidden_layers:
-            raise ValueError("return_routing needs a MoE model whose every layer routes (mlp.gate): "
-                             f"{len(self._gates)} of {self.model.config.num_hidden_layers} layers do")
+        self._num_layers = len(layers)
+        if return_routing and (not self._gates or self._num_layers != self.model.config.num_hidden_layers):
+            raise ValueError("return_routing needs a MoE model (layers with a router, mlp.gate): "
+                             f"{len(self._gates)} of {self.model.config.num_hidden_layers} layers route")
         params = inspect.signature(self.model.forward).parameters
         self._takes_cache = "cache" in params and "logits_to_keep" in params  # _shared_prefill
         self._calls = 0
@@ -362,7 +369,7 @@ class HFEngine(RolloutEngine):
         # scores, indices); a family whose gate does not has no `return_routing` here)
         routed: list[list[torch.Tensor]] = [[] for _ in self._gates]
         hooks = [g.register_forward_hook(lambda m, i, out, li=li: routed[li].append(out[2].detach().cpu()))
-                 for li, g in enumerate(self._gates)]
+                 for li, (_, g) in enumerate(self._gates)]
         try:
             with torch.no_grad():
                 input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
@@ -431,16 +438,20 @@ class HFEngine(RolloutEngine):
             )
         return samples
 
-    @staticmethod
-    def _routing_by_position(routed: list[list[torch.Tensor]], rows: int, width: int) -> torch.Tensor:
-        """[rows, width + decode steps, layers, k] from the per-call top-k of each layer: the
-        prefill call covers the left-padded prompt columns, each decode call one column."""
-        layers = []
+    def _routing_by_position(self, routed: list[list[torch.Tensor]], rows: int, width: int) -> torch.Tensor:
+        """[rows, width + decode steps, layers, k] from the per-call top-k of each MoE layer: the
+        prefill call covers the left-padded prompt columns, each decode call one column; a dense
+        layer's row stays zeros (SGLang's, see the class docstring)."""
+        per_moe = []
         for calls in routed:
             prefill = calls[0].view(rows, width, -1)
             steps = [c.view(rows, 1, -1) for c in calls[1:]]
-            layers.append(torch.cat([prefill, *steps], 1))
-        return torch.stack(layers, 2).to(torch.int32)
+            per_moe.append(torch.cat([prefill, *steps], 1))
+        first = per_moe[0]
+        out = torch.zeros(first.shape[0], first.shape[1], self._num_layers, first.shape[2], dtype=torch.int32)
+        for (layer, _), t in zip(self._gates, per_moe):
+            out[:, :, layer] = t.to(torch.int32)
+        return out
 
     def _stop_string_end(self, toks: list[int], stops: tuple[str, ...]) -> int | None:
         """Length of the shortest prefix of `toks` whose decoded text contains a stop string."""
