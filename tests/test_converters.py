@@ -174,6 +174,11 @@ def test_layout_module_matches_the_format(ckpts):
             assert r.shape("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == (64,)  # TE's fused norm
             assert r.shape("decoder.layers.2.mlp.router.expert_bias") == (8,)
             assert not any(k.startswith("decoder.layers.0.mlp.experts") for k in r.keys())
+            # a writer without TE (the local spec) names an MoE layer's pre-MLP norm as fused: read too
+            local = {"decoder.layers.2.mlp.linear_fc1.layer_norm_weight"}
+            assert layout.stored_key("decoder.layers.2.pre_mlp_layernorm.weight", local) == local.pop()
+            assert layout.stored_key("decoder.layers.2.pre_mlp_layernorm.weight", set()) == \
+                "decoder.layers.2.pre_mlp_layernorm.weight"
         else:
             assert len(r.tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"].chunks) == 4 * 8
         assert r.shape("embedding.word_embeddings.weight")[0] == 300

@@ -58,11 +58,18 @@ KEY_ALIASES = {
 }
 
 
+_PER_LAYER_MOE_NORM = re.compile(r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.weight")
+
+
 def stored_key(key: str, stored) -> str:
     """The key `key`'s tensor is stored under in a checkpoint holding the keys `stored`."""
     if key in stored:
         return key
-    return next((a for a in KEY_ALIASES.get(key, ()) if a in stored), key)
+    aliases = KEY_ALIASES.get(key, ())
+    m = _PER_LAYER_MOE_NORM.fullmatch(key)
+    if m is not None:  # per-layer keys: the local spec's name of that layer's MoE pre-MLP norm
+        aliases = (f"decoder.layers.{m.group(1)}.{_DENSE_PRE_MLP_NORM}",)
+    return next((a for a in aliases if a in stored), key)
 
 
 def per_layer_keys(arch: MoeArch) -> bool:
