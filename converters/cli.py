@@ -146,6 +146,7 @@ def main(argv=None) -> int:
     started = False
     with user_errors(PROG):
         from gspo_megatron.checkpoint import mcore
+        from gspo_megatron.errors import InputError
         from gspo_megatron.fsutil import output_of
 
         max_size = _size(args.max_shard_size)
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
             with output_of(args.command):  # what the output's marker names
                 if args.command == "hf-to-mcore":
                     if args.threads < 1:
-                        raise ValueError("--threads must be >= 1")
+                        raise InputError("--threads must be >= 1")
                     stats = mcore.hf_to_mcore(args.hf_dir, args.out, dtype=_dtype(args.dtype),
                                               max_file_size=max_size, progress=args.progress,
                                               overwrite=args.overwrite, threads=args.threads)

@@ -13,7 +13,10 @@ EXIT_BAD_INPUT = 2
 PEER_GRACE_S = 5.0
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InputError, FileNotFoundError, ValueError)
+# Only the project's user-error types (errors.py; CheckpointError is an InputError) and a missing
+# file: a bare ValueError from our code is a bug and keeps its traceback (exit 1), never a
+# one-line "user error" (issue 43's review: any ValueError used to count).
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InputError, FileNotFoundError)
 
 
 @contextlib.contextmanager

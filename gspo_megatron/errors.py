@@ -20,6 +20,6 @@ class InputError(ValueError):
     """Bad user input (file, key, value) detected by an entry point."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that cannot be used; the message names the file or tensor."""
 

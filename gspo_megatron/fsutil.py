@@ -23,6 +23,8 @@ import re
 import shutil
 import tempfile
 
+from gspo_megatron.errors import InputError
+
 log = logging.getLogger(__name__)
 
 MARKER = ".gspo-output.json"
@@ -33,11 +35,11 @@ _COMMAND: contextvars.ContextVar[str | None] = contextvars.ContextVar("gspo_outp
 _OLD = re.compile(r"^\.(?P<name>.+)\.old-[a-z0-9_]{8}$")
 
 
-class TargetExistsError(ValueError):
+class TargetExistsError(InputError):
     """The target appeared while writing and overwriting was not allowed (a user error)."""
 
 
-class NotOurOutputError(ValueError):
+class NotOurOutputError(InputError):
     """The target is not (only) an earlier output of the command replacing it (a user error)."""
 
 

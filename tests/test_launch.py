@@ -796,6 +796,31 @@ def test_planner_nnodes_needs_nproc_per_node(capsys):
     assert "--nproc-per-node" in capsys.readouterr().err
 
 
+def test_only_user_error_types_are_one_line_a_bare_value_error_keeps_its_traceback(capsys):
+    """Issue 43's review: cli_util counted any ValueError as a user error, so a bug deep in the
+    trainer (a shape check, a collective's argument) printed one "error:" line, exit 2, and no
+    traceback. Now only errors.py's types (and a missing file) are; each project error raised on
+    bad input is one of them."""
+    from gspo_megatron.cli_util import EXIT_BAD_INPUT, user_errors
+    from gspo_megatron.errors import CheckpointError, ConfigError, InputError, ModelConfigError
+    from gspo_megatron.fsutil import NotOurOutputError, TargetExistsError
+    from gspo_megatron.rollout.data import PromptDataError
+    from gspo_megatron.rollout.rewards import RewardError, RewardSpecError
+
+    for err in (ConfigError, ModelConfigError, InputError, CheckpointError, PromptDataError, RewardSpecError,
+                RewardError, TargetExistsError, NotOurOutputError, FileNotFoundError):
+        with pytest.raises(SystemExit) as e:
+            with user_errors("probe"):
+                raise err(f"bad {err.__name__}\nsecond line")
+        assert e.value.code == EXIT_BAD_INPUT
+        assert capsys.readouterr().err == f"probe: error: bad {err.__name__}\n"
+    for bug in (ValueError("a shape check of our own"), RuntimeError("x"), KeyError("k")):
+        with pytest.raises(type(bug)):
+            with user_errors("probe"):
+                raise bug
+        assert capsys.readouterr().err == ""
+
+
 _BAD_INPUT_PROBE = """
 import os, sys, time
 from gspo_megatron.cli_util import InputError, user_errors

@@ -9,14 +9,15 @@ from decimal import Decimal
 from typing import Any, Iterator, Sequence
 
 from gspo_megatron.config import DataConfig
+from gspo_megatron.errors import InputError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 _BOM = b"\xef\xbb\xbf"
 
 
-class PromptDataError(ValueError):
-    pass
+class PromptDataError(InputError):
+    """A prompt file or record that cannot be used (one line naming the file and record)."""
 
 
 class _Bad:

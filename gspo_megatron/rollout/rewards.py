@@ -13,6 +13,8 @@ import math
 import threading
 from typing import Callable, Sequence
 
+from gspo_megatron.errors import ConfigError, InputError
+
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, dict], float]
@@ -25,7 +27,7 @@ RewardFn = Callable[[str, dict], float]
 _SAME_THREAD_FAILURES = (Exception, SystemExit, GeneratorExit)
 
 
-class RewardSpecError(ValueError):
+class RewardSpecError(ConfigError):
     """A ``package.module:function`` reward spec that cannot be resolved."""
 
 
@@ -149,7 +151,7 @@ def score_samples(
     return rewards, raised
 
 
-class RewardError(ValueError):
+class RewardError(InputError):
     """A step's reward calls failed more often than reward.max_error_frac allows (one line)."""
 
 
