@@ -46,8 +46,8 @@ from __future__ import annotations
 import os
 import re
 
-from gspo_megatron.errors import CheckpointError, ModelConfigError
 from gspo_megatron.checkpoint.layout import per_layer_keys
+from gspo_megatron.errors import CheckpointError, ModelConfigError
 from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.family import DEFAULT_MODEL_TYPE, FAMILY_MODULES, family_of_type
 
