@@ -71,7 +71,29 @@ def _model(path, seed: int):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
+    """A free port for a vLLM server, which binds it only after loading its engine (tens of seconds).
+    Chosen below the kernel's ephemeral range: any process's outgoing connection takes its source
+    port from that range, so a port the kernel handed out (bind to 0) could be taken before vLLM
+    binds it (fresh-clone run 13: "OSError: [Errno 98] Address already in use")."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(low, 20002) - 1)  # vLLM's data-parallel servers use port + i
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    with socket.socket() as s:  # no free port below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
