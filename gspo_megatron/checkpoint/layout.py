@@ -45,6 +45,13 @@ from gspo_megatron.model.mapping import Rule
 # `mlp.linear_fc1.layer_norm_` for every layer, although in an MoE layer there is no linear_fc1 to
 # fuse into and the TE spec keeps `pre_mlp_layernorm.weight`. Checkpoints use the TE name, so they
 # load on GPU (TE spec) and CPU (local spec) alike; `canonical_key` undoes the local spec's rename.
+# A layer's pre-MLP norm: its own module (TE spec, MoE layer) or fused into linear_fc1 (TE's
+# LayerNormColumnParallelLinear in a dense layer; the local spec's name for every layer).
+_MOE_PRE_MLP_NORM = "pre_mlp_layernorm.weight"
+_DENSE_PRE_MLP_NORM = "mlp.linear_fc1.layer_norm_weight"
+_PER_LAYER_MOE_NORM = re.compile(r"decoder\.layers\.(\d+)\." + re.escape(_MOE_PRE_MLP_NORM))
+_PER_LAYER_FUSED_NORM = re.compile(r"decoder\.layers\.(\d+)\." + re.escape(_DENSE_PRE_MLP_NORM))
+
 LOCAL_SPEC_KEY_QUIRKS = {
     "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
 }
@@ -56,9 +63,6 @@ LOCAL_SPEC_KEY_QUIRKS = {
 KEY_ALIASES = {
     "decoder.layers.pre_mlp_layernorm.weight": ("decoder.layers.mlp.linear_fc1.layer_norm_weight",),
 }
-
-
-_PER_LAYER_MOE_NORM = re.compile(r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.weight")
 
 
 def stored_key(key: str, stored) -> str:
@@ -76,12 +80,6 @@ def per_layer_keys(arch: MoeArch) -> bool:
     """Whether Megatron keys every layer apart (dense and MoE layers mixed: model/spec.py passes
     `moe_layer_freq` as a list, which sets non_homogeneous_layers, transformer_block.py:830-834)."""
     return bool(arch.dense_layers)
-
-
-# TE fuses a dense layer's pre-MLP norm into its linear_fc1 (LayerNormColumnParallelLinear); in a
-# per-layer checkpoint that layer's norm is stored under the fused name (see canonical_key)
-_MOE_PRE_MLP_NORM = "pre_mlp_layernorm.weight"
-_DENSE_PRE_MLP_NORM = "mlp.linear_fc1.layer_norm_weight"
 
 
 def dist_key(rule: Rule, layer: int | None = None, arch: MoeArch | None = None) -> str:
@@ -111,9 +109,6 @@ def _check_rules(rules) -> None:
             raise AssertionError(f"layout: {r.mcore!r} and its sibling rule map to different keys")
 
 
-_PER_LAYER_FUSED_NORM = re.compile(r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.layer_norm_weight")
-
-
 def canonical_key(state_dict_name: str, sharded_key: str, moe_layers: frozenset[int] | None = None) -> str:
     """The checkpoint key for a ShardedTensor of Megatron's `sharded_state_dict()`.
 
@@ -128,7 +123,7 @@ def canonical_key(state_dict_name: str, sharded_key: str, moe_layers: frozenset[
         return fixed
     m = _PER_LAYER_FUSED_NORM.fullmatch(sharded_key)
     if m is not None and moe_layers is not None and int(m.group(1)) in moe_layers:
-        return f"decoder.layers.{m.group(1)}.pre_mlp_layernorm.weight"
+        return f"decoder.layers.{m.group(1)}.{_MOE_PRE_MLP_NORM}"
     return sharded_key
 
 
