@@ -11,8 +11,10 @@
   (running) server; that server, after the last push, generates held-out sequences whose
   log-probs equal the run's exported HF model's in transformers (<= 1e-4);
 * a skipped push is visible: the served log-probs are those of the weights last pushed;
-* partial rollouts against the real server: a push lands mid-generation, the samples' tokens
-  carry two versions with each version's log-probs.
+* partial rollouts against the real server: a push lands mid-generation (by construction: the
+  server's scheduler holds the engine after 2 tokens until the interrupt is queued,
+  tests/vllm_plugins/gspo_vllm_gate.py), the samples' tokens carry two versions with each
+  version's log-probs.
 Skipped only when the vLLM venv cannot be built because the package index is unreachable."""
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ HF = dict(vocab_size=98, hidden_size=64, intermediate_size=128, num_hidden_layer
           max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
           initializer_range=0.1)
 SERVER = dict(dtype="float32", max_model_len=512, cpu_kv_cache_mb=32)
+GATE_PLUGINS = os.path.join(REPO, "tests", "vllm_plugins")
 NETWORK = ("Could not find a version", "No matching distribution", "NewConnectionError", "Max retries exceeded",
            "Temporary failure in name resolution", "Network is unreachable", "Connection refused")
 
@@ -113,9 +116,14 @@ def server(vllm_python, models, tmp_path_factory):
     from dist_utils import with_free_port
     from gspo_megatron.rollout.vllm_server import ServerClient
 
+    gate = tmp_path_factory.mktemp("vllm_gate")  # tests/vllm_plugins/gspo_vllm_gate.py, inert until armed
+
     def start(port):
         spec = VLLMLaunchSpec(model_path=str(root / "A"), port=port, api_key="k3y", python=vllm_python,
-                              log_dir=str(tmp_path_factory.mktemp("vllm_logs")), **SERVER)
+                              log_dir=str(tmp_path_factory.mktemp("vllm_logs")),
+                              extra_args=["--scheduler-cls", "gspo_vllm_gate.HoldUntilPauseScheduler"],
+                              env={"PYTHONPATH": os.pathsep.join([REPO, GATE_PLUGINS]),
+                                   "GSPO_VLLM_GATE_DIR": str(gate)}, **SERVER)
         procs = launch(spec)
         try:
             procs.wait_ready([ServerClient(procs.urls[0], api_key="k3y")], 600)
@@ -125,7 +133,7 @@ def server(vllm_python, models, tmp_path_factory):
         return procs
 
     procs = with_free_port(start, free=_free_port)
-    yield procs.urls[0], "k3y"
+    yield procs.urls[0], "k3y", gate
     procs.stop()
 
 
@@ -154,7 +162,7 @@ PROMPTS = [[1, 60, 65, 50], [1, 40, 41, 42, 43]]
 def test_served_logprobs_follow_pushes_and_a_skipped_push_shows(server, models, tmp_path):
     from gspo_megatron.rollout.base import SamplingParams
 
-    url, key = server
+    url, key, _ = server
     _, a, b = models
     sp = SamplingParams(temperature=0.7, max_new_tokens=12)
     with _engine(url, key, tmp_path / "sync") as eng:
@@ -178,7 +186,7 @@ def test_verified_pushes_pass_and_a_corrupted_expert_is_named(server, models, tm
     served model: transformers' log-probs of the probe under the pushed weights, to 1e-4 (fp32)."""
     from gspo_megatron.rollout.vllm_engine import VLLMEngine, WeightMismatchError
 
-    url, key = server
+    url, key, _ = server
     _, a, b = models
     hf = {**HF, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
     target = next(n for n, _ in _hub(a) if ".mlp.experts." in n and n.endswith("down_proj.weight"))
@@ -237,14 +245,6 @@ class _RoundRecorder:
         return out
 
 
-def _generated_tokens(eng) -> float:
-    """vLLM's own count of the tokens its server has generated (Prometheus /metrics), summed."""
-    status, body = eng.servers[0].request_once("GET", "/metrics", timeout_s=30)
-    assert status == 200, body[:200]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
-
-
 def _wait_until(cond, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -258,56 +258,56 @@ def test_partial_rollout_carries_samples_over_a_push(server, models, tmp_path):
     cut are continued with B, their tokens carry both versions, and each version's tokens have
     that version's log-probs (teacher-forced in transformers, <= 1e-4; A's would differ by > 0.05).
 
-    Ordering by events, not sleeps: the push is requested only once the server has generated at
-    least one token of this generation (the engine started, vLLM's generated-token counter moved;
-    both waits bounded), so the interrupt cannot come before the generation began. Whether it came
-    before the generation ended is read from what came back rather than assumed: a first round
-    with no row cut ("abort") after some but not all of its tokens means the server had ended
-    every row (EOS or 400 tokens) before the interrupt arrived; that attempt proves nothing and is
-    repeated with fresh weight versions (at most ATTEMPTS, each wait bounded). An attempt in which
-    rows were cut must show every one of them carried over. No sleep decides an outcome: a loaded
-    machine can only cost attempts (the push follows the first token by one HTTP round trip,
-    the rows run for tens of tokens). A strict gate would need the server held between two
-    tokens of a request: vLLM's pause mode "keep" freezes its scheduler, but the client cannot
-    see a request mid-way to freeze it there (no streaming on this route), hence observed-and-
-    repeated rather than gated."""
+    Mid-generation by construction, not by timing: the server carries a gate
+    (tests/vllm_plugins/gspo_vllm_gate.py), armed here, that holds the engine's step once a row has
+    generated 2 tokens and releases it only when the pause request of our interrupt is queued in
+    the engine core, which handles it before the next step. So every row still running is cut after
+    2-3 tokens of A, however slow this machine is. (CI run on 2d4250e: with the push sent after
+    vLLM's token counter moved, a loaded machine let every row end before the interrupt arrived, in
+    5 attempts of 5.) A row may still end by EOS before the hold: only a first round in which every
+    row did so proves nothing and is repeated (at most ATTEMPTS); it asks four rows to sample the
+    eos token within three tokens each."""
     from gspo_megatron.rollout.async_producer import RolloutProducer
     from gspo_megatron.rollout.base import SamplingParams
     from gspo_megatron.rollout.partial import PartialGenerator
 
-    ATTEMPTS = 5
-    url, key = server
+    ATTEMPTS = 3
+    url, key, gate = server
     _, a, b = models
-    sp = SamplingParams(temperature=1.0, max_new_tokens=400)  # a long generation: the push lands inside it
+    sp = SamplingParams(temperature=1.0, max_new_tokens=400)
     with _engine(url, key, tmp_path / "sync") as eng:
         for attempt in range(ATTEMPTS):
             va, vb = 2 * attempt + 1, 2 * attempt + 2
             eng.update_weights(_hub(a), va)
+            for f in ("held", "released"):
+                (gate / f).unlink(missing_ok=True)
+            (gate / "arm").write_text("")
             rec = _RoundRecorder(eng)
-            gate = threading.Condition()
+            lock = threading.Condition()
             box: list = []
-            gen = PartialGenerator(rec, gate, timeout_s=120, stopped=lambda: bool(box) and box[0].stopped)
-            before = _generated_tokens(eng)
+            gen = PartialGenerator(rec, lock, timeout_s=120, stopped=lambda: bool(box) and box[0].stopped)
             producer = RolloutProducer(lambda t: gen.generate(PROMPTS, 2, sp, seed=5 + attempt), start=0, end=1,
-                                       max_ahead=1, version=lambda: eng.weight_version, data_state=dict, lock=gate,
+                                       max_ahead=1, version=lambda: eng.weight_version, data_state=dict, lock=lock,
                                        timeout_s=120)
             box.append(producer)
             try:
-                assert rec.started.wait(timeout=60), "the producer did not start generating"
-                _wait_until(lambda: _generated_tokens(eng) > before, 60, "the server's first generated token")
+                _wait_until(lambda: (gate / "held").exists(), 60, "the server holding a step after 2 tokens")
                 producer.push(lambda: eng.update_weights(_hub(b), vb), interrupt=eng)
                 batch, _ = producer.get(0)
             finally:
                 producer.close(timeout_s=60)
+                (gate / "arm").unlink(missing_ok=True)
+            assert (gate / "released").read_text() == "pause"  # the gate let go for our interrupt, not on its timeout
             first = rec.rounds[0]
             # rows the interrupt cut with tokens of A and tokens left for B
             cut = [s for s in first if s.finish_reason == "abort" and 0 < len(s.response_ids) < sp.max_new_tokens]
             print(f"attempt {attempt}: first round finish reasons {[s.finish_reason for s in first]}, "
                   f"lengths {[len(s.response_ids) for s in first]}")
+            assert all(len(s.response_ids) <= 4 for s in cut), "a cut row ran past the hold"
             if cut:
-                break  # else every row ended (or had not started) when the interrupt came: try again
+                break  # else every row ended by EOS within its first tokens: try again
         else:
-            pytest.fail(f"in {ATTEMPTS} attempts the server finished every row before the interrupt reached it")
+            pytest.fail(f"in {ATTEMPTS} attempts every row ended by EOS before the hold")
     carried = [s for s in batch.payload if s.token_versions and len(set(s.token_versions)) > 1]
     print("carried", len(carried), "of", len(batch.payload), [len(s.response_ids) for s in batch.payload])
     assert len(carried) == len(cut), (len(carried), len(cut))  # every cut row, continued with B
@@ -405,8 +405,7 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
     ours = [x for x in err.splitlines() if "gspo_megatron.train: error: rollout engine:" in x]
     print(f"failed {waited:.1f} s after the kill: {ours}")
     assert len(ours) == 1 and "vLLM server" in ours[0], err[-3000:]
-    time.sleep(1)
-    left = [q for q in seen if os.path.exists(f"/proc/{q}") and _cmdline(q)]
+    left = _still_running(seen, 60)
     assert not left, [(q, _cmdline(q)[:100]) for q in left]  # no process of the run outlives it
     with open(out / "vllm_logs" / "vllm_server_0.log") as f:  # the launcher's first line: the server's argv
         argv = f.readline().split()
@@ -417,7 +416,7 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
     done = len(first)
 
     # resume=auto against the running server (urls): the steps after the last checkpoint
-    url, key = server
+    url, key, _ = server
     r = subprocess.run(torchrun_cmd(2, *common, "rollout.vllm.launch=false", f"rollout.vllm.urls=[{url}]",
                                     f"rollout.vllm.api_key={key}"),
                        capture_output=True, text=True, timeout=900, env=_env(), cwd=REPO)
@@ -458,7 +457,7 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
 def test_bench_vllm_smoke_against_the_running_server(server, tmp_path):
     """bench/bench_vllm.py --smoke (as a user runs it) against this module's server instead of a
     second one: the bench cannot rot unseen. Last in the file: it pushes the bench's own models."""
-    url, key = server
+    url, key, _ = server
     env = dict(_env(), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_vllm.py"), "--smoke", "--url", url,
                         "--api-key", key, "--workdir", str(tmp_path / "bench")],
@@ -483,7 +482,7 @@ def test_a_vllm_served_judge_drives_three_gspo_steps(server, models, tmp_path, m
     from gspo_megatron.rollout.judge import CHAT_ROUTE, JudgeScorer
     from gspo_megatron.rollout.vllm_server import ServerClient
 
-    url, key = server
+    url, key, _ = server
     root, _, _ = models
     monkeypatch.setenv("GSPO_TEST_JUDGE_KEY", key)
     extra = '{"structured_outputs": {"regex": "[0-9]"}}'
@@ -519,7 +518,7 @@ def test_a_vllm_served_judge_drives_three_gspo_steps(server, models, tmp_path, m
 
 def test_bench_judge_smoke_against_the_running_server(server, models, tmp_path):
     """bench/bench_judge.py --smoke against this module's server: the judge bench cannot rot unseen."""
-    url, key = server
+    url, key, _ = server
     root, _, _ = models
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_judge.py"), "--smoke", "--url", url,
                         "--api-key", key, "--model", str(root / "A"), "--workdir", str(tmp_path / "bench")],
@@ -539,6 +538,17 @@ def _start_supervised_run(out, *extra: str) -> subprocess.Popen:
             f"rollout.vllm.port={_free_port()}", *extra]
     return subprocess.Popen(torchrun_cmd(2, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(), cwd=REPO)
+
+
+def _still_running(pids, timeout_s: float) -> list[int]:
+    """Those of `pids` still running (a zombie has no cmdline) once they are all gone or `timeout_s`
+    has passed: a killed process, or a server stopped by its watchdog, exits asynchronously."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [q for q in pids if os.path.exists(f"/proc/{q}") and _cmdline(q)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)  # a poll interval
 
 
 def _processes_until_rows(p: subprocess.Popen, out, n: int, timeout_s: float) -> set[int]:
@@ -587,8 +597,7 @@ def test_a_killed_server_is_restarted_gets_the_weights_and_the_run_finishes(vllm
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
     assert rows[-1]["engine_restarts"] == 1 and rows[1]["engine_restarts"] == 0
     assert all(x["mismatch_logprob_max"] <= 1e-4 for x in rows), [x["mismatch_logprob_max"] for x in rows]
-    time.sleep(1)
-    left = [q for q in seen if os.path.exists(f"/proc/{q}") and _cmdline(q)]
+    left = _still_running(seen, 60)
     left += [q for q in _descendants(os.getpid()) if "vllm" in _cmdline(q).lower() and "api_server" in _cmdline(q)
              and str(out) in _cmdline(q)]
     assert not left, [(q, _cmdline(q)[:100]) for q in left]
@@ -630,13 +639,7 @@ def test_a_sigterm_while_a_request_hangs_leaves_no_vllm_process(vllm_python, tmp
     ours = [x for x in err.splitlines() if "gspo_megatron" in x and "File " not in x]
     assert "is dead" in err and "restarting it" in err, ours[-20:]
     assert len(api) == 1, [(q, _cmdline(q)[:80]) for q in seen]
-    gone_by = time.monotonic() + 120
-    left = seen
-    while time.monotonic() < gone_by:
-        left = [q for q in seen if os.path.exists(f"/proc/{q}") and _cmdline(q)]
-        if not left:
-            break
-        time.sleep(0.5)
+    left = _still_running(seen, 120)
     assert not left, [(q, _cmdline(q)[:100]) for q in left]
 
 
