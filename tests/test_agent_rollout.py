@@ -377,7 +377,9 @@ def test_an_abandoned_session_keeps_the_sample_it_had():
         _, res = _run(agent, n=1, timeout_s=0.3)
     finally:
         go_on.set()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30  # the abandoned agents' threads go on after go_on: wait for both (bounded)
+    while len(after) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert res.stats["agent_errors"] == 2 and after == ["AgentTimeout"] * 2
     assert all(len(s.response_ids) == len(s.response_logprobs) == 2 and s.loss_mask is None for s in res.samples)
 
