@@ -145,30 +145,75 @@ def test_an_engine_failure_fails_the_rollout():
 
 
 def test_concurrent_sessions_overlap_their_tools_and_share_engine_calls():
-    """16 sessions whose tool sleeps 0.2 s: the tools run at the same time (16 at once, not one
-    after another) and each turn of all sessions goes to the engine as one batched call."""
-    active, peak, lock = [0], [0], threading.Lock()
+    """16 sessions whose tool runs until every session allowed to run is inside its tool: the tools
+    run at the same time (16 at once, not one after another; run one after another, the first tool
+    would wait out its bound alone) and each turn of all sessions goes to the engine as one batched
+    call. By construction, not by a sleep: a tool leaves only once `target` tools are in (bounded)."""
+    active, peak, cond = [0], [0], threading.Condition()
+    target = [16]
 
     def agent(example, s):
         for _ in range(2):
             s.generate(max_new_tokens=2)
-            with lock:
+            with cond:
                 active[0] += 1
                 peak[0] = max(peak[0], active[0])
-            time.sleep(0.2)
-            with lock:
+                cond.notify_all()
+                cond.wait_for(lambda: peak[0] >= target[0], timeout=10)
                 active[0] -= 1
             s.append([60])
         s.generate(max_new_tokens=2)
         return 1.0
 
-    engine, res = _run(agent, n=8, linger_s=0.1)
-    assert peak[0] == 16
-    assert len(engine.calls) <= 6 and max(len(c[0]) for c in engine.calls) == 16, [len(c[0]) for c in engine.calls]
+    engine, res = _run(agent, n=8)
+    assert peak[0] == 16 and res.errors == [None] * 16
+    assert len(engine.calls) == 3 and all(len(c[0]) == 16 for c in engine.calls), [len(c[0]) for c in engine.calls]
     # a bounded pool: never more sessions at once than asked
     active[0] = peak[0] = 0
+    target[0] = 4
     engine, res = _run(agent, n=8, concurrency=4)
     assert peak[0] == 4 and res.errors == [None] * 16
+
+
+def test_with_a_linger_a_turn_goes_without_a_session_whose_tool_is_slow():
+    """rollout.agent_linger_s: a batch goes once its oldest request has waited that long, so the
+    15 sessions whose tools returned are answered without the one whose tool is still running
+    (held until the engine has answered the other 15's second turn, in one call or several: by
+    construction, no timing), and that session's turn follows alone. Without a linger the 15 would
+    wait for it (the test above), and the held tool would wait out its bound."""
+    engine = FakeEngine()
+    answered, cond = [0], threading.Condition()
+    inner = engine.generate
+
+    def generate(prompts, n, sampling, *, seed=None):
+        out = inner(prompts, n, sampling, seed=seed)
+        with cond:
+            answered[0] += len(prompts)
+            cond.notify_all()
+        return out
+
+    engine.generate = generate
+    pick, held = threading.Lock(), []
+
+    def agent(example, s):
+        s.generate(max_new_tokens=2)
+        with pick:  # the first session to get here: its tool is slow
+            slow = not held
+            held.append(s)
+        if slow:
+            with cond:
+                assert cond.wait_for(lambda: answered[0] >= 16 + 15, timeout=30), \
+                    "the other sessions' turn did not go without the slow one"
+        s.append([60])
+        s.generate(max_new_tokens=2)
+        return 1.0
+
+    _, res = _run(agent, n=8, engine=engine, linger_s=0.05)
+    sizes = [len(c[0]) for c in engine.calls]
+    # every turn answered once; the slow session's second turn last and alone (a turn's first
+    # batch may itself be split by the linger on a loaded machine: not asserted)
+    assert res.errors == [None] * 16 and sum(sizes) == 32 and sizes[-1] == 1, sizes
+    assert engine.calls[-1][0] == [held[0].prompt_ids + held[0].response_ids[:2] + [60]]
 
 
 class SeededEngine(FakeEngine):
