@@ -44,7 +44,13 @@ def test_producer_stays_within_max_ahead_versions(max_ahead):
             assert batch.payload == f"batch{step}" and batch.step == step
             assert step - batch.version <= max_ahead  # staleness bound at training time
             assert batch.data_state == {"after": step + 1}  # the stream state right after its prompts
-            time.sleep(0.05)  # "training"
+            # "training": meanwhile the producer runs ahead as far as the bound lets it (waited for,
+            # bounded, so that running ahead is shown by construction, not by a sleep's luck)
+            ahead = min(step + max_ahead + 1, 6)
+            deadline = time.monotonic() + 30
+            while len(produced) < ahead and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert len(produced) == ahead, (step, produced)  # that far, and no further
             p.push(lambda: version.__setitem__(0, step + 1))  # the trainer's weight push
     finally:
         p.close()
