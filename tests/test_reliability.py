@@ -42,19 +42,23 @@ def train(out, *overrides, ok=True, timeout=300):
     return r
 
 
-def sigterm_through_torchrun(out, ready, *overrides):
+def sigterm_through_torchrun(out, hold_when: str, *overrides):
     """A one-process run under torchrun, SIGTERM sent to torchrun (which forwards it, as on a
-    cluster) once `ready()` holds; returns (the torchrun process, its stderr)."""
+    cluster) once the run holds at the preemption point after the metrics row `hold_when`
+    ("gspo:2", "sft:11"; tests/preempt_hold.py waits there for the signal, so it lands at that
+    step by construction); returns (the torchrun process, its stderr)."""
+    hold = out.parent / f"{out.name}.hold"
+    hold.mkdir(parents=True)
+    env = {**_env(), "HOLD_DIR": str(hold), "HOLD_METRICS": str(out / "metrics.jsonl"), "HOLD_WHEN": hold_when}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=300",
-           "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE, *overrides]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
+           os.path.join(REPO, "tests", "preempt_hold.py"), "--config", TINY, f"out_dir={out}", *BASE, *overrides]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
-        for _ in range(3000):
-            if p.poll() is not None or ready():
-                break
-            time.sleep(0.1)
-        assert p.poll() is None and ready(), "the run ended before it could be signalled"
+        deadline = time.monotonic() + 600
+        while p.poll() is None and not (hold / "reached").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # a poll interval
+        assert p.poll() is None and (hold / "reached").exists(), "the run ended (or hung) before its hold"
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=600)
     finally:
@@ -208,13 +212,12 @@ def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(tmp_path):
     ref = tmp_path / "ref"
     train(ref, "train.max_steps=5", "checkpoint.interval=0")
     out = tmp_path / "run"
-    # until step 2 is logged (step 3 is then in progress)
-    p, err = sigterm_through_torchrun(out, lambda: (out / "metrics.jsonl").exists() and len(steps(out)) >= 2,
-                                      "train.max_steps=5", "checkpoint.interval=0")
+    # held at the end of step 2 until the signal is in
+    p, err = sigterm_through_torchrun(out, "gspo:2", "train.max_steps=5", "checkpoint.interval=0")
     assert p.returncode != 0, err[-2000:]
     done = steps(out)
-    assert 2 <= len(done) < 5 and ckpts(out) == [f"iter_{len(done):07d}"], (done, ckpts(out), err[-2000:])
-    assert f"saved the step-{len(done)} checkpoint after SIGTERM" in err
+    assert done == [1, 2] and ckpts(out) == ["iter_0000002"], (done, ckpts(out), err[-2000:])
+    assert "saved the step-2 checkpoint after SIGTERM" in err
     r = train(out, "train.max_steps=5", "checkpoint.interval=0")
     assert f"resumed from" in r.stderr and steps(out) == [1, 2, 3, 4, 5]
     a, b = dcp_tensors(str(ref / "checkpoints" / "iter_0000005")), dcp_tensors(str(out / "checkpoints" / "iter_0000005"))
@@ -337,14 +340,9 @@ def test_sigterm_during_the_warm_start_saves_it_and_resume_is_bit_identical(tmp_
     ref = tmp_path / "ref"
     train(ref, *warm)
     out = tmp_path / "run"
-    metrics = out / "metrics.jsonl"
-
-    def sft_logged():
-        return metrics.exists() and any('"sft_step": 11' in x for x in metrics.read_text().splitlines())
-
-    p, err = sigterm_through_torchrun(out, sft_logged, *warm)
+    p, err = sigterm_through_torchrun(out, "sft:11", *warm)  # held after warm-start step 11 until the signal is in
     assert p.returncode != 0, err[-2000:]
-    assert "saved the step-0 checkpoint after SIGTERM (warm-start step" in err, err[-3000:]
+    assert "saved the step-0 checkpoint after SIGTERM (warm-start step 11)" in err, err[-3000:]
     assert ckpts(out) == ["iter_0000000"] and steps(out) == []
     assert not (out / ".gspo-run.lock").exists()
     r = train(out, *warm)
