@@ -93,6 +93,7 @@ class Faults:
     no_version: int = 0  # /generate: meta_info without weight_version (an older SGLang)
     delay_s: float = 0.0  # /generate waits this long (abortable) ...
     delay_after: int = 0  # ... from the (delay_after+1)-th /generate request to arrive on
+    delay_requests: int = 0  # ... and only this many requests from there (0: every later one)
     never_ready: bool = False  # /health_generate answers 503 forever
     flush_busy: int = 0  # /flush_cache answers 400 ("requests pending") this many times
     routed_experts_short: int = 0  # /generate: routed_experts payloads 4 bytes short (one int32 missing)
@@ -111,6 +112,14 @@ class Faults:
     hold_after_tokens: int = 0
     hold_from_request: int = 0  # ... for the (hold_from_request+1)-th /generate request to arrive on
     hold_requests: int = 0  # ... and only this many requests from there (0: every later one). An abort also ends a hold
+    # the (j+1)-th /pause_generation first waits (bounded: pause_wait_s) until this many /generate
+    # requests have been admitted (past the pause gate and the delay fault, set to be retracted):
+    # with hold_after_tokens, the push a trainer sends while its next batch is in flight then meets
+    # every request of that batch, however late the requests reach the double. A request admitted
+    # after the pause would hold until the next pause, which an async trainer sends only once this
+    # batch is in: a deadlock that only the request timeout ends. () = off.
+    pause_waits_for_requests: tuple = ()
+    pause_wait_s: float = 120.0
     # weight updates are checked and answered (and set the weight version) as usual, but the served
     # weights stay the old ones: a server that silently keeps stale weights (train/smoke.py must fail)
     stale_weights: bool = False
@@ -245,6 +254,9 @@ class SGLangDouble:
         self._pauses = 0  # pauses that ended (continue_generation)
         self._inflight = 0  # /generate requests past the pause gate, not yet answered
         self.holding = 0  # requests held by Faults.hold_after_tokens right now
+        self._admitted = 0  # /generate requests that a retract pause would now set aside (or has)
+        self._pause_calls = 0  # /pause_generation requests so far
+        self.pause_waits_timed_out = 0  # Faults.pause_waits_for_requests waits that gave up
         self._decoding: set = set()  # the _Decoding of every request in its decode time
         self.writer_timeout_s = 600.0  # how long a weight update waits for the requests in flight
         self.httpd: ThreadingHTTPServer | None = None
@@ -357,7 +369,8 @@ class SGLangDouble:
             arrival = self._arrived
             self._arrived += 1
         f = self.faults
-        if f.delay_s > 0 and arrival >= f.delay_after:
+        if f.delay_s > 0 and arrival >= f.delay_after and (not f.delay_requests
+                                                          or arrival < f.delay_after + f.delay_requests):
             end = time.monotonic() + f.delay_s
             while time.monotonic() < end and not self._is_aborted(epoch, rids):
                 time.sleep(0.01)
@@ -368,9 +381,11 @@ class SGLangDouble:
                                                          or arrival < f.hold_from_request + f.hold_requests)
             hold = f.hold_after_tokens if held else 0
             st = _Decoding(f.per_token_s, hold) if f.per_token_s > 0 or hold > 0 else None
-            if st is not None:
-                with self._flow:  # from now on a retract pause sets this request aside (pause_generation)
+            with self._flow:  # from now on a retract pause sets this request aside (pause_generation)
+                if st is not None:
                     self._decoding.add(st)
+                self._admitted += 1
+                self._flow.notify_all()
             try:
                 t_gen = time.monotonic()
                 out = self._generate_rows(rows, sps, rids, body.get("return_logprob", False), routing)
@@ -531,6 +546,11 @@ class SGLangDouble:
         if mode == "in_place":  # the engine never sends it: continued tokens would attend to old KV
             return 400, {"detail": "the test double does not model pause mode in_place"}
         with self._flow:
+            waits = self.faults.pause_waits_for_requests
+            need = waits[self._pause_calls] if self._pause_calls < len(waits) else 0
+            self._pause_calls += 1
+            if not self._flow.wait_for(lambda: self._admitted >= need, timeout=self.faults.pause_wait_s):
+                self.pause_waits_timed_out += 1
             if self._paused is None:
                 self._pause_t = time.monotonic()
             self._paused = mode

@@ -234,10 +234,22 @@ def test_async_pushes_land_mid_generation_without_waiting(tmp_path):
     import json
     import math
 
+    import yaml
     from sglang_double import Faults
 
     hf_dir = _tiny_hf_dir(tmp_path / "hf0")
-    with SGLangDouble(hf_dir, faults=Faults(hold_after_tokens=2, hold_from_request=8)) as server:
+    # Step t's batch is one request per prompt, batch 0 the first ones. The push after step t
+    # (version t + 1) pauses the double only once all of batch t + 1 is in: sent after the
+    # trainer took batch t, it may reach the double after the push, however quick the trainer's
+    # step is on a loaded machine (the delay fault makes the last request of batch 1 that late by
+    # construction); admitted after the pause, it would hold until the next push,
+    # which the trainer sends only once this batch is in. The last push has no batch after it.
+    with open(TINY) as f:
+        batch = int(yaml.safe_load(f)["rollout"]["prompts_per_step"])
+    faults = Faults(hold_after_tokens=2, hold_from_request=batch, delay_s=3.0, delay_after=2 * batch - 1,
+                    delay_requests=1,
+                    pause_waits_for_requests=tuple(batch * (t + 2) for t in range(STEPS - 1)))
+    with SGLangDouble(hf_dir, faults=faults) as server:
         spanning = []  # rows the double answered with tokens of two versions
         _watch_answers(server, lambda status, rows, n_updates: spanning.append(
             sum(len(r["meta_info"].get("weight_versions", [])) > 1 for r in rows)))
@@ -250,6 +262,9 @@ def test_async_pushes_land_mid_generation_without_waiting(tmp_path):
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
         assert r.returncode == 0, explain(r.stderr)
         records = list(server.records)
+        assert server.pause_waits_timed_out == 0
+    # every batch's requests answered at their first attempt: none timed out while held
+    assert sum(x.path == "/generate" for x in records) == batch * STEPS
     ctl = [x.path for x in records if x.path in ("/pause_generation", "/update_weights_from_disk", "/flush_cache",
                                                  "/continue_generation")]
     # the first push (before any rollout) is plain; every later one is mid-generation
