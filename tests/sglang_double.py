@@ -119,7 +119,11 @@ class Faults:
     # after the pause would hold until the next pause, which an async trainer sends only once this
     # batch is in: a deadlock that only the request timeout ends. () = off.
     pause_waits_for_requests: tuple = ()
-    pause_wait_s: float = 120.0
+    # /abort_request {abort_all} first waits (bounded: pause_wait_s) until this many requests hold
+    # (hold_after_tokens), until one abort has seen them: a partial rollout's interrupt then cuts
+    # rows that have tokens, however slowly the double generated them beside the trainer. 0 = off.
+    abort_all_waits_for_holding: int = 0
+    pause_wait_s: float = 120.0  # the bound of the waits above (each gone past counts in waits_timed_out)
     # weight updates are checked and answered (and set the weight version) as usual, but the served
     # weights stay the old ones: a server that silently keeps stale weights (train/smoke.py must fail)
     stale_weights: bool = False
@@ -256,7 +260,7 @@ class SGLangDouble:
         self.holding = 0  # requests held by Faults.hold_after_tokens right now
         self._admitted = 0  # /generate requests that a retract pause would now set aside (or has)
         self._pause_calls = 0  # /pause_generation requests so far
-        self.pause_waits_timed_out = 0  # Faults.pause_waits_for_requests waits that gave up
+        self.waits_timed_out = 0  # waits of Faults.pause_waits_for_requests / abort_all_waits_for_holding that gave up
         self._decoding: set = set()  # the _Decoding of every request in its decode time
         self.writer_timeout_s = 600.0  # how long a weight update waits for the requests in flight
         self.httpd: ThreadingHTTPServer | None = None
@@ -463,6 +467,7 @@ class SGLangDouble:
                     if st.held and st.decoded >= st.hold and not counted:
                         self.holding += 1
                         counted = True
+                        self._flow.notify_all()
                 if k is not None:  # retracted at decode step k: continue once generation resumes
                     with self._flow:
                         self._flow.wait_for(lambda: self._paused is None or self._is_aborted(epoch, rids),
@@ -550,7 +555,7 @@ class SGLangDouble:
             need = waits[self._pause_calls] if self._pause_calls < len(waits) else 0
             self._pause_calls += 1
             if not self._flow.wait_for(lambda: self._admitted >= need, timeout=self.faults.pause_wait_s):
-                self.pause_waits_timed_out += 1
+                self.waits_timed_out += 1
             if self._paused is None:
                 self._pause_t = time.monotonic()
             self._paused = mode
@@ -733,6 +738,15 @@ class SGLangDouble:
         return base64.b64encode(data).decode("utf-8")
 
     def abort_request(self, body: dict) -> tuple[int, Any]:
+        need = self.faults.abort_all_waits_for_holding
+        if body.get("abort_all") and need:
+            with self._flow:
+                if self._flow.wait_for(lambda: self.holding >= need or not self.faults.abort_all_waits_for_holding,
+                                       timeout=self.faults.pause_wait_s):
+                    self.faults.abort_all_waits_for_holding = 0  # seen: later aborts go at once
+                    self._flow.notify_all()
+                else:
+                    self.waits_timed_out += 1
         with self._meta:
             if body.get("abort_all"):
                 self._abort_epoch += 1

@@ -206,8 +206,13 @@ def test_loop_with_partial_rollouts_carries_samples_over_pushes(tmp_path):
     # decoded, and no push met a generation): step 2's batch (requests 4-7: one per prompt, no
     # dynamic sampling) decodes 2 tokens and holds until an abort. The producer generates it while
     # step 1 trains, so the push after step 1 must interrupt it: its rows come back with 2 tokens
-    # and continue with the new weights.
-    with SGLangDouble(hf_dir, faults=Faults(hold_after_tokens=2, hold_from_request=4, hold_requests=4)) as server:
+    # and continue with the new weights. The double's generation competes with the trainer for
+    # the CPU: the push's abort waits until one of those requests holds (has its 2 tokens), else
+    # a step trained faster than the double generated would cut rows with no tokens (the delay
+    # fault makes step 2's requests 3 s late by construction).
+    faults = Faults(hold_after_tokens=2, hold_from_request=4, hold_requests=4, abort_all_waits_for_holding=1,
+                    delay_s=3.0, delay_after=4, delay_requests=4)
+    with SGLangDouble(hf_dir, faults=faults) as server:
         out = tmp_path / "run"
         args = double_run_args(hf_dir, out, steps, server.url, tmp_path / "sync", "rollout.prompts_per_step=4",
                                "rollout.samples_per_prompt=4", "train.minibatches_per_step=1", "rollout.async_steps=1",
@@ -215,6 +220,7 @@ def test_loop_with_partial_rollouts_carries_samples_over_pushes(tmp_path):
         r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
         assert r.returncode == 0, explain(r.stderr)
         aborts = len(server.calls("/abort_request"))
+        assert server.waits_timed_out == 0
     rows = [json.loads(x) for x in open(out / "metrics.jsonl") if '"gspo"' in x]
     assert [x["step"] for x in rows] == list(range(1, steps + 1))
     carried = [x["samples_carried"] for x in rows]
