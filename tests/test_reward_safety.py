@@ -70,6 +70,20 @@ def test_a_worker_process_that_ends_is_detected_and_only_its_call_fails():
         s.close()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,why", [("close_then_exit", "exited with status 0"),
+                                      ("close_then_hang", "stopped answering (its pipe broke)")])
+def test_a_worker_whose_pipe_breaks_is_reported_by_how_it_ended(kind, why):
+    """The trainer sees a worker's pipe break before the process is gone (an ending process
+    closes its files first): the reason must still say how it ended, not that it stopped answering
+    (by construction: the reward closes its files and ends 0.5 s later). A process that lives on
+    with its pipe closed is said to have stopped answering, and is stopped: the call does not
+    wait for it (reward.timeout_s is an hour; the process would sleep 10 minutes)."""
+    rewards, raised, errors = _score(1, [{}, {"raise": kind}, {}], timeout_s=3600.0)
+    assert rewards == [1.0, 0.0, 1.0] and raised == [False, True, False], errors
+    assert errors[1] == f"the reward worker process {why} during the call", errors
+
+
 def test_a_reward_module_that_exits_at_import_is_a_spec_error(tmp_path, monkeypatch):
     """Before: `except Exception` around the import let SystemExit(0) through: the trainer ended
     with status 0 while resolving reward.fn."""

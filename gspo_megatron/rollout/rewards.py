@@ -440,6 +440,14 @@ class RewardScorer:
                             errors[w.job] = val
                         w.job = None
                     continue  # a worker that ended after answering is seen on the next round
+                if lost:
+                    # an ending process closes its files before it can be reaped: the trainer can see
+                    # the pipe break first; give it a moment to be gone, to say how it ended. Polled:
+                    # join(timeout) blocks in waitpid once the sentinel reads EOF, and a process that
+                    # closed all its files (the sentinel's too) may live on (multiprocessing/popen_fork.py:36-43)
+                    gone_by = time.monotonic() + 2.0
+                    while w.proc.is_alive() and time.monotonic() < gone_by:
+                        time.sleep(0.01)
                 if lost or not w.proc.is_alive():
                     why = _exit_reason(w.proc) if not w.proc.is_alive() else "stopped answering (its pipe broke)"
                     if w.job is not None:
