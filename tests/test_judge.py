@@ -168,6 +168,20 @@ def test_misbehaving_judges_are_scored_errors_within_the_timeout(judge):
     assert seen[next(m for m in seen if "response 1\n" in m)] >= 2  # 500s were retried
 
 
+def test_a_deadline_after_a_server_error_still_names_the_server_error(judge):
+    """The first attempt gets HTTP 500, the retry no answer within the deadline: the sample's
+    reason names both, in order. Before, only the last: a timed-out retry hid the server's own
+    error, and test_misbehaving_judges_are_scored_errors_within_the_timeout could fail on a
+    loaded machine when its last, nearly budgetless, retry timed out."""
+    j = judge(lambda msg, n: ("status", 500) if n == 0 else ("sleep", 30.0))
+    s = JudgeScorer(_cfg(j.url, timeout_s=1.5, retries=1))
+    scores, raised = s(TEXTS[:1], EXAMPLES[:1])
+    e = s.last_errors[0]
+    assert raised == [True] and len(j.bodies) == 2, (raised, len(j.bodies))
+    assert "no answer within reward.judge.timeout_s=1.5 s (HTTP 500: " in e, e
+    assert "; then: " in e and "timed out" in e.split("; then: ", 1)[1], e
+
+
 def test_combined_rewards_are_weighted_counted_and_too_many_failures_stop_in_one_line(judge):
     j = judge(lambda msg, n: ("ok", "4") if "response 0" not in msg else ("status", 503))
     judge_s = JudgeScorer(_cfg(j.url, retries=0))

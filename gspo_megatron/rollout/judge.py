@@ -36,6 +36,20 @@ CHAT_ROUTE = "/v1/chat/completions"
 REQUEST_FIELDS = ("model", "messages", "max_tokens", "temperature")
 
 
+def _causes(causes: list[str]) -> str:
+    """The failed attempts' causes in order, a run of equal ones once with its count:
+    "HTTP 500: ... (x2); then: ... timed out ..."."""
+    if not causes:
+        return "no attempt"
+    runs: list[list] = []
+    for c in causes:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return "; then: ".join(c if k == 1 else f"{c} (x{k})" for c, k in runs)
+
+
 class JudgeScorer:
     """`scorer(texts, examples) -> (scores, raised)`; `last_errors` as RewardScorer's."""
 
@@ -92,7 +106,7 @@ class JudgeScorer:
         body = {**self.extra, "model": c.model, "messages": [{"role": "user", "content": self.render(text, example)}],
                 "max_tokens": c.max_tokens, "temperature": 0.0}
         deadline = time.monotonic() + c.timeout_s
-        last = "no attempt"
+        causes: list[str] = []  # every failed attempt's, in order: a late retry's timeout must not hide a 500
         for attempt in range(c.retries + 1):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -105,10 +119,10 @@ class JudgeScorer:
             try:
                 status, data = self.client.request_once("POST", CHAT_ROUTE, body, timeout_s=left)
             except RetryableHTTPError as e:
-                last = str(e).splitlines()[0] if str(e) else type(e).__name__
+                causes.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
                 continue
             if status == 429 or status >= 500:
-                last = f"HTTP {status}: {data[:120].decode('utf-8', 'replace')}"
+                causes.append(f"HTTP {status}: {data[:120].decode('utf-8', 'replace')}")
                 continue
             if status != 200:
                 return None, f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}"
@@ -122,7 +136,7 @@ class JudgeScorer:
                 return self.parse(content), None
             except ValueError as e:
                 return None, str(e)
-        return None, f"no answer within reward.judge.timeout_s={c.timeout_s:g} s ({last})"
+        return None, f"no answer within reward.judge.timeout_s={c.timeout_s:g} s ({_causes(causes)})"
 
     def __call__(self, texts: Sequence[str], examples: Sequence[dict]) -> tuple[list[float], list[bool]]:
         n = len(texts)
