@@ -28,6 +28,24 @@ def sleepy(response: str, example: dict) -> float:
     return 1.0
 
 
+def rendezvous(response: str, example: dict) -> float:
+    """Records its worker's pid in example["dir"], then returns 1.0 once example["peers"]
+    distinct processes have recorded theirs (a call in each of that many workers running at
+    once); raises after example["within"] seconds without them."""
+    import os
+    import time
+
+    d = example["dir"]
+    with open(os.path.join(d, f"{os.getpid()}.{time.monotonic_ns()}"), "w"):
+        pass
+    end = time.monotonic() + float(example["within"])
+    while len({f.split(".")[0] for f in os.listdir(d)}) < int(example["peers"]):
+        if time.monotonic() > end:
+            raise TimeoutError(f"fewer than {example['peers']} reward processes within {example['within']} s")
+        time.sleep(0.01)
+    return 1.0
+
+
 def always_raises(response: str, example: dict) -> float:
     raise KeyError("solution")
 

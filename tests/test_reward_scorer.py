@@ -42,16 +42,19 @@ def test_a_hung_inline_call_does_not_hold_the_process_at_exit():
     assert out.stdout.strip() == "([0.0, 1.0], [True, False])"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_worker_processes_score_in_parallel_and_a_hung_worker_is_replaced(tmp_path):
-    s = RewardScorer(SPEC, workers=2, timeout_s=20.0, max_error_frac=0.5)
+    """Parallel by construction: every call returns only once calls in 2 processes have run
+    (reward_fns.rendezvous; a scorer that ran them one at a time fails each after 60 s)."""
+    s = RewardScorer(("spec", "reward_fns:rendezvous"), workers=2, timeout_s=90.0, max_error_frac=0.5)
     try:
-        exs = [{"sleep": 0.5, "dir": str(tmp_path)} for _ in range(6)]
+        exs = [{"dir": str(tmp_path), "peers": 2, "within": 60} for _ in range(6)]
         rewards, raised = s(["x"] * 6, exs)
-        assert rewards == [1.0] * 6 and not any(raised)
+        assert rewards == [1.0] * 6 and not any(raised), s.last_errors
         pids = {f.split(".")[0] for f in os.listdir(tmp_path)}
         assert len(pids) == 2 and str(os.getpid()) not in pids  # two workers, not rank 0 itself
-        s.timeout_s = 1.0
+        s.close()
+        s = RewardScorer(SPEC, workers=2, timeout_s=1.0, max_error_frac=0.5)
         rewards, raised = s(["x"] * 3, [{"sleep": 0}, {"sleep": 3600}, {"sleep": 0}])
         assert rewards == [1.0, 0.0, 1.0] and raised == [False, True, False]
         assert s(["x"], [{"sleep": 0}]) == ([1.0], [False])  # the pool that held the hung call was replaced
