@@ -308,6 +308,13 @@ class SGLangDouble:
         self.stop()
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def arrived(self) -> int:
+        """/generate requests that reached generation (each has taken its abort epoch: an
+        /abort_request {abort_all} from now on ends it)."""
+        with self._meta:
+            return self._arrived
+
     def calls(self, path: str) -> list[Any]:
         with self._meta:
             return [r.body for r in self.records if r.path == path]

@@ -385,6 +385,47 @@ def test_never_ready_server_reports_its_status(model_dir):
             SGLangEngine({"urls": [d.url]}, **dict(FAST, ready_timeout_s=1.0))
 
 
+def test_not_ready_names_the_last_answer_when_a_later_probe_times_out():
+    """A server answers 503 (up, not ready), then its later probes get no answer within their
+    budget (the last probe has what is left of the wait): the error still says the server
+    answered 503. Before, only the last error (a timeout) was named, and
+    test_never_ready_server_reports_its_status could fail on a loaded machine."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from gspo_megatron.rollout.http_servers import EngineNotReadyError, ServerClient, wait_until_ready
+
+    gets, release = [], threading.Event()
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            gets.append(self.path)
+            if len(gets) > 1:
+                release.wait(60)  # later probes: no answer in time
+            self.send_response(503)
+            self.send_header("Content-Length", "7")
+            self.end_headers()
+            self.wfile.write(b"loading")
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        with pytest.raises(EngineNotReadyError) as e:
+            wait_until_ready([ServerClient(url)], 1.5, poll_s=0.1)
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()
+    msg = str(e.value)
+    assert len(gets) >= 2 and "not ready after 1.5 s" in msg and "last error: HTTP" not in msg, (gets, msg)
+    assert "last answer: HTTP 503: loading" in msg, msg
+
+
 def test_5xx_and_dropped_connections_are_retried_then_fail_naming_the_server(model_dir, prompts, monkeypatch, caplog):
     sp = SamplingParams(temperature=1.0, max_new_tokens=4)
     with start_double_and_engine(model_dir, **FAST) as (dbl, eng):
@@ -419,7 +460,7 @@ def test_5xx_and_dropped_connections_are_retried_then_fail_naming_the_server(mod
         # a request slower than request_timeout_s times out (bounded), then fails clearly
         eng.request_timeout_s = 0.3
         dbl.faults.delay_s, dbl.faults.delay_after = 30.0, 0
-        sent = len(dbl.calls("/generate"))
+        sent, arrived = len(dbl.calls("/generate")), dbl.arrived
         timeouts = []  # the timeout each /generate attempt is sent with
         real_request = ServerClient.request_once
 
@@ -441,17 +482,20 @@ def test_5xx_and_dropped_connections_are_retried_then_fail_naming_the_server(mod
         with pytest.raises(SGLangServerError, match=rf"{dbl.url}.*after 3 attempt.*timed out"):
             eng.generate(prompts[:1], 1, sp)
         monkeypatch.undo()
-        dbl.faults.delay_s = 0.0
         # bounded by the client's timeout: 3 attempts (max_retries=2), each waiting request_timeout_s;
-        # the server never finished any of them: they end only when aborted (the engine aborts on
-        # failure; abort once more to be sure), with finish_reason abort, not a 30-s-late generation
+        # the server never finished any of them: they end only when aborted, with finish_reason
+        # abort, not a 30-s-late generation. The engine aborts on failure, but on a loaded machine
+        # the double may take in the last attempt after that abort: once all 3 have, abort again
         assert timeouts == [0.3] * 3
-        assert len(dbl.calls("/generate")) - sent == 3
-        eng.abort()
         deadline = time.monotonic() + 60  # a hang bound, not a measurement
+        while dbl.arrived - arrived < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(dbl.calls("/generate")) - sent == 3 and dbl.arrived - arrived == 3
+        eng.abort()
         while len(answers) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert answers == [("abort",)] * 3, answers
+        dbl.faults.delay_s = 0.0
         dbl.generate = real_generate
         eng.request_timeout_s = 30.0
         assert len(eng.generate(prompts[:1], 1, sp)) == 1  # healthy again

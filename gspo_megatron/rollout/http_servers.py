@@ -394,6 +394,9 @@ def wait_until_ready(
     deadline = t0 + float(timeout_s)
     pending = list(range(len(clients)))
     last_err: dict[int, str] = {}
+    # the last non-200 answer: a later probe that times out (the last one has only what is left
+    # of the wait) must not hide that the server is up and answering (e.g. 503 while loading)
+    last_answer: dict[int, str] = {}
     while pending:
         for i in list(pending):
             if alive is not None:
@@ -411,14 +414,16 @@ def wait_until_ready(
             if status == 200:
                 pending.remove(i)
             else:
-                last_err[i] = f"HTTP {status}: {_snippet(data, 120)}"
+                last_err[i] = last_answer[i] = f"HTTP {status}: {_snippet(data, 120)}"
         if not pending:
             break
         if time.monotonic() >= deadline:
             i = pending[0]
             raise EngineNotReadyError(
                 f"{clients[i].label} {clients[i].url} not ready after {timeout_s:g} s "
-                f"(GET {path}; last error: {last_err.get(i, 'none')})"
+                f"(GET {path}; last error: {last_err.get(i, 'none')}"
+                + (f"; last answer: {last_answer[i]}" if last_answer.get(i, last_err.get(i)) != last_err.get(i) else "")
+                + ")"
                 + (f"; {len(pending) - 1} more server(s) not ready" if len(pending) > 1 else "")
             )
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
