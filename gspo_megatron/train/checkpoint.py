@@ -509,6 +509,7 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     from gspo_megatron.checkpoint.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
 
     from gspo_megatron.errors import CheckpointError
+    from gspo_megatron.train.optim import fuse_cpu_adam
 
     try:
         if require_checksums:  # a checkpoint without checksums.json: refused before anything is read
@@ -529,6 +530,7 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     if not _load_distributed_optimizer(optimizer, saved_optimizer, model_state, path, chunk_bytes, ctx.device):
         opt_state = optimizer_state(optimizer, model_state, is_loading=True)
         optimizer.load_state_dict(load_sharded({"optimizer": opt_state}, path)["optimizer"])
+    fuse_cpu_adam(optimizer, model)  # the Adam kernel is this run's choice, not the saved groups' (optim.py)
     scheduler.load_state_dict(trainer["scheduler"])
     saved, here = trainer["layout"], layout_of(ctx)
     rng = torch.load(_rng_path(path, ctx.rank), weights_only=True, map_location="cpu") \

@@ -43,7 +43,7 @@ def build_optimizer(opt_cfg, model, *, total_steps: int = 1, dtype=torch.float32
         initial_loss_scale=2.0 ** 16,
     )
     optimizer = get_megatron_optimizer(config, model)
-    fuse_cpu_adam(optimizer)
+    fuse_cpu_adam(optimizer, model)
     # Megatron builds an optimizer for every parameter-group kind any rank has (optimizer/__init__.py
     # all-gathers the keys), so a pipeline stage without MoE layers holds an expert optimizer with
     # no parameters; over torch's Adam its checkpoint step comes from these siblings
@@ -67,7 +67,7 @@ def build_optimizer(opt_cfg, model, *, total_steps: int = 1, dtype=torch.float32
     return optimizer, scheduler
 
 
-def fuse_cpu_adam(optimizer) -> int:
+def fuse_cpu_adam(optimizer, model) -> int:
     """CPU runtime: torch's fused AdamW kernel (one C++ pass over every tensor of a group)
     instead of the per-tensor Python loop torch picks for CPU tensors by default. Without
     Transformer Engine or Apex, Megatron builds torch.optim.AdamW (megatron/core/optimizer/
@@ -76,14 +76,22 @@ def fuse_cpu_adam(optimizer) -> int:
     (4.4 ms per update for the demo model; fused: 0.7 ms). The fused kernel is the same Adam; its
     results differ from the loop's in the last float32 bit (~1e-8). On GPU Megatron's TE/Apex
     FusedAdam is used and this changes nothing (it only touches torch Adam over CPU tensors).
-    Returns the number of param groups switched."""
+
+    The choice is the run's, by construction, never a checkpoint's: it is made from the model's
+    device (every chunk of `model`), so an optimizer holding no parameter on this rank (a pipeline
+    stage without MoE layers has an empty expert optimizer) is switched too, and checkpoint.load
+    calls this again after load_state_dict, which replaces every group key with the saved one
+    (torch/optim/optimizer.py load_state_dict, update_group). Before both, stage 0's empty expert
+    optimizer wrote unfused groups into the common state and stage 1's experts resumed on the
+    per-tensor loop: a resume differed from the uninterrupted run in the last bit of every
+    expert weight (tests/test_model_families.py, the stage-without-MoE resume). Returns the
+    number of param groups switched."""
+    if any(p.device.type != "cpu" for m in model for p in m.parameters()):
+        return 0
     n = 0
     for opt in inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam):  # AdamW is an Adam subclass in torch 2.x
-            continue
-        params = [p for g in inner.param_groups for p in g["params"]]
-        if not params or any(p.device.type != "cpu" for p in params):
             continue
         for g in inner.param_groups:
             if g.get("differentiable") or g.get("capturable"):
