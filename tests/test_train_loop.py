@@ -15,8 +15,9 @@ import torch
 from gspo_megatron import resolve
 from megatron_utils import dcp_tensors
 from run_output import explain
+from testlib import REPO, descendants as _descendants, train_pooled
+from testlib import run_env as _env, torchrun_cmd  # noqa: F401 - imported from here by other test files
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
 # A smaller variant for the resume test (the learning test uses the demo config unchanged).
 SMALL = ["train.max_steps=6", "train.sft_warmup_steps=4", "rollout.prompts_per_step=4",
@@ -24,21 +25,10 @@ SMALL = ["train.max_steps=6", "train.sft_warmup_steps=4", "rollout.prompts_per_s
          "logging.progress_bar=false", "logging.plot=false"]
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    return env
-
-
-def torchrun_cmd(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            "--standalone", "-m", "gspo_megatron.train", *args]  # torchrun binds a free port itself
-
-
-def run_train(out_dir, *overrides, nproc=2, timeout=900):
-    r = subprocess.run(torchrun_cmd(nproc, "--config", TINY, f"out_dir={out_dir}", *overrides),
-                       capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+def run_train(out_dir, *overrides, nproc=2, timeout=900, config=TINY):
+    """A training run of `config` + overrides that must succeed, in pooled ranks (testlib.train_pooled:
+    the trainer's own command-line main, without a torchrun launch per run)."""
+    r = train_pooled(nproc, "--config", config, f"out_dir={out_dir}", *overrides, timeout=timeout)
     assert r.returncode == 0, explain(r.stderr)
     return r
 
@@ -118,25 +108,6 @@ def _hf_tensors(d):
 
 # The default optimizer path at DP2: Megatron's distributed optimizer shards masters and moments.
 DP2_DISTOPT = ["parallel.tp=1", "parallel.sequence_parallel=false", "optimizer.use_distributed_optimizer=true"]
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children first-found order, deepest last), from /proc."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def kill9_after_checkpoint(out_dir, min_step: int, *overrides: str, timeout_s: float = 600) -> int:
