@@ -1,5 +1,6 @@
 """The calculator-agent example learns on CPU: launch/configs/tiny_cpu_agent.yaml as shipped
-(2 processes, TP2+SP, ~2.2 minutes quiet), held-out pass@1 after the warm start and at the end."""
+(2 ranks, TP2+SP, 80 warm-start + 300 GSPO steps), held-out pass@1 after the warm start, at step
+150 and at the end."""
 from __future__ import annotations
 
 import json
@@ -7,32 +8,39 @@ import os
 
 import pytest
 
-from test_train_loop import DEMO_EVAL, REPO, _env, gspo_rows, torchrun_cmd
-from run_output import explain
+from test_train_loop import DEMO_EVAL, REPO, gspo_rows, run_train
 
 AGENT = os.path.join(REPO, "launch", "configs", "tiny_cpu_agent.yaml")
+
+# What the run does differently from `make demo-agent`, none of it touching what is learned:
+# held-out evaluation (its own prompts and sampling seed, never the training RNG) only at steps 0,
+# 150 and 300 instead of every 25, checkpoints only at the end, no plot. The 300 GSPO steps are
+# ~75% of the run's time (0.3-0.65 s each); the 10 evaluations and 29 saves dropped were ~18 s.
+OVERRIDES = [*(x for x in DEMO_EVAL if not x.startswith("eval.interval=")), "eval.interval=150",
+             "checkpoint.interval=0", "logging.plot=false", "logging.progress_bar=false"]
 
 
 @pytest.mark.timeout(1500)
 def test_calculator_agent_learns_the_tool(tmp_path):
-    import subprocess
-
     with open(os.path.join(REPO, "Makefile")) as f:  # what `make demo-agent` runs
         assert "launch/configs/tiny_cpu_agent.yaml out_dir=runs/demo-agent $(DEMO_EVAL)" in f.read()
     out = tmp_path / "agent"
-    r = subprocess.run(torchrun_cmd(2, "--config", AGENT, f"out_dir={out}", *DEMO_EVAL, "logging.progress_bar=false"),
-                       capture_output=True, text=True, timeout=1480, env=_env(), cwd=REPO)
-    assert r.returncode == 0, explain(r.stderr)
+    run_train(out, *OVERRIDES, config=AGENT, timeout=1480)  # pooled ranks, the trainer's own main
     rows = gspo_rows(out)
     assert len(rows) == 300
     evals = [json.loads(x) for x in open(out / "metrics.jsonl") if '"eval"' in x]
-    assert [e["step"] for e in evals] == list(range(0, 301, 25))
+    assert [e["step"] for e in evals] == [0, 150, 300]
     p1 = [e["eval/heldout/pass@1"] for e in evals]
-    print("held-out pass@1:", p1)
+    print("held-out pass@1 at steps 0, 150, 300:", p1)
     # the warm start teaches the format; GSPO teaches the tool (call it with the question, copy
-    # its answer): >= 0.5 at the end, from at most half of that (measured in seven runs on two
-    # kernel sets: 0.06-0.12 after the warm start, 0.79-0.89 at step 300; at step 150 the same
-    # runs were anywhere in 0.25-0.68, too close to the bar)
+    # its answer): >= 0.5 at the end, from at most half of that. A frozen policy scores its step-0
+    # value again (same held-out prompts, same evaluation seed): 0.06-0.12 here. Measured: seven
+    # runs on two kernel sets, 0.06-0.12 after the warm start, 0.79-0.89 at step 300; with the
+    # current engine batching (independent of thread timing: the same pass@1 under any load) and
+    # AVX-512, 0.10 -> 0.78 -> 0.96 at steps 0/150/300 (six runs, load average 2-20), and with
+    # data.seed=1 0.10 -> 0.72 -> 0.78. At step 150 older runs ended anywhere in 0.25-0.68, too
+    # close to the bar to stop there. (Another train.seed can land past the warm start's sharp
+    # edge: train.seed=1 gave 0.40 at step 0 -> 0.91, so the step-0 bound holds for this seed.)
     assert p1[-1] >= 0.5 and p1[0] <= p1[-1] / 2, p1
     # every session called the tool: two policy turns around it, no agent failed
     assert all(x["agent_errors"] == 0 and x["env_tokens"] > 0 for x in rows)
