@@ -177,6 +177,24 @@ def test_dead_or_reused_pid_in_this_namespace_is_taken_over(tmp_path, caplog):
         child.wait(timeout=60)
 
 
+def test_a_killed_owner_not_yet_reaped_is_taken_over(tmp_path, caplog):
+    """A run killed with kill -9 whose parent has not reaped it yet (a zombie: its pid and start
+    time are still in /proc, os.kill(pid, 0) succeeds) holds no file and never writes again: its
+    lock is taken over. Before: refused as "in use by another run" until something reaped it (a
+    torchrun killed first leaves its ranks to an init that may reap late; found when a resume
+    right after kill -9 stopped in one line)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while runlock._read_text(f"/proc/{child.pid}/stat").rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.05)  # a poll interval: the state is the condition
+    try:
+        write_lock(tmp_path, a_holder(pid=child.pid, pid_start=runlock._start_time(child.pid)))
+        assert f"its process {child.pid} on this host is gone" in _taken_over(tmp_path, caplog)
+    finally:
+        child.wait(timeout=60)
+
+
 def test_another_srun_step_of_the_same_job_is_not_taken_over(tmp_path, monkeypatch, caplog):
     """Before: any lock of the same Slurm job was taken as left by a requeue, so a second `srun`
     step of a running job took over from the first."""

@@ -80,13 +80,21 @@ def _owner() -> dict:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` is a running process here. A zombie (killed or exited, not yet reaped by its
+    parent: state Z, or X while it goes) is not: it holds no file and never writes again, yet
+    os.kill(pid, 0) succeeds on it. A run killed with kill -9 under torchrun stays one until its
+    new parent, init, reaps it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, another user's
-        return True
-    return True
+        pass
+    stat = _read_text(f"/proc/{pid}/stat")
+    try:
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (AttributeError, IndexError):
+        return True  # no /proc: os.kill's answer
 
 
 def _same_namespace(holder: dict, me: dict) -> bool:
