@@ -143,7 +143,21 @@ def _main_rank(rank, world, module, argv, env, cwd):
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
+    if rc != 0:
+        # as torchrun does: a rank that exits non-zero stops the job. Raised, the pool stops waiting
+        # for the other ranks (which may wait for this one in a rendezvous or a collective forever)
+        # and discards them; main_pooled reads the status and streams back from the message.
+        import json
+
+        raise _RankExit(_EXIT_MARK + json.dumps([rank, rc, out.getvalue(), err.getvalue()]))
     return rc, out.getvalue(), err.getvalue()
+
+
+_EXIT_MARK = "gspo-pooled-rank-exit:"
+
+
+class _RankExit(Exception):
+    pass
 
 
 def main_pooled(module: str, nproc: int, *argv: str, timeout: float = 900, env: dict | None = None,
@@ -157,9 +171,18 @@ def main_pooled(module: str, nproc: int, *argv: str, timeout: float = 900, env: 
     # what a launched child inherits: this process's environment now (a test's monkeypatch.setenv
     # included), less torchrun's variables (the pool sets its own), plus `env`
     env = run_env(**(env or {}))
-    results = run_distributed(_main_rank, nproc, module, list(argv), env, cwd, timeout=timeout)
-    rc = next((r[0] for r in results if r[0] != 0), 0)
-    return PooledRun(rc, "".join(r[1] for r in results), "".join(r[2] for r in results))
+    try:
+        results = run_distributed(_main_rank, nproc, module, list(argv), env, cwd, timeout=timeout)
+    except RuntimeError as e:
+        text = str(e)
+        if _EXIT_MARK not in text:
+            raise
+        import json
+
+        line = text[text.index(_EXIT_MARK) + len(_EXIT_MARK):].splitlines()[0]
+        _, rc, out, err = json.loads(line)
+        return PooledRun(rc, out, err)
+    return PooledRun(0, "".join(r[1] for r in results), "".join(r[2] for r in results))
 
 
 def train_pooled(nproc: int, *argv: str, **kw) -> PooledRun:
