@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 from typing import Any, Callable
 
@@ -28,10 +27,7 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 300
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from testlib import free_port  # noqa: E402,F401 - one copy (tests/testlib.py); imported from here too
 
 
 def _cpu_imports() -> None:

@@ -8,7 +8,8 @@ bench_checkpoint and bench_data run one after the other (their own tests below).
 (SMOKES) are started together by one module fixture, a few at a time: most of each is process
 start-up (torch + Megatron imports, ~7 s of CPU per process) and waits, which overlap; each bench
 then has its own test on the fixture's output. Elsewhere: bench_dataplane --smoke runs in
-tests/test_dataplane.py, bench_convert and gpu_check in their own tests; bench_vllm --smoke and
+tests/test_dataplane.py, bench_convert and gpu_check in their own tests, test_map and slowest_tests (the
+suite's own tools, issue 51) below on generated inputs; bench_vllm --smoke and
 bench_judge --smoke need a vLLM server and run against the one tests/test_vllm.py starts (--url). bench_trainer runs as the
 step-cost regression guard (--guard), alone: it compares CPU time with a reference arm."""
 from __future__ import annotations
@@ -157,9 +158,35 @@ def _close(printed: float, value: float, decimals: int, rel: float = 0.0) -> boo
 def test_smokes_all_ran():
     """Every script in bench/ has a smoke run somewhere (here, or the test named in the docstring)."""
     elsewhere = {"bench_checkpoint.py", "bench_data.py", "bench_dataplane.py", "bench_convert.py", "gpu_check.py",
-                 "bench_vllm.py", "bench_judge.py", "bench_trainer.py", "common.py"}
+                 "bench_vllm.py", "bench_judge.py", "bench_trainer.py", "common.py", "test_map.py", "slowest_tests.py"}
     scripts = {f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
     assert scripts - elsewhere == set(SMOKES), scripts - elsewhere ^ set(SMOKES)
+
+
+@pytest.mark.timeout(300)
+def test_test_map_smoke(tmp_path):
+    """bench/test_map.py on a generated git repository: a test dropped without a table entry is
+    unmapped (exit 1), with its entry every old id is accounted for (exit 0), an entry naming a
+    test that does not exist is stale (exit 1)."""
+    workdir = str(tmp_path / "w")
+    out = _run("test_map.py", workdir, timeout=240)
+    _row(out, r"^case\s+exit\s+expected\s+old\s+kept\s+moved\s+unmapped\s+new\s+verdict$")
+    for case, rc, counts in (("missing entry", 1, "9 1 7 1 6"), ("complete", 0, "9 1 8 0 6"),
+                             ("stale entry", 1, "9 1 7 1 6")):
+        row = _row(out, rf"^{case}\s+\d")[len(case.split()):]
+        assert row == [str(rc), str(rc), *counts.split(), "ok"], row
+    assert _left_nothing(workdir), os.listdir(workdir)
+
+
+def test_slowest_tests_smoke(tmp_path):
+    """bench/slowest_tests.py on a generated JUnit XML and --durations log, into a scratch README."""
+    workdir = str(tmp_path / "w")
+    out = _run("slowest_tests.py", workdir, timeout=120)
+    _row(out, r"^input\s+tests\s+rows\s+files\s+verdict$")
+    for kind in ("junit", "durations"):
+        assert _row(out, rf"^{kind}\s")[1:] == ["30", "20", "4", "ok"], out
+    assert _row(out, r"^no temp file\s")[-1] == "ok", out
+    assert _left_nothing(workdir), os.listdir(workdir)
 
 
 @pytest.mark.timeout(1200)

@@ -41,6 +41,7 @@ from gspo_megatron.rollout.tokenizer import build_tokenizer
 from gspo_megatron.rollout.weight_sync import iter_buckets
 
 from dist_utils import with_free_port
+from testlib import free_port
 from sglang_double import Faults, SGLangDouble, start_double_and_engine, teacher_forced_logprobs
 
 DOUBLE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_double.py")
@@ -270,7 +271,7 @@ def test_launch_and_distributed_sync_over_gloo(model_dir, prompts, model_a, mode
          "bucket_mb": 0.05, "api_key": "k3y", "extra_args": ["--dtype", "float32"]},
         server_command=[sys.executable, DOUBLE_SCRIPT], log_dir=str(tmp_path / "logs"),
         server_env={"OMP_NUM_THREADS": "1"}, **dict(FAST, ready_timeout_s=90.0),
-    ), free=_free_port)
+    ), free=free_port)
     port = int(eng.servers[0].url.rsplit(":", 1)[1])
     proc = eng.procs.procs[0]
     try:
@@ -373,7 +374,7 @@ def test_launched_servers_do_not_outlive_a_killed_trainer(tmp_path):
 
 # ------------------------------------------------------------------------------ faults
 def test_server_down_at_start_times_out_clearly():
-    url = f"http://127.0.0.1:{_free_port()}"  # nobody listens
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens
     # bounded: the readiness timeout raised (its message), naming the connection failure
     with pytest.raises(SGLangNotReadyError, match=rf"{url} not ready after 1.5 s .*last error: .*Connection refused"):
         SGLangEngine({"urls": [url]}, **dict(FAST, ready_timeout_s=1.5))
@@ -634,7 +635,7 @@ def test_stop_kills_a_server_that_ignores_sigterm(tmp_path):
 def test_launched_server_that_dies_or_never_gets_ready(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # must not reach the servers
     base = dict(model_path=str(tmp_path), command=[sys.executable, DOUBLE_SCRIPT], log_dir=str(tmp_path / "logs"))
-    dying = ServerProcesses(LaunchSpec(port=_free_port(), extra_args=["--double-exit-code", "3"], **base))
+    dying = ServerProcesses(LaunchSpec(port=free_port(), extra_args=["--double-exit-code", "3"], **base))
     dying.start()
     # the death is reported as such (not "not ready after 60 s"): noticed, not waited out
     with pytest.raises(SGLangNotReadyError, match=r"exited with code 3 before becoming ready(.|\n)*exiting as asked") as e:
@@ -645,7 +646,7 @@ def test_launched_server_that_dies_or_never_gets_ready(tmp_path, monkeypatch):
     dying.stop()
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB=None" in open(dying.log_paths[0]).read()
 
-    port = _free_port()
+    port = free_port()
     with pytest.raises(SGLangNotReadyError, match=rf"127.0.0.1:{port} not ready after 3 s"):
         _never_ready_engine(tmp_path, port)
 
@@ -671,12 +672,6 @@ def _never_ready_engine(tmp_path, port):
         ServerProcesses.start = orig
         for g in started:
             assert all(p.poll() is not None for p in g.procs)  # stopped on the failed start
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ real SGLang (GPU)
@@ -734,7 +729,7 @@ def test_real_sglang_logprobs_and_weight_sync(mode, tmp_path, tok):
         extra.append("--enable-memory-saver")
     eng = with_free_port(lambda port: SGLangEngine(
         {"launch": True, "model_path": str(d), "port": port, "weight_sync": mode, "mem_fraction": 0.3,
-         "shared_dir": str(tmp_path / "sync"), "extra_args": extra, "ready_timeout_s": 600}), free=_free_port)
+         "shared_dir": str(tmp_path / "sync"), "extra_args": extra, "ready_timeout_s": 600}), free=free_port)
     try:
         ps = [tok.encode("12+34="), tok.encode("hello")]
         sp = SamplingParams(temperature=TEMPERATURE_GPU, max_new_tokens=8)
@@ -1081,7 +1076,7 @@ def test_launched_servers_get_the_routing_flag(model_dir, prompts, model_a, tmp_
         {"launch": True, "model_path": model_dir, "port": port, "extra_args": ["--dtype", "float32"]},
         server_command=[sys.executable, DOUBLE_SCRIPT], log_dir=str(tmp_path / "logs"),
         server_env={"OMP_NUM_THREADS": "1"}, return_routing=True, **dict(FAST, ready_timeout_s=90.0),
-    ), free=_free_port)
+    ), free=free_port)
     try:
         assert "--enable-return-routed-experts" in eng.procs.spec.argv(0)
         with open(eng.procs.log_paths[0]) as f:

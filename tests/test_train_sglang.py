@@ -4,14 +4,14 @@ update_weights_from_disk). Two trainer processes (TP2+SP) on CPU."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
 
 from dist_utils import with_free_port
 from sglang_double import SGLangDouble, sglang_overrides
-from test_train_loop import REPO, TINY, _env, gspo_rows, torchrun_cmd
+from test_train_loop import REPO, TINY, gspo_rows
+from testlib import train_pooled
 from run_output import explain
 
 STEPS = 3
@@ -95,7 +95,7 @@ def test_training_loop_with_sglang_disk_sync(tmp_path, family):
                 "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=true",
                 *(["train.routing_replay=rollout"] if r3 else []),
                 *sglang_overrides(server.url, weight_sync="disk", shared_dir=shared)]
-        r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+        r = train_pooled(2, *args, timeout=560)
         assert r.returncode == 0, explain(r.stderr)
         records = list(server.records)
         served_weights = {k: t.get().detach().clone() for k, t in hub_weight_targets(server.engine.model).items()}
@@ -148,22 +148,10 @@ def test_training_loop_with_sglang_disk_sync(tmp_path, family):
 
 def _two_free_ports() -> int:
     """A base port p with p and p + 1 free now (the doubles bind them themselves; a collision
-    in between is retried by with_free_port)."""
-    import socket
+    in between is retried by with_free_port): testlib.vllm_port's choice, below the ephemeral range."""
+    from testlib import vllm_port
 
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            if p >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                except OSError:
-                    continue
-            return p
-    raise RuntimeError("no two consecutive free ports")
+    return vllm_port()
 
 
 @pytest.mark.timeout(600)
@@ -186,8 +174,7 @@ def test_colocated_engines_release_train_resume_push_every_step(tmp_path):
 
     def launch(port):  # the servers bind port and port + 1: retried with fresh ones if either was taken
         used.append(port)
-        return subprocess.run(torchrun_cmd(2, *args(port)), capture_output=True, text=True, timeout=560, env=_env(),
-                              cwd=REPO)
+        return train_pooled(2, *args(port), timeout=560)
 
     args = lambda port: ["--config", TINY, f"out_dir={out}", f"model.hf_dir={hf_dir}", "model.hf_config=null",
             f"train.max_steps={STEPS}", "train.sft_warmup_steps=0", "checkpoint.interval=0",
@@ -259,7 +246,7 @@ def test_async_pushes_land_mid_generation_without_waiting(tmp_path):
                 "logging.progress_bar=false", "logging.plot=false", "checkpoint.export_hf=false",
                 "rollout.async_steps=1", "rollout.dynamic_sampling=false",
                 *sglang_overrides(server.url, weight_sync="disk", shared_dir=str(tmp_path / "sync"))]
-        r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+        r = train_pooled(2, *args, timeout=560)
         assert r.returncode == 0, explain(r.stderr)
         records = list(server.records)
         assert server.waits_timed_out == 0
@@ -303,7 +290,7 @@ def test_a_refit_that_serves_other_weights_stops_the_run_in_one_line(tmp_path):
         args = double_run_args(hf_dir, out, 4, server.url, tmp_path / "sync", "rollout.prompts_per_step=2",
                                "rollout.samples_per_prompt=2", "rollout.verify_weights=true",
                                "rollout.verify_logprob_tol=1e-4")
-        r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+        r = train_pooled(2, *args, timeout=560)
         records = list(server.records)
     probes = [x for x in records if x.path == "/generate" and x.body.get("logprob_start_len") == 0]
     updates = [x for x in records if x.path == "/update_weights_from_disk"]
@@ -340,7 +327,7 @@ def test_icepop_masks_exactly_the_tokens_an_engine_got_wrong(tmp_path):
         args = double_run_args(hf_dir, out, STEPS, server.url, tmp_path / "sync", "rollout.dynamic_sampling=false",
                                "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "loss.icepop=[0.5,5.0]",
                                "loss.old_logprobs=recompute")
-        r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+        r = train_pooled(2, *args, timeout=560)
         assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
