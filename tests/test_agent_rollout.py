@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 
@@ -305,12 +304,12 @@ AGENT_RUN = ["train.max_steps=3", "train.sft_warmup_steps=0", "rollout.prompts_p
 
 
 def _agent_train(tmp_path, name, agent, *extra):
-    from test_train_loop import REPO, TINY, _env, gspo_rows, torchrun_cmd
+    from test_train_loop import TINY, gspo_rows
+    from testlib import train_pooled
 
     out, log = tmp_path / name, tmp_path / f"{name}.agent.jsonl"
-    env = dict(_env(), AGENT_LOG=str(log))
-    r = subprocess.run(torchrun_cmd(2, "--config", TINY, f"out_dir={out}", f"rollout.agent=tests.agent_fns:{agent}",
-                                    *AGENT_RUN, *extra), capture_output=True, text=True, timeout=560, env=env, cwd=REPO)
+    r = train_pooled(2, "--config", TINY, f"out_dir={out}", f"rollout.agent=tests.agent_fns:{agent}",
+                     *AGENT_RUN, *extra, timeout=560, env={"AGENT_LOG": str(log)})
     assert r.returncode == 0, explain(r.stderr)
     sessions = [json.loads(x) for x in open(log)]
     return gspo_rows(out), sessions

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -221,7 +220,8 @@ def test_a_judge_drives_training_and_its_failures_are_counted(judge, tmp_path):
     the judge scores by the response's length, one request in five answers HTTP 500 (retries 0:
     an error). Every row logs reward_judge_mean and judge_errors; the errors equal the 500s the
     stand-in sent; the run finishes."""
-    from test_train_loop import _env, gspo_rows, torchrun_cmd
+    from test_train_loop import gspo_rows
+    from testlib import train_pooled
 
     def behave(msg, n):
         if n % 5 == 4:
@@ -235,7 +235,7 @@ def test_a_judge_drives_training_and_its_failures_are_counted(judge, tmp_path):
             "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false", "eval.interval=0",
             f"reward.judge.url={j.url}", "reward.judge.retries=0", "reward.judge.timeout_s=20",
             "reward.fn_weight=0.5", "reward.max_error_frac=0.9"]
-    r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=500, env=_env(), cwd=REPO)
+    r = train_pooled(2, *args, timeout=500)
     assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3]

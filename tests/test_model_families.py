@@ -20,6 +20,7 @@ import torch
 from dist_utils import run_distributed
 from megatron_utils import FAMILIES, dcp_tensors, make_tiny_hf, tiny_glm_config
 from run_output import explain
+from testlib import train_pooled
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLM_TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu_glm.yaml")
@@ -192,17 +193,14 @@ def test_glm_rollout_routing_replay_forces_the_engines_experts(tmp_path):
     uses the engine's experts (agreement exactly 1; the dense layer's zero rows are never read).
     Measured: 0.995 / 0.989 without replay, 1.0 / 1.0 with it. Before, the engine refused
     return_routing for a model with a dense layer."""
-    import subprocess
-
-    from test_train_loop import _env, gspo_rows, torchrun_cmd
+    from test_train_loop import gspo_rows
 
     def run(name, *extra):
         out = tmp_path / name
-        r = subprocess.run(torchrun_cmd(2, "--config", GLM_TINY, f"out_dir={out}", "train.max_steps=2",
-                                        "train.sft_warmup_steps=0", "model.dtype=bfloat16", "checkpoint.interval=0",
-                                        "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
-                                        "reward.fn=tests.reward_fns:response_length", *extra),
-                           capture_output=True, text=True, timeout=280, env=_env(), cwd=REPO)
+        r = train_pooled(2, "--config", GLM_TINY, f"out_dir={out}", "train.max_steps=2",
+                         "train.sft_warmup_steps=0", "model.dtype=bfloat16", "checkpoint.interval=0",
+                         "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
+                         "reward.fn=tests.reward_fns:response_length", *extra, timeout=280)
         assert r.returncode == 0, explain(r.stderr)
         return gspo_rows(out)
 
@@ -221,17 +219,15 @@ def test_the_glm_demo_learns_the_task(tmp_path):
     the warm start, GSPO raises held-out pass@1 on a task seed the training never sees (measured
     0.180 after the warm start -> 0.312 at step 50 -> 0.336 at step 100); the export is the same
     GLM architecture and the checkpoint resumes at another layout."""
-    import subprocess
     import sys
 
-    from test_train_loop import _env, gspo_rows, torchrun_cmd
+    from test_train_loop import gspo_rows
 
     out = tmp_path / "glm"
     steps = 100
-    r = subprocess.run(torchrun_cmd(2, "--config", GLM_TINY, f"out_dir={out}",
-                                    "eval.interval=50", "eval.num_prompts=64", "eval.samples_per_prompt=4",
-                                    "logging.progress_bar=false", "logging.plot=false", "checkpoint.interval=0"),
-                       capture_output=True, text=True, timeout=840, env=_env(), cwd=REPO)
+    r = train_pooled(2, "--config", GLM_TINY, f"out_dir={out}",
+                     "eval.interval=50", "eval.num_prompts=64", "eval.samples_per_prompt=4",
+                     "logging.progress_bar=false", "logging.plot=false", "checkpoint.interval=0", timeout=840)
     assert r.returncode == 0, explain(r.stderr)
     assert sys.executable
     rows = gspo_rows(out)
@@ -251,11 +247,10 @@ def test_the_glm_demo_learns_the_task(tmp_path):
     assert exported == arch_from_hf_dict(hf_config_dict(load_config(GLM_TINY, [])))
     # its end-of-run checkpoint resumes at another layout (EP2: resharded) and trains on
     res = tmp_path / "resumed"
-    r = subprocess.run(torchrun_cmd(2, "--config", GLM_TINY, f"out_dir={res}", "train.max_steps=101",
-                                    f"checkpoint.resume={out / 'checkpoints'}", "parallel.tp=1",
-                                    "parallel.sequence_parallel=false", "parallel.ep=2", "checkpoint.interval=0",
-                                    "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false"),
-                       capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
+    r = train_pooled(2, "--config", GLM_TINY, f"out_dir={res}", "train.max_steps=101",
+                     f"checkpoint.resume={out / 'checkpoints'}", "parallel.tp=1",
+                     "parallel.sequence_parallel=false", "parallel.ep=2", "checkpoint.interval=0",
+                     "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false", timeout=600)
     assert r.returncode == 0, explain(r.stderr)
     assert "resumed from" in r.stderr and "resharding" in r.stderr
     assert [x["step"] for x in gspo_rows(res)] == [101]
@@ -269,9 +264,7 @@ def test_a_stage_without_moe_layers_saves_and_resumes_bit_identically(tmp_path):
     sweep's GLM x PP2 cells). 2 steps, saved, resumed to 4 at PP2: the rows of steps 3 and 4 equal the
     uninterrupted run's (the expert optimizer resumes at the right Adam step on stage 1, from the
     common state stage 0 wrote)."""
-    import subprocess
-
-    from test_train_loop import _env, gspo_rows, torchrun_cmd
+    from test_train_loop import gspo_rows
 
     common = ["--config", GLM_TINY, "parallel.tp=1", "parallel.sequence_parallel=false", "parallel.pp=2",
               "train.sft_warmup_steps=0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
@@ -279,8 +272,7 @@ def test_a_stage_without_moe_layers_saves_and_resumes_bit_identically(tmp_path):
               "checkpoint.interval=0", "train.max_steps=4", "optimizer.lr_decay_style=constant"]
 
     def run(out, *extra):
-        r = subprocess.run(torchrun_cmd(2, *common, f"out_dir={out}", *extra), capture_output=True, text=True,
-                           timeout=600, env=_env(), cwd=REPO)
+        r = train_pooled(2, *common, f"out_dir={out}", *extra, timeout=600)
         assert r.returncode == 0, explain(r.stderr)
         return gspo_rows(out)
 

@@ -192,10 +192,8 @@ def test_sglang_engine_interrupt_cuts_running_requests(tok, tmp_path):
 @pytest.mark.timeout(600)
 def test_loop_with_partial_rollouts_carries_samples_over_pushes(tmp_path):
     import json
-    import subprocess
-
     from sglang_double import SGLangDouble
-    from test_train_loop import REPO, _env, torchrun_cmd
+    from testlib import train_pooled
     from test_train_sglang import _tiny_hf_dir, double_run_args
 
     from sglang_double import Faults
@@ -217,7 +215,7 @@ def test_loop_with_partial_rollouts_carries_samples_over_pushes(tmp_path):
         args = double_run_args(hf_dir, out, steps, server.url, tmp_path / "sync", "rollout.prompts_per_step=4",
                                "rollout.samples_per_prompt=4", "train.minibatches_per_step=1", "rollout.async_steps=1",
                                "rollout.partial=true", "rollout.dynamic_sampling=false")
-        r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=560, env=_env(), cwd=REPO)
+        r = train_pooled(2, *args, timeout=560)
         assert r.returncode == 0, explain(r.stderr)
         aborts = len(server.calls("/abort_request"))
         assert server.waits_timed_out == 0

@@ -7,20 +7,17 @@ import os
 
 import pytest
 
-from test_train_loop import REPO, _env, torchrun_cmd
+from testlib import REPO, train_pooled
 from run_output import explain
 
 SCALED = os.path.join(REPO, "launch", "configs", "qwen3_30b_a3b_cpu_scaled.yaml")
 
 
 def _run(out, *overrides):
-    import subprocess
-
     # A length reward gives a random-init policy non-zero advantages, so every step has a real
     # policy gradient (the preset's own task reward is 0 everywhere before any training).
-    r = subprocess.run(torchrun_cmd(2, "--config", SCALED, f"out_dir={out}", "reward.fn=tests.reward_fns:response_length",
-                                    *overrides),
-                       capture_output=True, text=True, timeout=280, env=_env(), cwd=REPO)
+    r = train_pooled(2, "--config", SCALED, f"out_dir={out}", "reward.fn=tests.reward_fns:response_length",
+                     *overrides, timeout=280)
     assert r.returncode == 0, explain(r.stderr)
     return r, [json.loads(line) for line in open(out / "metrics.jsonl") if '"gspo"' in line]
 

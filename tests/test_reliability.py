@@ -17,6 +17,7 @@ import torch
 
 from gspo_megatron.train.metrics import wall_clock
 from run_output import explain
+from testlib import train_pooled
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -32,9 +33,10 @@ def _env():
     return env
 
 
-def train(out, *overrides, ok=True, timeout=300):
-    r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE,
-                        *overrides], capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+def train(out, *overrides, ok=True, timeout=300, env=None):
+    """A one-process run (`python -m gspo_megatron.train`), by its own main in a pooled process
+    (testlib.train_pooled); the signal, kill and ulimit tests below launch real processes."""
+    r = train_pooled(1, "--config", TINY, f"out_dir={out}", *BASE, *overrides, timeout=timeout, env=env)
     if ok:
         assert r.returncode == 0, explain(r.stderr)
     else:
@@ -296,6 +298,7 @@ def test_a_non_finite_step_is_skipped_and_nothing_non_finite_is_saved(tmp_path):
 
     out = tmp_path / "run"
     env_nan = dict(os.environ, NAN_ADVANTAGE_STEPS="2")
+    # a real process: tests/nonfinite_fns.py patches the loop for the life of the process it runs in
     r = subprocess.run([sys.executable, "-m", "gspo_megatron.train", "--config", TINY, f"out_dir={out}", *BASE,
                         "train.max_steps=3", "reward.fn=tests.nonfinite_fns:poisoned", "reward.workers=0"],
                        capture_output=True, text=True, timeout=500, env={**_env(), **env_nan}, cwd=REPO)

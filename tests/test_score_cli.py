@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,16 +14,12 @@ from run_output import explain
 CLI_TIMEOUT_S = 180
 
 
-def _clean_env(**extra) -> dict:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", **extra)
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    return env
-
-
 def run_score(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "gspo_megatron.score", *args], capture_output=True, text=True,
-                          timeout=CLI_TIMEOUT_S, env=_clean_env(), cwd=cwd)
+    """`python -m gspo_megatron.score args`, run by its own main in a pooled process (testlib.main_pooled;
+    the real launch under torchrun: tests/test_converters.py test_cli_under_torchrun)."""
+    from testlib import REPO, main_pooled
+
+    return main_pooled("gspo_megatron.score", 1, *args, timeout=CLI_TIMEOUT_S, cwd=cwd or REPO)
 
 
 @pytest.fixture(scope="module")
@@ -165,10 +159,9 @@ def test_unsupported_qwen_variants_are_rejected():
 
 
 def run_score_torchrun(nproc, *args):
+    from testlib import main_pooled
 
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                           "--standalone", "-m", "gspo_megatron.score", *args],
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=_clean_env(OMP_NUM_THREADS="1"))
+    return main_pooled("gspo_megatron.score", nproc, *args, timeout=CLI_TIMEOUT_S)
 
 
 @pytest.mark.timeout(400)

@@ -189,6 +189,3 @@ def train_pooled(nproc: int, *argv: str, **kw) -> PooledRun:
     """`torchrun --nproc-per-node nproc -m gspo_megatron.train argv`, in pooled ranks."""
     return main_pooled("gspo_megatron.train", nproc, *argv, **kw)
 
-
-def _train_rank(rank, world, argv, env, cwd):  # TEMP: runs started before the rename
-    return _main_rank(rank, world, "gspo_megatron.train", argv, env, cwd)
