@@ -99,6 +99,7 @@ _POOLS: dict[int, "_Pool"] = {}  # world size -> live ranks of this pytest proce
 # Process groups that gloo tore down keep their "gloo_tcp_loop" threads, which poll: a pooled rank
 # with hundreds of them burns the CPU the next tests need, so it is replaced beyond this count.
 MAX_POOLED_THREADS = 150
+FAILURE_GRACE_S = 10.0  # after a rank fails, how long the others may still report (see _Pool.run)
 
 
 def _threads(pid: int) -> int:
@@ -169,6 +170,8 @@ class _Pool:
             while len(results) + len(errors) < self.world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if errors:
+                        break  # the grace after a failure is over: the others hang or are slow
                     raise TimeoutError(f"distributed test timed out after {timeout}s ({len(results)} ranks done)")
                 try:
                     rank, ok, out = self.results.get(timeout=min(remaining, 5.0))
@@ -180,13 +183,17 @@ class _Pool:
                     results[rank] = pickle.loads(out)
                 else:
                     errors.append(f"rank {rank}:\n{out}")
-                    break  # other ranks may now hang in a collective: the pool is discarded below
+                    # the other ranks may now hang in a collective (the pool is discarded below),
+                    # or be about to fail as well, with their own output: as torchrun gives its
+                    # other workers a moment after the first failure, take what they report within
+                    # FAILURE_GRACE_S (e.g. the one error line only rank 0 prints)
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         except BaseException:
             self.close()
             raise
         if errors:
             self.close()
-            raise RuntimeError("\n".join(errors))
+            raise RuntimeError("\n".join(sorted(errors, key=lambda e: int(e.split(":", 1)[0].split()[1]))))
         if max(_threads(p.pid) for p in self.procs) > MAX_POOLED_THREADS:
             self.close()  # gloo leaves a polling thread per destroyed group behind: start afresh
         return [results[r] for r in range(self.world_size)]

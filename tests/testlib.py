@@ -174,15 +174,23 @@ def main_pooled(module: str, nproc: int, *argv: str, timeout: float = 900, env: 
     try:
         results = run_distributed(_main_rank, nproc, module, list(argv), env, cwd, timeout=timeout)
     except RuntimeError as e:
-        text = str(e)
-        if _EXIT_MARK not in text:
+        run = pooled_exit(str(e))
+        if run is None:
             raise
-        import json
-
-        line = text[text.index(_EXIT_MARK) + len(_EXIT_MARK):].splitlines()[0]
-        _, rc, out, err = json.loads(line)
-        return PooledRun(rc, out, err)
+        return run
     return PooledRun(0, "".join(r[1] for r in results), "".join(r[2] for r in results))
+
+
+def pooled_exit(text: str) -> PooledRun | None:
+    """The PooledRun of a pool failure's message, when ranks exited non-zero (else None): every
+    rank that did so within the pool's grace (dist_utils.FAILURE_GRACE_S), in rank order, the
+    status of the lowest and the streams of all (torchrun shows them all)."""
+    if _EXIT_MARK not in text:
+        return None
+    import json
+
+    exits = sorted(json.loads(part.splitlines()[0]) for part in text.split(_EXIT_MARK)[1:])
+    return PooledRun(exits[0][1], "".join(x[2] for x in exits), "".join(x[3] for x in exits))
 
 
 def train_pooled(nproc: int, *argv: str, **kw) -> PooledRun:
