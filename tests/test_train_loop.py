@@ -226,6 +226,38 @@ def test_sft_warm_start_survives_the_first_gspo_step_with_bf16_params(tmp_path):
     assert dist(step, warm) < 1e-3 * moved, (dist(step, warm), moved)  # and a tiny GSPO step kept them
 
 
+def _left_in_the_process(rank, world):
+    """What of a finished run is still alive in this (pooled) rank, after two collections."""
+    import gc
+
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    gc.collect()
+    gc.collect()  # the first frees the run's cycles, whose finalizers release the rest
+    kinds = {"GPTModel": GPTModel, "DistributedDataParallel": DistributedDataParallel, "ProcessGroup": dist.ProcessGroup}
+    alive = {k: sum(isinstance(o, t) for o in gc.get_objects()) for k, t in kinds.items()}
+    return alive, len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.timeout(600)
+def test_a_finished_run_leaves_no_model_in_the_process(tmp_path):
+    """train() returns, and nothing of the run stays: the model, its DDP wrapper and its process
+    groups (with gloo's ~60 threads a rank) are freed (parallel/ddp.py release_model). Failed on the
+    first version: Megatron's DDP hooks and the MoE dispatcher's cached routing graph made a cycle
+    through C++ that kept all of it, one copy per run, for the life of the process."""
+    import dist_utils
+
+    dist_utils.close_pools()  # ranks that have run nothing yet
+    run_train(tmp_path / "run", *SMALL, "train.max_steps=2", "checkpoint.interval=0", "checkpoint.export_hf=false")
+    for alive, threads in dist_utils.run_distributed(_left_in_the_process, 2):
+        # the run built 16 groups a rank; the 2 left are not the run's (the old code: all 16 and
+        # ~56 threads a rank after one run, one more set per run)
+        assert alive["GPTModel"] == 0 and alive["DistributedDataParallel"] == 0, (alive, threads)
+        assert alive["ProcessGroup"] <= 2 and threads < 30, (alive, threads)
+
+
 @pytest.mark.timeout(600)
 def test_fused_logprobs_trains_like_the_logits_head(tmp_path):
     """model.fused_logprobs=true end to end (SFT warm-up, old log-probs, GSPO updates, HF export)

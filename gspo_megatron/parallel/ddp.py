@@ -34,6 +34,36 @@ def wrap_ddp(chunks: list[torch.nn.Module], tconfig, *, use_distributed_optimize
     return wrapped
 
 
+def release_model(wrapped: list[torch.nn.Module]) -> None:
+    """Let the run's model be freed when the run ends, not when the process does. Megatron's DDP
+    registers a backward hook on every parameter's gradient accumulator
+    (distributed/distributed_data_parallel.py:336-345), and the hook's closure holds the DDP
+    module. Any autograd graph still alive after the last step reaches those accumulators; the MoE
+    token dispatcher keeps one, the last forward's routing probabilities (`self.probs`,
+    moe/token_dispatcher.py, set in dispatch_preprocess): dispatcher -> probs -> graph ->
+    accumulator (a C++ node) -> hook -> DDP -> model -> dispatcher, a cycle through C++ that
+    Python's collector cannot see. The model, its gradient buffers, the optimizer and every process
+    group they hold (with gloo's threads, ~60 per rank per run) then lived until exit: a process
+    that trains again (sweeps, a notebook, the pooled test ranks) kept one of each per run.
+    Dropping the accumulators and every module's cached graph tensors breaks it; the chunks are
+    not trained after this."""
+    for w in wrapped:
+        accs = getattr(w, "grad_accs", None)
+        if accs is not None:
+            accs.clear()
+        for m in w.modules():
+            # the module and the plain objects it holds (the dispatcher is not a Module)
+            for owner in [m, *(v for v in vars(m).values() if _plain_object(v))]:
+                for name, v in list(vars(owner).items()):
+                    if isinstance(v, torch.Tensor) and v.grad_fn is not None:  # an activation, not state
+                        setattr(owner, name, None)
+
+
+def _plain_object(v) -> bool:
+    return (hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))
+            and type(v).__module__.startswith(("megatron.", "gspo_megatron.")))
+
+
 def zero_grads(wrapped: list[torch.nn.Module]) -> None:
     for w in wrapped:
         w.zero_grad_buffer()

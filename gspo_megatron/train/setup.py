@@ -342,6 +342,9 @@ class RunParts:
                 self.saves.wait("before the process groups are destroyed")
             except Exception as e:  # the run's own error is the one to report
                 log.error("%s", e)
+        from gspo_megatron.parallel.ddp import release_model
+
+        release_model(self.model)  # the model and its process groups freed with the run, not the process
         destroy_parallel()
 
 
