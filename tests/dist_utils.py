@@ -12,7 +12,11 @@ pool per world size, per pytest process): each call still gets its own port, its
 group (destroyed after the call) and the rank function's own setup/teardown (init_parallel /
 destroy_parallel). A call that fails or times out discards its pool (the next call starts fresh
 processes), so one test's half-torn-down state cannot leak into the next; a pool whose processes
-have gathered many threads (gloo keeps one polling thread per destroyed group) is replaced.
+hold many threads (gloo's, alive while their process groups are) is collected and, if still over
+the bound, replaced. A trainer run frees its process groups when it ends
+(gspo_megatron/parallel/ddp.py release_model): a pool now serves many runs, where it was replaced
+after every one or two (~80 pool starts a suite, ~7 s of CPU each).
+GSPO_POOL_LOG=<file> appends a JSON line per pool start and per pool discarded (why, which test).
 `fresh=True` runs on new processes (for tests about what a new process sees, e.g. test_cpu_runtime).
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 300
 
 
-from testlib import free_port  # noqa: E402,F401 - one copy (tests/testlib.py); imported from here too
+from testlib import CleanExit, free_port  # noqa: E402,F401 - one copy (tests/testlib.py); imported from here too
 
 
 def _cpu_imports() -> None:
@@ -109,11 +113,27 @@ def _threads(pid: int) -> int:
         return 0
 
 
+def _log(what, detail=None):
+    path = os.environ.get("GSPO_POOL_LOG")
+    if path:
+        import json
+        with open(path, "a") as f:
+            f.write(json.dumps([what, os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_CURRENT_TEST"), detail]) + "\n")
+
+
 def _pool(world_size: int) -> "_Pool":
     p = _POOLS.get(world_size)
     if p is None or not p.alive():
+        _log("start", [world_size, p is not None])
         p = _POOLS[world_size] = _Pool(world_size)
     return p
+
+
+def _collect(rank, world_size):
+    import gc
+
+    gc.collect()
+    gc.collect()
 
 
 def _serve(rank, world_size, tasks, results):
@@ -133,6 +153,8 @@ def _serve(rank, world_size, tasks, results):
         try:
             out = fn(rank, world_size, *args)
             results.put((rank, True, pickle.dumps(out)))
+        except CleanExit:  # ok == None: failed, the process as clean as after a success
+            results.put((rank, None, traceback.format_exc()))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
         finally:
@@ -165,6 +187,7 @@ class _Pool:
             q.put((fn, port, args))
         results: dict[int, Any] = {}
         errors: list[str] = []
+        clean = True  # every failure so far a CleanExit
         deadline = time.monotonic() + timeout
         try:
             while len(results) + len(errors) < self.world_size:
@@ -182,6 +205,7 @@ class _Pool:
                 if ok:
                     results[rank] = pickle.loads(out)
                 else:
+                    clean = clean and ok is None
                     errors.append(f"rank {rank}:\n{out}")
                     # the other ranks may now hang in a collective (the pool is discarded below),
                     # or be about to fail as well, with their own output: as torchrun gives its
@@ -192,10 +216,25 @@ class _Pool:
             self.close()
             raise
         if errors:
-            self.close()
+            if not (clean and len(results) + len(errors) == self.world_size):
+                _log("errors", [e[:200] for e in errors])
+                self.close()  # a rank may hang in a collective or hold half-torn-down state
             raise RuntimeError("\n".join(sorted(errors, key=lambda e: int(e.split(":", 1)[0].split()[1]))))
         if max(_threads(p.pid) for p in self.procs) > MAX_POOLED_THREADS:
-            self.close()  # gloo leaves a polling thread per destroyed group behind: start afresh
+            # gloo's threads live as long as their process groups: a run's groups are freed by the
+            # cyclic collector, which may not have run since (two passes: the first frees the run's
+            # cycles, whose finalizers release the rest); only a pool still over the bound is replaced
+            try:
+                for q in self.tasks:
+                    q.put((_collect, 0, ()))
+                for _ in self.procs:
+                    self.results.get(timeout=60)
+            except Exception:
+                self.close()
+                return [results[r] for r in range(self.world_size)]
+            if max(_threads(p.pid) for p in self.procs) > MAX_POOLED_THREADS:
+                _log("threads", [_threads(p.pid) for p in self.procs])
+                self.close()  # start afresh
         return [results[r] for r in range(self.world_size)]
 
     def close(self) -> None:

@@ -57,3 +57,30 @@ def test_pooled_exit_reads_every_rank_lowest_status_first():
     run = pooled_exit(part(1, 3, "o1\n", "e1 \"quoted\"\nsecond line\n") + part(0, 1, "o0\n", "error line\n"))
     assert (run.returncode, run.stdout, run.stderr) == (1, "o0\no1\n", "error line\ne1 \"quoted\"\nsecond line\n")
     assert pooled_exit("rank 0:\nValueError: boom") is None
+
+
+def _pid(rank, world):
+    import os
+
+    return os.getpid()
+
+
+def _clean_fail(rank, world):
+    from testlib import CleanExit
+
+    raise CleanExit(f"rank {rank} returned 1")
+
+
+def _dirty_fail(rank, world):
+    raise ValueError("mid-run")
+
+
+@pytest.mark.timeout(120)
+def test_a_run_every_rank_left_cleanly_keeps_the_pool_any_other_failure_replaces_it():
+    before = run_distributed(_pid, 2)
+    with pytest.raises(RuntimeError, match="returned 1"):
+        run_distributed(_clean_fail, 2)
+    assert run_distributed(_pid, 2) == before  # the trainer's non-zero exits: no restart (~7 s CPU)
+    with pytest.raises(RuntimeError, match="mid-run"):
+        run_distributed(_dirty_fail, 2)
+    assert not set(run_distributed(_pid, 2)) & set(before)  # fresh processes

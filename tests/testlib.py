@@ -156,8 +156,16 @@ def _main_rank(rank, world, module, argv, env, cwd):
 _EXIT_MARK = "gspo-pooled-rank-exit:"
 
 
-class _RankExit(Exception):
-    pass
+class CleanExit(Exception):
+    """Raised by a pooled rank function (tests/dist_utils.py) that failed as a run fails, its own
+    teardown done (the trainer's main returning non-zero: _RankExit): when every rank has reported
+    and every failure is one of these, the pool's processes are as clean as after a success and
+    are kept."""
+
+
+class _RankExit(CleanExit):
+    """A pooled main that returned non-zero (its run's teardown done): the pool keeps its ranks
+    when every rank has reported (dist_utils.CleanExit)."""
 
 
 def main_pooled(module: str, nproc: int, *argv: str, timeout: float = 900, env: dict | None = None,
