@@ -5,7 +5,8 @@ Engine, triton, ModelOpt and CUDA RNG calls):
 
     OMP_NUM_THREADS=1 PYTHONPATH=<bridge site dir>:<repo root> python tests/bridge_driver.py save \
         --hf HF_DIR --out ROOT
-    ... python tests/bridge_driver.py load --hf HF_DIR --ckpt PATH --loader lowlevel|training|highlevel
+    ... python tests/bridge_driver.py load --hf HF_DIR --ckpt PATH --loader lowlevel|training|highlevel \
+        [--ckpt PATH --loader ... ...]
 
 with the site dir from tests/bridge_env.py:bridge_pythonpath().
 
@@ -26,11 +27,16 @@ load   Builds a randomly initialised Bridge model from HF_DIR's config, loads PA
        and compares every tensor of the loaded model's state_dict with a model Bridge builds from
        HF_DIR with load_weights=True. Prints {"loader", "tensors": n compared, "differ": [...],
        "missing": [...], "pre_mlp_norm_key": the checkpoint key the MoE pre-MLP norm was read from}.
+       Several --ckpt/--loader pairs load in turn in this one process (one Bridge import, one
+       reference model, a fresh model per load: the interop test's loads cost one start-up, not
+       five) and print {"loads": [one result per pair]}; a pair whose load raises gets
+       {"loader", "ckpt", "error": "<ExceptionType>: <message>"} and the next pair still runs.
 
-Exit status: 0 success (load: every tensor equal, none missing, n > 0); 1 load compared but found a
-difference or a missing tensor (the JSON line is still printed); 2 any exception (one line
-"<ExceptionType>: <first 500 characters of the message>"; traceback on stderr). The highlevel
-loader does build a CPU model here, so the status 3 reserved for "not feasible" is never used.
+Exit status: 0 success (load: every tensor equal, none missing, n > 0, no pair raised); 1 load
+compared but found a difference or a missing tensor, or a pair of several raised (the JSON line is
+still printed); 2 any other exception (one line "<ExceptionType>: <first 500 characters of the
+message>"; traceback on stderr). The highlevel loader does build a CPU model here, so the status 3
+reserved for "not feasible" is never used.
 
 stdout carries only the result line: Bridge and Megatron print progress with print() on rank 0, so
 the process's stdout is redirected to stderr while they run.
@@ -491,23 +497,39 @@ def _tensors(model: list) -> dict:
     return {k: v for k, v in unwrap_model(model[0]).state_dict().items() if torch.is_tensor(v)}
 
 
-def cmd_load(args) -> tuple[dict, int]:
+def _compare(loader: str, bridge, path: Path, reference: dict) -> tuple[dict, int]:
     import torch
 
-    bridge = _bridge(args.hf)
-    path = Path(args.ckpt)
-    key = pre_mlp_norm_key(read_dir(path, args.loader))
+    key = pre_mlp_norm_key(read_dir(path, loader))
     with request_pre_mlp_norm_as(key):
-        loaded = _tensors(_load(args.loader, bridge, path))
-    reference = _tensors(build_model(cpu_provider(bridge, load_weights=True)))
+        loaded = _tensors(_load(loader, bridge, path))
     missing = sorted(set(reference) ^ set(loaded))  # in one state_dict but not the other
     both = sorted(set(reference) & set(loaded))
     differ = [k for k in both
               if loaded[k].dtype != reference[k].dtype or loaded[k].shape != reference[k].shape
               or not torch.equal(loaded[k], reference[k])]
-    result = {"loader": args.loader, "tensors": len(both), "differ": differ, "missing": missing,
+    result = {"loader": loader, "tensors": len(both), "differ": differ, "missing": missing,
               "pre_mlp_norm_key": key}
     return result, EXIT_OK if both and not differ and not missing else EXIT_DIFFER
+
+
+def cmd_load(args) -> tuple[dict, int]:
+    if len(args.ckpt) != len(args.loader):
+        raise ValueError(f"load: {len(args.ckpt)} --ckpt for {len(args.loader)} --loader; give them in pairs")
+    bridge = _bridge(args.hf)
+    reference = _tensors(build_model(cpu_provider(bridge, load_weights=True)))
+    if len(args.ckpt) == 1:
+        return _compare(args.loader[0], bridge, Path(args.ckpt[0]), reference)
+    results, status = [], EXIT_OK
+    for ckpt, loader in zip(args.ckpt, args.loader):
+        try:
+            result, one = _compare(loader, bridge, Path(ckpt), reference)
+        except Exception as e:  # noqa: BLE001 - reported per pair; the next pair still runs
+            traceback.print_exc()
+            result, one = {"loader": loader, "ckpt": ckpt, "error": f"{type(e).__name__}: {_message(e)[:500]}"}, 1
+        results.append(result)
+        status = max(status, one)
+    return {"loads": results}, status
 
 
 def _message(e: BaseException) -> str:
@@ -529,8 +551,8 @@ def parse_args(argv=None):
     save.add_argument("--out", required=True)
     load = sub.add_parser("load", help="load a checkpoint with a Bridge loader, compare with Bridge's HF import")
     load.add_argument("--hf", required=True)
-    load.add_argument("--ckpt", required=True)
-    load.add_argument("--loader", required=True, choices=["lowlevel", "training", "highlevel"])
+    load.add_argument("--ckpt", required=True, action="append", help="repeat with --loader: pairs, loaded in turn")
+    load.add_argument("--loader", required=True, action="append", choices=["lowlevel", "training", "highlevel"])
     return ap.parse_args(argv)
 
 

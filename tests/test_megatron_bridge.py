@@ -88,16 +88,22 @@ def test_checkpoints_round_trip_with_megatron_bridge(bridge_path, tmp_path):
     # auto_bridge.py:662-675: the converter writes iteration 0 as Bridge's own save does)
     ours = tmp_path / "ours"
     assert convert(["hf-to-mcore", "--hf-dir", hf, "--out", str(ours), "--no-progress"]) == 0
-    for ckpt, loader in ((ours, "lowlevel"), (ours, "training"), (ours, "highlevel"),
-                         (run / "checkpoints", "training"), (run / "checkpoints", "highlevel")):
-        got = _driver(bridge_path, "load", "--hf", hf, "--ckpt", str(ckpt), "--loader", loader)
-        print(ckpt.name, loader, got)
-        assert got["tensors"] > 0 and not got["differ"] and not got["missing"], got
     # the control: without Bridge's latest_train_state.pt its training loader falls back to the
     # Megatron-LM tracker, whose reader in Bridge 0.3.1 refuses iteration 0 (the converter writes
     # that file for this reason, as Bridge's own save does)
     bare = tmp_path / "ours_without_train_state"
     shutil.copytree(ours, bare)
     (bare / "latest_train_state.pt").unlink()
-    r = _run_driver(bridge_path, "load", "--hf", hf, "--ckpt", str(bare), "--loader", "training")
-    assert r.returncode != 0 and "error parsing metadata file" in r.stdout + r.stderr, r.stdout[-2000:]
+    # every load in one driver process (one Bridge import and reference model), the control last
+    pairs = [(ours, "lowlevel"), (ours, "training"), (ours, "highlevel"),
+             (run / "checkpoints", "training"), (run / "checkpoints", "highlevel"), (bare, "training")]
+    r = _run_driver(bridge_path, "load", "--hf", hf, *(a for c, lo in pairs for a in ("--ckpt", str(c), "--loader", lo)),
+                    timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"bridge_driver load exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    loads = json.loads(lines[-1])["loads"]
+    assert [x["loader"] for x in loads] == [lo for _, lo in pairs], loads
+    for (ckpt, loader), got in zip(pairs[:-1], loads):
+        print(ckpt.name, loader, got)
+        assert "error" not in got and got["tensors"] > 0 and not got["differ"] and not got["missing"], got
+    assert r.returncode == 1 and "error parsing metadata file" in loads[-1].get("error", ""), loads[-1]
