@@ -36,7 +36,7 @@ demo-agent: $(STAMP)
 # Two pytest workers, one test file each at a time (--dist loadfile: a file's module fixtures are
 # built once): most waits are process start-up, servers and installs, which overlap.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadfile --durations=25 tests $(ARGS)
+	OMP_NUM_THREADS=1 $(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests $(ARGS)
 
 # On a GPU machine (torch + transformers present, no network): the default cluster path on one GPU
 # (bf16 + fp32 masters, distributed optimizer, NCCL, SFT, checkpoint, resume, HF export), a

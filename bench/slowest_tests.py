@@ -22,11 +22,17 @@ suite - and the date), a table of the --top (20) slowest tests (s, node id) and 
 --files (10) files with the largest summed test time (s, tests, file). Without the markers a
 `## Slowest tests` section holding them is inserted before the README's first `## ` heading.
 The README is written to a temporary file beside it and renamed over it: never half-written.
+
+It also writes --order (tests/file_seconds.json): every file's summed test time, which
+tests/conftest.py reads to hand the longest files to the workers first (with `make test`'s
+--no-loadscope-reorder; xdist would otherwise start the files with the most tests first and leave
+the few-but-long ones, the real-vLLM files, for the end of the run, where nothing overlaps them).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import shutil
@@ -157,6 +163,19 @@ def write_atomic(path: str, text: str) -> None:
         raise
 
 
+def file_seconds(times: dict[str, float]) -> dict[str, float]:
+    """file -> its tests' summed seconds, longest first."""
+    files: dict[str, float] = {}
+    for nid, t in times.items():
+        f = nid.split("::", 1)[0]
+        files[f] = files.get(f, 0.0) + t
+    return {f: round(t, 1) for f, t in sorted(files.items(), key=lambda kv: (-kv[1], kv[0]))}
+
+
+def write_order(path: str, times: dict[str, float], label: str) -> None:
+    write_atomic(path, json.dumps({"label": label, "seconds": file_seconds(times)}, indent=1) + "\n")
+
+
 def update(readme: str, times: dict[str, float], label: str, meta: dict, top: int, nfiles: int,
            where: str | None = None) -> str:
     if not times:
@@ -226,6 +245,15 @@ def smoke(workdir: str | None) -> int:
                        else meta == {"date": None, "wall": 46.5}) and "30 tests, 46 s wall," in sec
             checks.append((kind, len(times), len(rows), len(frows), ok_ids and ok_rows and ok_files and ok_place
                            and ok_meta))
+        order = os.path.join(tmp, "file_seconds.json")
+        write_order(order, times, "smoke")
+        got = json.load(open(order))["seconds"]
+        per_file = {}
+        for n, t in want.items():
+            per_file[n.split("::")[0]] = per_file.get(n.split("::")[0], 0.0) + t
+        ok_order = (list(got) == sorted(per_file, key=lambda f: -per_file[f])
+                    and all(abs(got[f] - per_file[f]) < 0.051 for f in per_file))
+        checks.append(("file order", len(got), 0, len(got), ok_order))
         left = [f for f in os.listdir(tmp) if f.startswith(".slowest-")]
         checks.append(("no temp file", len(left), 0, 0, not left))
     finally:
@@ -247,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readme", default=os.path.join(ROOT, "tests", "README.md"))
     ap.add_argument("--top", type=int, default=20, help="slowest tests listed (default 20)")
     ap.add_argument("--files", type=int, default=10, help="slowest files listed (default 10)")
+    ap.add_argument("--order", default=os.path.join(ROOT, "tests", "file_seconds.json"),
+                    help="where the per-file seconds go, for tests/conftest.py's file order ('' : not written)")
     ap.add_argument("--smoke", action="store_true", help="generated inputs and a scratch README")
     ap.add_argument("--workdir", default=None, help="--smoke's scratch directory (default: a temporary one)")
     a = ap.parse_args(argv)
@@ -257,11 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         times, meta = read_junit(a.junit) if a.junit else read_durations(a.durations)
         new = update(a.readme, times, a.label, meta, a.top, a.files)
+        if a.order:
+            write_order(a.order, times, a.label)
     except (OSError, ValueError, ET.ParseError) as e:
         print(f"slowest_tests: {e}", file=sys.stderr)
         return 2
     print(new)
-    print(f"(written into {a.readme})")
+    print(f"(written into {a.readme}" + (f" and {a.order})" if a.order else ")"))
     return 0
 
 

@@ -186,6 +186,7 @@ def test_slowest_tests_smoke(tmp_path):
     _row(out, r"^input\s+tests\s+rows\s+files\s+verdict$")
     for kind in ("junit", "durations"):
         assert _row(out, rf"^{kind}\s")[1:] == ["30", "20", "4", "ok"], out
+    assert _row(out, r"^file order\s")[1:] == ["4", "0", "4", "ok"], out  # tests/file_seconds.json's
     assert _row(out, r"^no temp file\s")[-1] == "ok", out
     assert _left_nothing(workdir), os.listdir(workdir)
 
