@@ -77,6 +77,20 @@ def test_nccl_push_reaches_every_server_in_order_and_labels_the_version(servers)
         eng.close()
 
 
+def test_a_server_that_joins_after_the_trainers_warm_up_still_forms_the_group(servers):
+    """NCCL's warm-up all_reduce waits for every rank: a server worker that joins late (a loaded
+    machine schedules its request thread after the trainer's) still receives it. The double once
+    delivered the warm-up only to the servers already joined, and the push failed in CI."""
+    net, double = servers
+    double.join_delay_s[B] = 0.5
+    eng = engine(net)
+    try:
+        eng.update_weights(tensors(1), 1)
+        assert double.state[B]["inits"] == 1 and double.state[B]["version"] == "1"
+    finally:
+        eng.close()
+
+
 def test_a_failed_transfer_fails_the_push_and_the_engine_refuses_to_go_on(servers):
     net, double = servers
     eng = engine(net)

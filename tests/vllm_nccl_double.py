@@ -45,6 +45,10 @@ class FakeNccl:
         # completes until ncclCommAbort
         self.stall_broadcasts = False
         self.comms: list[_FakeComm] = []
+        # NCCL's collectives start once every rank is in the group: the servers the double serves
+        # (VLLMNcclDouble sets them) must all have joined before the warm-up all_reduce goes out
+        self.servers: set[str] = set()
+        self.all_joined = threading.Condition(self.lock)
 
     def unique_id(self) -> bytes:
         import os
@@ -57,7 +61,14 @@ class FakeNccl:
             raise ValueError("a server joined with another unique id")
         with self.lock:
             q = self.queues.setdefault(url, queue.Queue())
+            self.all_joined.notify_all()
         return q
+
+    def wait_for_group(self) -> None:
+        """Blocks like a collective whose peers have not all joined (the caller bounds the wait)."""
+        with self.lock:
+            if not self.all_joined.wait_for(lambda: self.servers <= set(self.queues), self.timeout_s):
+                raise RuntimeError(f"servers {sorted(self.servers - set(self.queues))} never joined the group")
 
     def join(self, uid: bytes, world_size: int, rank: int, device):
         assert rank == 0 and uid == self.uid
@@ -74,6 +85,7 @@ class _FakeComm:
         self.synchronize_returned = threading.Event()
 
     def _send(self, op: str, t: torch.Tensor) -> None:
+        self.net.wait_for_group()
         self.ops.append((op, tuple(t.shape), t.dtype))
         for q in list(self.net.queues.values()):
             q.put((op, t.detach().clone()))
@@ -105,6 +117,8 @@ class VLLMNcclDouble:
                           "inits": 0} for u in world_sizes}
         self.fail_update: set[str] = set()  # servers whose update_weights errors (HTTP 500)
         self.never_join: set[str] = set()  # servers whose init blocks without joining
+        self.join_delay_s: dict[str, float] = {}  # servers whose worker reaches the group late
+        net.servers = set(world_sizes)
 
     def __call__(self, client, method, path, payload=None, *, timeout_s=None):
         url = client.url
@@ -178,6 +192,8 @@ class VLLMNcclDouble:
         if url in self.never_join:
             threading.Event().wait(timeout_s or 5)  # blocks like a worker that cannot reach rank 0
             raise RuntimeError("NCCL init timed out")
+        if url in self.join_delay_s:
+            threading.Event().wait(self.join_delay_s[url])  # a worker slow to start its side
         q = self.net.server_joins(url, uid, int(info["world_size"]))
         op, t = q.get(timeout=self.net.timeout_s)  # the warm-up collective comes first
         if op != "all_reduce" or tuple(t.shape) != (1,) or t.dtype != torch.float32:
