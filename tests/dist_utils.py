@@ -130,8 +130,19 @@ def _pool(world_size: int) -> "_Pool":
 
 
 def _collect(rank, world_size):
+    """Free what finished tasks left: a rank function that wrapped a model in Megatron's DDP and
+    returned without gspo_megatron.parallel.ddp.release_model (the trainer calls it; most test
+    helpers build, step and return) leaves the model in a cycle through C++ that the collector
+    cannot see, holding its process groups and their gloo threads. Release every such model still
+    in the process, then collect (two passes: the first frees the cycles, their finalizers the rest)."""
     import gc
 
+    from megatron.core.distributed import DistributedDataParallel
+
+    from gspo_megatron.parallel.ddp import release_model
+
+    gc.collect()
+    release_model([o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)])
     gc.collect()
     gc.collect()
 
