@@ -212,14 +212,20 @@ class ServerClient:
         # Socket timeouts bound each recv/send, not the exchange: a watchdog shuts the socket down
         # at the deadline, which wakes a blocked read (it then sees EOF or an error) wherever it is,
         # in the status line, the headers or the body.
+        # The socket is held here from the moment it is connected: http.client drops `conn.sock`
+        # (HTTPConnection.getresponse calls self.close() when the answer will close the
+        # connection: `Connection: close`, or no Content-Length and no chunking) and hands the
+        # socket to the response, so a watchdog reading `conn.sock` found None and a
+        # close-delimited answer dripping one byte a second was never cut.
         expired = threading.Event()
         cut: list[str] = []  # why cut_inflight() ended this exchange early
+        held: list[socket.socket] = []
 
         def expire(reason: str | None = None) -> None:
             if reason is not None:
                 cut.append(reason)
             expired.set()
-            sock = conn.sock
+            sock = held[0] if held else conn.sock
             if sock is not None:
                 try:  # socket.socket's own shutdown: an SSLSocket's would tear down its SSL state
                     socket.socket.shutdown(sock, socket.SHUT_RDWR)
@@ -245,6 +251,7 @@ class ServerClient:
         watchdog.start()
         try:
             conn.connect()
+            held.append(conn.sock)
             if expired.is_set():  # the deadline passed while connecting (no socket to shut down yet)
                 raise deadline("; while connecting")
             conn.request(method, self._base_path + path, body=body, headers=headers)
@@ -289,7 +296,10 @@ class ServerClient:
                 raise deadline(f"; {type(e).__name__}") from e
             if not isinstance(e, RETRYABLE_OS_ERRORS):
                 raise
-            kind = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            # The reason is one line of bounded length: an error such as BadStatusLine carries
+            # whatever bytes the server sent (CR, LF, a whole banner).
+            detail = " ".join(repr(str(e))[1:-1].split())[:200]
+            kind = "timed out" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {detail}"
             raise RetryableHTTPError(
                 f"{self.label} {self.url}: {method} {path} failed ({kind})", url=self.url
             ) from e
