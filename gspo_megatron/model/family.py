@@ -13,6 +13,7 @@ suite it must pass (tests/test_model_families.py).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 from gspo_megatron.errors import ModelConfigError
@@ -85,6 +86,44 @@ def required(d: dict, source: str, *keys: str):
     raise ModelConfigError(f"{source}: missing required field {keys[0]!r}")
 
 
+_REQUIRED = object()
+
+
+def as_int(v, source: str, key: str, minimum: int = 0) -> int:
+    """`v` as an int if it is one (an integral float such as 64.0 too), >= minimum; else one line
+    naming `source` and `key`. int() would read 64.5 as 64 and "64" as 64 (issue 52)."""
+    ok = not isinstance(v, bool) and (isinstance(v, int) or (isinstance(v, float) and math.isfinite(v)
+                                                             and v.is_integer()))
+    if not ok:
+        raise ModelConfigError(f"{source}: {key} must be an integer, got {v!r}")
+    if int(v) < minimum:
+        raise ModelConfigError(f"{source}: {key} must be >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def as_float(v, source: str, key: str) -> float:
+    """`v` as a float if it is a finite number; else one line naming `source` and `key`."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ModelConfigError(f"{source}: {key} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def int_field(d: dict, source: str, *keys: str, default=_REQUIRED, minimum: int = 1) -> int:
+    """The first of `keys` that `d` holds (not None) as a checked int (as_int; sizes and counts:
+    >= 1 unless `minimum` says otherwise); `default` when none is there (no default: required)."""
+    v = next((d[k] for k in keys if k in d and d[k] is not None), None)
+    if v is None:
+        if default is _REQUIRED:
+            raise ModelConfigError(f"{source}: missing required field {keys[0]!r}")
+        return default
+    return as_int(v, source, keys[0], minimum)
+
+
+def float_field(d: dict, source: str, key: str, default: float) -> float:
+    v = d.get(key)
+    return default if v is None else as_float(v, source, key)
+
+
 def rope_theta(d: dict, source: str) -> float:
     """RoPE base of a config with plain RoPE (transformers 4.x `rope_theta`/`rope_scaling`, 5.x
     `rope_parameters`); scaled RoPE variants are refused."""
@@ -92,7 +131,7 @@ def rope_theta(d: dict, source: str) -> float:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
         raise ModelConfigError(f"{source}: rope_type {rope_type!r} is not supported (default RoPE only)")
-    return float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+    return as_float(rope.get("rope_theta", d.get("rope_theta", 10000.0)), source, "rope_theta")
 
 
 def check_attention(arch: MoeArch, source: str) -> None:

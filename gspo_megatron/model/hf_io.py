@@ -100,13 +100,24 @@ class HFCheckpointReader:
 
     def validate(self, arch: MoeArch) -> None:
         """Names and shapes against the config, before any rank loads anything."""
-        expected = mapping.hf_shapes(arch)
         have = self.names()
-        missing = [n for n in expected if n not in have]
+        # Bounded by the files, not by the config: the expected names are enumerated only while
+        # they can all be present (a config claiming 1e9 experts beside a tiny checkpoint is
+        # answered after len(have) + 1 names, not after building a billion of them).
+        expected: dict[str, tuple[int, ...]] = {}
+        missing: list[str] = []
+        for n, shp in mapping.iter_hf_shapes(arch):
+            expected[n] = shp
+            if n not in have:
+                missing.append(n)
+            if len(expected) > len(have):
+                break
         if missing:
+            more = len(missing) - 1
             raise CheckpointError(
                 f"{self.hf_dir}: tensor {missing[0]!r} is missing"
-                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                + (f" (config.json implies more tensors than the checkpoint's {len(have)})"
+                   if len(expected) > len(have) else f" (and {more} more)" if more else "")
             )
         ignorable = set(mapping.output_rule(arch).hf) if arch.tie_word_embeddings else set()
         mtp = {n for n in have if _layer_of(n) is not None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -240,19 +240,23 @@ def expected_hf_names(arch: MoeArch) -> list[str]:
     return names
 
 
-def hf_shapes(arch: MoeArch) -> dict[str, tuple[int, ...]]:
-    """Expected HF tensor shapes, for validating checkpoints before any heavy work."""
-    out = {}
+def iter_hf_shapes(arch: MoeArch) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every expected HF tensor, lazily: a reader comparing a config with the
+    files stops as soon as the files run out, however many layers or experts the config claims."""
     for r in hf_rules(arch.family.rules(arch)):
         if r.is_output and arch.tie_word_embeddings:
             continue
         shapes = r.shapes(arch)
-        layers = r.layer_indices(arch) if r.per_layer else [None]
-        experts = range(arch.num_experts) if r.kind.is_expert else [None]
+        layers = (i for i in range(arch.num_layers) if r.in_layer(arch, i)) if r.per_layer else [None]
         for layer in layers:
-            for e in experts:
-                out.update(zip(r.hf_names(layer, e), shapes))
-    return out
+            for e in (range(arch.num_experts) if r.kind.is_expert else [None]):
+                yield from zip(r.hf_names(layer, e), shapes)
+
+
+def hf_shapes(arch: MoeArch) -> dict[str, tuple[int, ...]]:
+    """Expected HF tensor shapes, for validating checkpoints before any heavy work. Enumerates
+    every name: for a config not yet checked against files, iter_hf_shapes."""
+    return dict(iter_hf_shapes(arch))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -377,9 +377,36 @@ class ServerClient:
         return self.request("POST", path, {} if payload is None else payload, **kw)
 
 
-def parse_json(data: bytes, url: str, path: str, label: str = "server") -> Any:
+def loads_answer(data: bytes | str) -> Any:
+    """`json.loads` of a server's answer, every way it can fail as a ValueError: besides malformed
+    text, json.loads raises RecursionError on nesting deeper than the interpreter's recursion limit
+    (a few kilobytes of "[" do it, far inside any response cap) and MemoryError on a body within the
+    cap that expands past memory. Callers count a ValueError as a failed sample, not a crash."""
     try:
         return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None
+    except MemoryError:
+        raise ValueError(f"JSON of {len(data)} bytes too large to parse") from None
+
+
+def header_safe_secret(value: str, where: str) -> str:
+    """`value` (a key read from the environment variable `where` names) if an HTTP header can carry
+    it: visible ASCII only. An env file written on Windows leaves a trailing CR, which http.client
+    refuses with an error that prints the whole header, key included. The message names `where`,
+    never the value."""
+    bad = next((i for i, ch in enumerate(value) if not 0x21 <= ord(ch) <= 0x7E), None)
+    if bad is not None:
+        what = {"\r": "a carriage return (an env file with CRLF line ends?)", "\n": "a line feed",
+                " ": "a space", "\t": "a tab"}.get(value[bad], f"character U+{ord(value[bad]):04X}")
+        raise InputError(f"{where}: the key holds {what} at position {bad} of {len(value)}; "
+                         "an HTTP header carries visible ASCII only (the value is not shown)")
+    return value
+
+
+def parse_json(data: bytes, url: str, path: str, label: str = "server") -> Any:
+    try:
+        return loads_answer(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise EngineProtocolError(
             f"{label} {url}: {path} answered malformed JSON ({e}): {_snippet(data)!r}"

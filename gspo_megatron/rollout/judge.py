@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from .http_servers import RetryableHTTPError, ServerClient
+from .http_servers import RetryableHTTPError, ServerClient, header_safe_secret, loads_answer
 
 log = logging.getLogger("gspo_megatron.rollout")
 
@@ -62,6 +62,8 @@ class JudgeScorer:
             from gspo_megatron.errors import InputError
 
             raise InputError(f"reward.judge.api_key_env={cfg.api_key_env}: that environment variable is not set")
+        if key:
+            header_safe_secret(key, f"reward.judge.api_key_env={cfg.api_key_env}")
         self.client = ServerClient(cfg.url, api_key=key, timeout_s=cfg.timeout_s, max_retries=cfg.retries,
                                    label="judge")
         self.regex = re.compile(cfg.score_regex) if cfg.score_json_field is None else None
@@ -80,9 +82,9 @@ class JudgeScorer:
         """The score in the judge's answer; ValueError naming what was missing."""
         if self.cfg.score_json_field is not None:
             try:
-                obj = json.loads(content)
-            except ValueError:
-                raise ValueError(f"the answer is not JSON: {content[:80]!r}") from None
+                obj = loads_answer(content)
+            except ValueError as e:
+                raise ValueError(f"the answer is not JSON ({e}): {content[:80]!r}") from None
             if not isinstance(obj, dict) or self.cfg.score_json_field not in obj:
                 raise ValueError(f"the answer has no field {self.cfg.score_json_field!r}: {content[:80]!r}")
             v = obj[self.cfg.score_json_field]
@@ -127,11 +129,12 @@ class JudgeScorer:
             if status != 200:
                 return None, f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}"
             try:
-                content = json.loads(data)["choices"][0]["message"]["content"]
+                content = loads_answer(data)["choices"][0]["message"]["content"]
                 if not isinstance(content, str):
                     raise TypeError
-            except (ValueError, KeyError, IndexError, TypeError):
-                return None, f"not a chat completion: {data[:200].decode('utf-8', 'replace')!r}"
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                why = f" ({e})" if isinstance(e, ValueError) else ""
+                return None, f"not a chat completion{why}: {data[:200].decode('utf-8', 'replace')!r}"
             try:
                 return self.parse(content), None
             except ValueError as e:

@@ -129,7 +129,7 @@ import torch
 from gspo_megatron.errors import InputError
 
 from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
-from .http_servers import generate_response_cap
+from .http_servers import generate_response_cap, loads_answer
 from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG, SGLANG_VERSION, version_matches
 from .sglang_api import payload as api_payload
 from .sglang_server import (
@@ -482,7 +482,7 @@ class SGLangEngine(RolloutEngine):
             if status != 200:
                 continue
             try:
-                body = json.loads(data)
+                body = loads_answer(data)
             except ValueError:
                 continue
             items = body.get(key) if isinstance(body, dict) else None
@@ -1084,6 +1084,6 @@ class SGLangEngine(RolloutEngine):
 
 def _lenient_json(text: str) -> Any:
     try:
-        return json.loads(text) if text.strip() else None
+        return loads_answer(text) if text.strip() else None
     except ValueError:
         return text

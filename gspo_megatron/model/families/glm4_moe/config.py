@@ -27,7 +27,8 @@ from typing import Any
 
 from gspo_megatron.errors import ModelConfigError
 from gspo_megatron.model.arch import MoeArch
-from gspo_megatron.model.family import COMMON_INLINE_KEYS, check_attention, required, rope_theta
+from gspo_megatron.model.family import (COMMON_INLINE_KEYS, as_float, check_attention, float_field, int_field,
+                                        rope_theta)
 
 MODEL_TYPE = "glm4_moe"
 HF_ARCHITECTURE = "Glm4MoeForCausalLM"
@@ -42,11 +43,12 @@ REQUIRED_INLINE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_h
                         "n_shared_experts")
 
 
-def partial_rotary_factor(d: dict) -> float:
+def partial_rotary_factor(d: dict, source: str = "config") -> float:
     rope = d.get("rope_parameters") or {}
     # transformers 5 keeps it in rope_parameters; config.json files carry it at the top level;
     # Glm4MoeConfig.__post_init__ defaults it to 0.5
-    return float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5)))
+    return as_float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5)), source,
+                    "partial_rotary_factor")
 
 
 def read_config(d: dict[str, Any], source: str = "config") -> MoeArch:
@@ -55,66 +57,66 @@ def read_config(d: dict[str, Any], source: str = "config") -> MoeArch:
     if mt != MODEL_TYPE:
         raise ModelConfigError(f"{source}: model_type is {mt!r}, expected {MODEL_TYPE!r}")
 
-    def req(*keys):
-        return required(d, source, *keys)
+    def num(*keys, **kw):  # sizes and counts: integers >= 1 (family.int_field)
+        return int_field(d, source, *keys, **kw)
 
-    num_experts = int(req("n_routed_experts", "num_local_experts"))
+    num_experts = num("n_routed_experts", "num_local_experts", minimum=0)
     if num_experts <= 0:
         raise ModelConfigError(f"{source}: n_routed_experts must be > 0")
-    layers = int(req("num_hidden_layers"))
-    first_dense = int(d.get("first_k_dense_replace", 1))
+    layers = num("num_hidden_layers")
+    first_dense = num("first_k_dense_replace", default=1, minimum=0)
     if not 0 <= first_dense < layers:
         raise ModelConfigError(f"{source}: first_k_dense_replace={first_dense} must be in [0, num_hidden_layers)")
-    topk = int(req("num_experts_per_tok"))
+    topk = num("num_experts_per_tok")
     if not bool(d.get("norm_topk_prob", True)) and topk > 1:
         raise ModelConfigError(f"{source}: norm_topk_prob=false is not supported (Megatron-Core renormalises "
                                "sigmoid routing weights whenever num_experts_per_tok > 1)")
-    if int(d.get("n_group") or 1) != 1 or int(d.get("topk_group") or 1) != 1:
+    if num("n_group", default=1, minimum=0) != 1 or num("topk_group", default=1, minimum=0) != 1:
         raise ModelConfigError(f"{source}: group-limited routing (n_group={d.get('n_group')}, topk_group="
                                f"{d.get('topk_group')}) is not supported (Megatron scores groups differently); "
                                "GLM-4.5 uses 1 and 1")
     if d.get("hidden_act", "silu") != "silu":
         raise ModelConfigError(f"{source}: hidden_act {d.get('hidden_act')!r} is not supported (silu only)")
-    prf = partial_rotary_factor(d)
+    prf = partial_rotary_factor(d, source)
     if not 0 < prf <= 1:
         raise ModelConfigError(f"{source}: partial_rotary_factor={prf} must be in (0, 1]")
-    hidden = int(req("hidden_size"))
-    heads = int(req("num_attention_heads"))
-    head_dim = int(d.get("head_dim") or hidden // heads)
+    hidden = num("hidden_size")
+    heads = num("num_attention_heads")
+    head_dim = num("head_dim", default=hidden // heads)
     if (head_dim * prf) % 2:
         raise ModelConfigError(f"{source}: head_dim * partial_rotary_factor = {head_dim * prf} must be even")
-    moe_i = int(req("moe_intermediate_size"))
+    moe_i = num("moe_intermediate_size")
     arch = MoeArch(
         model_type=MODEL_TYPE,
-        vocab_size=int(req("vocab_size")),
+        vocab_size=num("vocab_size"),
         hidden_size=hidden,
         num_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+        num_key_value_heads=num("num_key_value_heads", default=heads),
         head_dim=head_dim,
         num_experts=num_experts,
         moe_topk=topk,
         moe_intermediate_size=moe_i,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+        rms_norm_eps=float_field(d, source, "rms_norm_eps", 1e-5),
         rope_theta=rope_theta(d, source),
-        max_position_embeddings=int(d.get("max_position_embeddings", 131072)),
+        max_position_embeddings=num("max_position_embeddings", default=131072),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         norm_topk_prob=True,
         dense_layers=tuple(range(first_dense)),
-        dense_intermediate_size=int(req("intermediate_size")),
-        shared_expert_intermediate_size=int(d.get("n_shared_experts", 1) or 0) * moe_i,
+        dense_intermediate_size=num("intermediate_size"),
+        shared_expert_intermediate_size=num("n_shared_experts", default=1, minimum=0) * moe_i,
         router_score="sigmoid",
         router_expert_bias=True,
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        routed_scaling_factor=float_field(d, source, "routed_scaling_factor", 1.0),
         rotary_percent=prf,
         qkv_bias=bool(d.get("attention_bias", False)),
         qk_norm=bool(d.get("use_qk_norm", False)),
-        mtp_layers=mtp_layers(d),
+        mtp_layers=mtp_layers(d, source),
     )
     check_attention(arch, source)
     return arch
 
 
-def mtp_layers(d: dict) -> int:
+def mtp_layers(d: dict, source: str = "config") -> int:
     """How many MTP layers the checkpoint's config declares (their tensors follow the decoder's)."""
-    return int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 0)) or 0)
+    return int_field(d, source, "num_nextn_predict_layers", "num_mtp_layers", default=0, minimum=0)
