@@ -12,13 +12,12 @@ its old weights fails the log-prob row with one line (exit 1)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from sglang_double import Faults, SGLangDouble, sglang_overrides
-from test_train_loop import REPO, TINY, _env, torchrun_cmd
+from test_train_loop import TINY
+from testlib import train_pooled
 
 
 def _tiny_hf(path, seed: int) -> str:
@@ -49,16 +48,15 @@ def models(tmp_path_factory):
 
 
 def _smoke(out, load: str, url: str, *, nproc: int = 1, timeout: int = 300):
-    """nproc 1: one process at TP1; 2: torchrun, TP2 + SP as the config says (rank 1 takes part in
-    the push's gathers, the sample distribution and the log-prob pass)."""
+    """nproc 1: one process at TP1; 2: TP2 + SP as the config says (rank 1 takes part in the push's
+    gathers, the sample distribution and the log-prob pass). The trainer's own command-line main in
+    pooled ranks (tests/testlib.py: status and streams as torchrun gives them)."""
     args = ["--config", TINY, "--smoke", f"out_dir={out}",
             f"model.load={load}", "model.hf_config=null", "model.hf_dir=null", "logging.progress_bar=false",
             *sglang_overrides(url, weight_sync="disk", shared_dir=str(out / "sync"))]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "gspo_megatron.train", *args, "parallel.tp=1", "parallel.sequence_parallel=false"]
-    else:
-        cmd = torchrun_cmd(nproc, *args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+        args += ["parallel.tp=1", "parallel.sequence_parallel=false"]
+    return train_pooled(nproc, *args, timeout=timeout)
 
 
 @pytest.mark.timeout(400)

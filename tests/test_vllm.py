@@ -35,7 +35,7 @@ import torch
 import vllm_fixtures
 from run_output import explain
 from sglang_double import teacher_forced_logprobs
-from testlib import REPO, cmdline, descendants, run_env, torchrun_cmd, vllm_port
+from testlib import REPO, cmdline, descendants, run_env, torchrun_cmd, train_pooled, vllm_port
 from vllm_fixtures import FROM_TINY, HF, TINY, gspo_rows, still_running
 
 # the shared fixtures, bound here (one instance per module: this module's own server)
@@ -289,9 +289,9 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
 
     # resume=auto against the running server (urls): the steps after the last checkpoint
     url, key, _ = server
-    r = subprocess.run(torchrun_cmd(2, *common, "rollout.vllm.launch=false", f"rollout.vllm.urls=[{url}]",
-                                    f"rollout.vllm.api_key={key}"),
-                       capture_output=True, text=True, timeout=900, env=run_env(), cwd=REPO)
+    # (pooled ranks: the trainer's own main; the command line and the process tree were the first run's)
+    r = train_pooled(2, *common, "rollout.vllm.launch=false", f"rollout.vllm.urls=[{url}]",
+                     f"rollout.vllm.api_key={key}", timeout=900)
     assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
     steps = [x["step"] for x in rows]
@@ -378,8 +378,7 @@ def test_a_vllm_served_judge_drives_three_gspo_steps(server, models, tmp_path, m
             "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false", "eval.interval=0",
             f"reward.judge.url={url}", f"reward.judge.model={root / 'A'}", "reward.judge.api_key_env=GSPO_TEST_JUDGE_KEY",
             "reward.judge.max_tokens=4", f"reward.judge.extra_body='{extra}'", "reward.judge.max_concurrency=8"]
-    env = dict(run_env(), GSPO_TEST_JUDGE_KEY=key)
-    r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    r = train_pooled(2, *args, env={"GSPO_TEST_JUDGE_KEY": key}, timeout=600)  # the trainer's main, pooled ranks
     assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
     print([{k: x.get(k) for k in ("step", "reward_mean", "reward_judge_mean", "judge_errors")} for x in rows])

@@ -5,13 +5,12 @@ Skipped only when the vLLM venv cannot be built because the package index is unr
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
 import vllm_fixtures
 from run_output import explain
-from testlib import REPO, run_env, torchrun_cmd, vllm_port
+from testlib import REPO, train_pooled, vllm_port
 from vllm_fixtures import FROM_TINY, gspo_rows
 
 vllm_python = vllm_fixtures.vllm_python  # the shared fixture, bound here
@@ -30,7 +29,7 @@ def test_a_launched_vllm_server_serves_the_glm_family_as_the_trainer_does(vllm_p
             "rollout.samples_per_prompt=4", "train.minibatches_per_step=2", "train.max_steps=3",
             "checkpoint.interval=0", "checkpoint.export_hf=false", "logging.progress_bar=false", "logging.plot=false",
             "eval.interval=0", "rollout.verify_weights=true", f"rollout.vllm.port={vllm_port()}"]
-    r = subprocess.run(torchrun_cmd(2, *args), capture_output=True, text=True, timeout=840, env=run_env(), cwd=REPO)
+    r = train_pooled(2, *args, timeout=840)  # the trainer's own main in pooled ranks (tests/testlib.py)
     assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == [1, 2, 3]
