@@ -362,7 +362,9 @@ def _adam_steps(ckpt: str) -> set:
     """Every Adam step count in a trainer checkpoint's common.pt (the optimizer's param groups)."""
     import torch
 
-    common = torch.load(os.path.join(ckpt, "common.pt"), map_location="cpu", weights_only=True)
+    from gspo_megatron.checkpoint.safe_torch import load_torch_file
+
+    common = load_torch_file(os.path.join(ckpt, "common.pt"))  # the project's restricted reader, never torch.load
     found = set()
 
     def walk(x):

@@ -201,7 +201,7 @@ def test_refuses_anything_but_metadata(evil, tmp_path):
 def test_common_pt_is_weights_only_even_when_the_environment_says_otherwise(trained, tmp_path, monkeypatch):
     """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 turns torch.load calls that do not pass weights_only (as
     Megatron's load_common, strategies/common.py:89) into full unpickles; the project's common.pt
-    reader passes weights_only=True, which that variable cannot override."""
+    reader is its own restricted unpickler (checkpoint/safe_torch.py), which no variable changes."""
     import torch
 
     from gspo_megatron.checkpoint.megatron_load import load_common_state_dict
@@ -214,7 +214,7 @@ def test_common_pt_is_weights_only_even_when_the_environment_says_otherwise(trai
     torch.save({"trainer": _Payload(str(marker))}, tmp_path / "common.pt")
     with pytest.raises(CheckpointError) as e:
         load_common_state_dict(tmp_path)
-    assert str(e.value).startswith(f"{tmp_path / 'common.pt'}: refused by weights-only loading (it holds {REFUSED})")
+    assert str(e.value).startswith(f"{tmp_path / 'common.pt'}: refusing to unpickle the global {REFUSED}")
     assert not marker.exists()
     torch.load(tmp_path / "common.pt")  # control: the call Megatron makes
     assert marker.exists()
@@ -279,7 +279,44 @@ def _loaders(trained, run, ckpt, tmp):
         "model.load": [*train, f"out_dir={tmp / 'from_model_load'}", f"model.load={ckpt}"],
         "resume=<path>": [*train, f"out_dir={tmp / 'from_resume_path'}", f"checkpoint.resume={ckpt}"],
         "resume=auto": [*train, f"out_dir={run}", "checkpoint.resume=auto"],
+        **{f"forged {what}": [*train, f"out_dir={_planted_run(trained, tmp, what)}", "checkpoint.resume=auto"]
+           for what in FORGED},
     }
+
+
+def _planted_run(trained, tmp, what: str):
+    """A copy of the trained run with a forged torch.save file, checksums.json updated as an
+    attacker would: "numpy": common.pt holding a numpy array of dtype object inside the trainer
+    state (numpy's _reconstruct, ndarray, dtype: globals `import megatron.core` adds to torch's
+    weights-only allow-list; the issue's probe forged an object array's pointers, a segfault);
+    "object_rng": rank 0's RNG file holding a numpy array of dtype object; "system": common.pt
+    whose trainer state unpickles through os.system."""
+    import numpy as np
+    import torch
+
+    from gspo_megatron.checkpoint import integrity
+
+    run = tmp / f"{what}_run"
+    shutil.copytree(trained, run)
+    ckpt = run / "checkpoints" / "iter_0000001"
+    name = "common.pt"
+    common = torch.load(ckpt / "common.pt", weights_only=True)  # our own fresh checkpoint: trusted
+    if what == "numpy":
+        common["trainer"]["planted"] = np.array([1, "x", None], dtype=object)  # a numpy dtype of objects
+        torch.save(common, ckpt / name)
+    elif what == "system":
+        common["trainer"]["planted"] = _Payload(str(tmp / f"{what}_MARKER"))
+        torch.save(common, ckpt / name)
+    else:
+        name = "rng/rank_00000.pt"  # train/checkpoint.py _rng_path
+        rng = torch.load(ckpt / name, weights_only=True)
+        rng["planted"] = np.array([1, "x", None], dtype=object)
+        torch.save(rng, ckpt / name)
+    recorded = integrity.read(str(ckpt))
+    assert name in recorded, sorted(recorded)  # the forged file is one the checksums cover
+    recorded.update(integrity.compute(str(ckpt), [name]))
+    integrity.write(str(ckpt), recorded)
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +328,8 @@ def loader_runs(trained, evil, tmp_path_factory):
     with ThreadPoolExecutor(max_workers=3) as pool:
         done = dict(zip(argvs, pool.map(_run, argvs.values())))
     done["marker_after_loaders"] = marker.exists()
+    done["forged_dirs"] = {what: str(tmp / f"{what}_run") for what in FORGED}
+    done["forged_marker"] = (tmp / "system_MARKER").exists()
     return done, ckpt, tmp / "megatron_ckpt"
 
 
@@ -322,6 +361,32 @@ def test_megatron_load_copy_is_pinned(loader_runs):
 
 # ---------------------------------------------------------------------------------------------
 # Every entry point that loads a torch_dist checkpoint
+
+
+FORGED = {"numpy": ("common.pt", "the global numpy."), "object_rng": ("rng", "the global numpy."),
+          "system": ("common.pt", f"the global {REFUSED}")}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("what", list(FORGED))
+def test_resume_refuses_a_forged_torch_save_file_in_one_line_and_releases_the_lock(loader_runs, what):
+    """checkpoint.resume=auto onto a checkpoint with a forged torch.save file (checksums
+    recomputed): a common.pt building a numpy object array from globals Megatron registers with torch,
+    an RNG file holding a numpy array of dtype object, a common.pt whose state calls os.system.
+    Each: one line naming the file and the refused global, exit 2, nothing run, and the run lock
+    released (the issue's forged object array segfaulted here and left the lock behind)."""
+    from gspo_megatron.train.runlock import LOCK_FILE
+
+    done, _, _ = loader_runs
+    r = done[f"forged {what}"]
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert len(errors) == 1, r.stderr[-3000:]
+    file, refused = FORGED[what]
+    assert f": refusing to unpickle {refused}" in errors[0] and file in errors[0], errors[0]
+    out_dir = done["forged_dirs"][what]
+    assert not os.path.exists(os.path.join(out_dir, LOCK_FILE)), os.listdir(out_dir)
+    assert done["forged_marker"] is False  # os.system never ran
 
 
 @pytest.mark.timeout(600)
@@ -370,5 +435,5 @@ except CheckpointError as e:
     assert r.returncode == 0, explain(r.stderr)
     out = r.stdout.splitlines()
     assert out[0] == "7 2 auto", r.stdout
-    assert out[1].startswith("refused:") and "refused by weights-only loading" in out[1], r.stdout
+    assert out[1].startswith("refused:") and "refusing to unpickle the global" in out[1], r.stdout
     assert not marker.exists()

@@ -11,7 +11,7 @@ global `.metadata` on rank 0, exactly as it does for Megatron's own saves.
 Reading: `DcpReader` reads the global metadata (with the restricted unpickler of
 gspo_megatron/checkpoint/safe_metadata.py: nothing in a checkpoint runs code) and returns any
 rectangular region of a stored tensor by loading only the chunks that overlap it (each chunk is a
-`torch.save`d tensor at a known file offset, read with weights_only=True), so a reader can walk
+`torch.save`d tensor at a known file offset, read with checkpoint/safe_torch.py, never torch.load), so a reader can walk
 a checkpoint layer by layer whatever chunking wrote it (the converter's one-chunk-per-layer/expert,
 or Megatron's per-rank shards).
 """
@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+
+from gspo_megatron.checkpoint.safe_torch import loads_torch, pread_exact
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
@@ -330,10 +332,10 @@ class DcpReader:
         path = os.path.join(self.directory, info.relative_path)
         fd = self._fd(path)
         try:
-            buf = os.pread(fd, info.length, info.offset)
-            if len(buf) != info.length:
+            buf = pread_exact(fd, info.length, info.offset)  # writable: the chunk's tensor views it
+            if buf is None:
                 raise CheckpointError(f"{path}: truncated (chunk of {key!r} at byte {info.offset} needs {info.length} bytes)")
-            t = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+            t = loads_torch(buf, f"{path} (chunk of {key!r} at byte {info.offset})")
         except CheckpointError:
             raise
         except Exception as e:

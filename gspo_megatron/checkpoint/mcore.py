@@ -713,7 +713,8 @@ def load_mcore_into_model(
     Nothing in the checkpoint can run code: `.metadata` is read once, with the restricted
     unpickler (gspo_megatron/checkpoint/safe_metadata.py), and that parsed metadata is what
     Megatron's load uses (not torch's FileSystemReader, an unrestricted pickle.load); common.pt is
-    read with weights_only=True passed explicitly; only tensors are read from the data files: a
+    read with the project's own restricted unpickler (checkpoint/safe_torch.py), as is each tensor
+    chunk of the data files; only tensors are read from the data files: a
     ShardedObject (pickled bytes, which PyTorch's DCP planner unpickles with weights_only=False,
     torch/distributed/checkpoint/default_planner.py:382-392, load_bytes) in the requested state is
     refused (see load_sharded).

@@ -25,8 +25,8 @@ What this module gives the project's readers and writers:
   iteration directory, or of a flat directory (the project's older converter output).
 * `carried_config(dir)`: an HF config dict (the family's table: model/families/*/bridge.py) from Bridge's run_config.yaml
   (`yaml.safe_load`; hydra `_target_` entries are read as data, never instantiated), else from the
-  run arguments Megatron-LM keeps in common.pt (`torch.load(weights_only=True)`, allowing only
-  argparse.Namespace and Megatron-Core enums).
+  run arguments Megatron-LM keeps in common.pt (the restricted unpickler of checkpoint/safe_torch.py,
+  allowing only argparse.Namespace and Megatron-Core enums beside tensors and plain data).
 * `write_run_config(dir, arch)`: the run_config.yaml (the family's `bridge_run_config`) the project writes next to its tensors, so that
   Bridge's `AutoBridge.load_megatron_model` (training/model_load_save.py:213-227: instantiates
   run_config["model"]) and its training loader (training/checkpointing.py:1451-1509) accept them.
@@ -85,7 +85,7 @@ def write_bridge_train_state(root: str, ckpt_dir: str, iteration: int) -> None:
     """Megatron-Bridge's train state for a checkpoint at `iteration` with nothing trained:
     ckpt_dir/train_state.pt and ROOT/latest_train_state.pt, TrainState.state_dict() of Bridge
     0.3.1 (training/state.py:56-76; the FLOP count a float32 as its save writes it,
-    checkpointing.py:750-752). A dict of tensors only: `torch.load(weights_only=True)` reads it.
+    checkpointing.py:750-752). A dict of tensors only (checkpoint/safe_torch.py reads it).
     Our readers never read it (the Megatron-LM tracker names the iteration)."""
     import torch
 
@@ -209,11 +209,10 @@ _MLM_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidd
 
 def hf_config_from_megatron_lm_args(ckpt_dir: str) -> tuple[dict, str] | None:
     """(HF config, source) from the run arguments Megatron-LM stores in common.pt ("args", an
-    argparse.Namespace); None when there are none. Read with torch.load(weights_only=True): only
-    argparse.Namespace and Megatron-Core's enums (e.g. AttnBackend) are allowed to be rebuilt, so
-    nothing in the file can run code; anything else is a one-line error."""
-    import pickle
-
+    argparse.Namespace); None when there are none. Read with the restricted unpickler
+    (safe_torch.py): only argparse.Namespace and Megatron-Core's enums (e.g. AttnBackend) are
+    rebuilt beside tensors and plain data, so nothing in the file can run code; anything else is a
+    one-line error."""
     from gspo_megatron.checkpoint.megatron_load import torch_load_common
 
     path = os.path.join(ckpt_dir, "common.pt")
@@ -221,11 +220,8 @@ def hf_config_from_megatron_lm_args(ckpt_dir: str) -> tuple[dict, str] | None:
         return None
     try:
         common = torch_load_common(path)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        name = found.group(1) if found else "?"
-        raise ModelConfigError(f"{path}: its run arguments hold a {name} object, which safe loading "
-                               "(torch.load weights_only=True) refuses; pass --hf-config-dir / model.hf_dir") from None
+    except CheckpointError as e:
+        raise ModelConfigError(f"{e}; pass --hf-config-dir / model.hf_dir") from None
     args = common.get("args") if isinstance(common, dict) else None
     if args is None:
         return None

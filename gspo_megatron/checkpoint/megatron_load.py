@@ -16,11 +16,15 @@
 * `common.pt`, through TorchCommonLoadStrategy.load_common: `torch.load(path)` with no
   weights_only argument (strategies/common.py:89), i.e. weights-only by torch's default since 2.6
   — unless TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 is in the environment, which flips a call that does
-  not pass weights_only to a full unpickle (torch/serialization.py:1480-1505).
-  `SafeCommonLoadStrategy` passes weights_only=True explicitly (which that variable cannot
-  override) and refuses ShardedObject files (`<key>/shard_*.pt`, read with the same call).
+  not pass weights_only to a full unpickle (torch/serialization.py:1480-1505). Weights-only is not
+  enough either: its allow-list is process-wide, and `import megatron.core` adds numpy's
+  `_reconstruct` and `ndarray` to it (megatron/core/safe_globals.py), enough for a numpy object
+  array over forged pointers (a segfault from a file). `SafeCommonLoadStrategy` reads it with the
+  project's own restricted unpickler (safe_torch.py) and refuses ShardedObject files
+  (`<key>/shard_*.pt`).
 
-The data files themselves are read by torch with weights_only=True (filesystem.py:899-903). Byte
+The data files torch itself reads with torch.load(weights_only=True) (filesystem.py:899-903);
+SafeFileSystemReader.read_data (safe_metadata.py) decodes each tensor chunk with safe_torch instead. Byte
 entries are the other way code could run: for every requested key whose `.metadata` entry is a
 BytesStorageMetadata, DCP plans a BYTE_IO read whatever the request holds (a tensor included:
 planner_helpers.py:439-459, _create_read_items; Megatron's global-shape check reads only the
@@ -173,7 +177,7 @@ def _strategy_classes():
             raise NotImplementedError("SafeTorchDistLoadStrategy only loads")
 
     class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
-        """Megatron's common.pt reader with weights_only=True passed explicitly; no ShardedObjects."""
+        """Megatron's common.pt read with the restricted unpickler (safe_torch.py); no ShardedObjects."""
 
         def load_common(self, checkpoint_dir):
             return load_common_state_dict(checkpoint_dir)
@@ -243,58 +247,23 @@ def safe_load_planner(source=None, **kwargs):
 
 
 def torch_load_common(path: str):
-    """torch.load(weights_only=True) of a Megatron common.pt that also rebuilds what Megatron-LM
-    keeps there beside tensors: its run arguments ("args", an argparse.Namespace) and the
-    Megatron-Core enums inside them (e.g. AttnBackend). Nothing else is admitted: a refused
-    global raises pickle.UnpicklingError (torch's message names it, "GLOBAL module.name"), so
-    nothing in the file can run code. Enums are admitted one at a time as torch names them
-    (a Namespace and enum members are data; weights-only loading rebuilds them without calls)."""
-    import argparse
-    import enum
-    import importlib
-    import pickle
-    import re
+    """A Megatron common.pt read with the project's own restricted unpickler (safe_torch.py), never
+    torch.load: tensors, dicts and numbers, plus what Megatron-LM keeps there beside them, its run
+    arguments ("args", an argparse.Namespace) and the Megatron-Core enums inside them (e.g.
+    AttnBackend). Whatever `import megatron.core` or any other import adds to torch's
+    weights-only allow-list (megatron/core/safe_globals.py admits numpy's _reconstruct) is not
+    admitted here. One CheckpointError line naming the file otherwise; nothing in it is run."""
+    from gspo_megatron.checkpoint.safe_torch import load_torch_file
 
-    import torch
-
-    allowed: list = [argparse.Namespace]
-    while True:
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            found = re.search(r"GLOBAL ([\w.]+)", str(e))
-            mod, _, attr = (found.group(1) if found else "").rpartition(".")
-            cls = None
-            if mod.startswith("megatron.core."):
-                try:
-                    cls = getattr(importlib.import_module(mod), attr, None)
-                except ImportError:
-                    cls = None
-            if not (isinstance(cls, type) and issubclass(cls, enum.Enum)) or cls in allowed or len(allowed) > 32:
-                raise
-            allowed.append(cls)
+    return load_torch_file(path, run_args=True)
 
 
 def load_common_state_dict(checkpoint_dir: str) -> dict:
-    """Megatron's common.pt (its non-sharded state) read with torch.load(weights_only=True) passed
-    explicitly; the equivalent of dist_checkpointing.load_common_state_dict. One-line
-    CheckpointError when missing, or when it holds anything weights-only loading refuses."""
-    import pickle
-    import re
-
-    import torch
-
+    """Megatron's common.pt (its non-sharded state) read with the restricted unpickler
+    (torch_load_common); the equivalent of dist_checkpointing.load_common_state_dict, which calls
+    torch.load (strategies/common.py:89). One-line CheckpointError when missing, or when it holds
+    anything the reader refuses."""
     path = os.path.join(os.fspath(checkpoint_dir), "common.pt")  # strategies/common.py COMMON_STATE_FNAME
-    try:
-        # Megatron-LM keeps its run arguments there (an argparse.Namespace): admitted as data
-        return torch_load_common(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (not a complete torch_dist checkpoint)") from None
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's message names the refused global
-        what = f"it holds {found.group(1)}" if found else str(e).splitlines()[0]
-        raise CheckpointError(f"{path}: refused by weights-only loading ({what}); nothing from it was run") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{path}: unreadable ({why})") from None
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing (not a complete torch_dist checkpoint)")
+    return torch_load_common(path)

@@ -448,6 +448,27 @@ def require_tensor_entries(md, keys, source: str) -> None:
             raise byte_entry_error(source, key)
 
 
+def torch_tensor():
+    import torch
+
+    return torch.Tensor
+
+
+def _narrow(tensor, offsets, lengths, path: str, fqn: str):
+    """tensor[offsets : offsets + lengths] per dimension (torch's narrow_tensor_by_index), each
+    inside the chunk: a read item that reaches past it is one line, not a short copy."""
+    if len(offsets) != tensor.dim() or len(lengths) != tensor.dim():
+        raise CheckpointError(f"{path}: the chunk of {fqn!r} has {tensor.dim()} dimensions, the load reads "
+                              f"{len(offsets)}")
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        if o < 0 or n < 0 or o + n > tensor.size(dim):
+            raise CheckpointError(f"{path}: the load reads {fqn!r} past its chunk (dimension {dim}: "
+                                  f"{o}+{n} of {tensor.size(dim)})")
+        if o != 0 or n != tensor.size(dim):
+            tensor = tensor.narrow(dim, o, n)
+    return tensor
+
+
 def _file_system_reader_class():
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -465,17 +486,52 @@ def _file_system_reader_class():
             self._metadata = metadata
 
         def read_data(self, plan, planner):
-            # A BYTE_IO read would hand the bytes to planner.load_bytes, which torch's own planner
-            # unpickles with torch.load(weights_only=False) (default_planner.py:382-392); the
-            # project loads tensors only, so no byte read reaches a planner through this reader
-            # (whichever planner the caller chose).
+            """torch's FileSystemReader.read_data (filesystem.py:861-909) with each tensor chunk
+            decoded by the project's restricted reader (safe_torch.loads_torch), not by torch.load,
+            whose allow-list any import extends. A BYTE_IO read would hand the bytes to
+            planner.load_bytes, which torch's own planner unpickles with
+            torch.load(weights_only=False) (default_planner.py:382-392); the project loads tensors
+            only, so no byte read reaches a planner through this reader (whichever planner the
+            caller chose). Stored transforms (compression, extensions) are refused."""
+            from torch.futures import Future
+
             from torch.distributed.checkpoint.planner import LoadItemType
 
+            from gspo_megatron.checkpoint.safe_torch import loads_torch, pread_exact
+
+            md_path = os.path.join(os.fspath(self.path), METADATA_FILE)
             for item in plan.items:
                 if item.type == LoadItemType.BYTE_IO:
-                    raise byte_entry_error(os.path.join(os.fspath(self.path), METADATA_FILE),
-                                           item.storage_index.fqn)
-            return super().read_data(plan, planner)
+                    raise byte_entry_error(md_path, item.storage_index.fqn)
+            per_file: dict[str, list] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for relative_path, reqs in per_file.items():
+                path = os.path.join(os.fspath(self.path), relative_path)
+                with open(path, "rb") as f:
+                    for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                        info = self.storage_data[req.storage_index]
+                        fqn = req.storage_index.fqn
+                        if getattr(info, "transform_descriptors", None):
+                            raise CheckpointError(f"{path}: {fqn!r} is stored with transforms "
+                                                  f"{list(info.transform_descriptors)} (not read here)")
+                        buf = pread_exact(f.fileno(), info.length, info.offset)  # the tensor views it
+                        if buf is None:
+                            raise CheckpointError(f"{path}: truncated (a chunk of {fqn!r} at byte {info.offset} "
+                                                  f"needs {info.length} bytes)")
+                        tensor = loads_torch(buf, f"{path} (a chunk of {fqn!r} at byte {info.offset})")
+                        if not isinstance(tensor, torch_tensor()):
+                            raise CheckpointError(f"{path}: the chunk of {fqn!r} at byte {info.offset} is not a tensor")
+                        tensor = _narrow(tensor, req.storage_offsets, req.lengths, path, fqn)
+                        target = planner.resolve_tensor(req).detach()
+                        if target.size() != tensor.size():
+                            raise CheckpointError(f"{path}: the chunk of {fqn!r} at byte {info.offset} has shape "
+                                                  f"{list(tensor.size())}, the load asks for {list(target.size())}")
+                        target.copy_(tensor)
+                        planner.commit_tensor(req, target)
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
 
         def read_metadata(self):
             from torch.distributed.checkpoint.metadata import StorageMeta

@@ -37,7 +37,8 @@ re-seeded from train.seed and the step (logged).
 
 Departure from Megatron-LM: it stores the RNG state as a ShardedObject (pickled bytes inside the
 data files, unpickled by PyTorch's DCP planner with weights_only=False); here it is a per-rank file
-read with torch.load(weights_only=True), and loading refuses ShardedObjects altogether.
+read with the project's restricted unpickler (checkpoint/safe_torch.py, as common.pt is), and
+loading refuses ShardedObjects altogether.
 
 Asynchronous saves (`checkpoint.async_save=true`, with the distributed optimizer): the step blocks
 only to snapshot this rank's chunks and plain state into host memory; the same writer then runs
@@ -471,7 +472,7 @@ def _clean_stale_temps(root: str) -> None:
 
 
 def read_trainer_state(path: str, require_checksums: bool = False) -> dict:
-    """The checkpoint's plain trainer state (common.pt, read with weights_only=True, after the
+    """The checkpoint's plain trainer state (common.pt, read with the restricted unpickler, after the
     checkpoint's small files are verified against its checksums)."""
     return _read_common(path, require_checksums)["trainer"]
 
@@ -487,7 +488,7 @@ def _read_common(path: str, require_checksums: bool = False) -> dict:
                               "older version, or not a checkpoint directory)")
     # verified before parsed (cheap: every file but the tensor data; load() has verified them all)
     integrity.verify_before_parse(path, data=False, require=require_checksums)
-    common = load_common_state_dict(path)  # weights_only, whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says
+    common = load_common_state_dict(path)  # checkpoint/safe_torch.py: never torch.load
     trainer = common.get("trainer") if isinstance(common, dict) else None
     if not isinstance(trainer, dict) or trainer.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: common.pt holds no trainer state of format {FORMAT_VERSION} "
@@ -507,6 +508,7 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     any other through Megatron's sharded_state_dict in one load."""
     from gspo_megatron.checkpoint import integrity
     from gspo_megatron.checkpoint.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
+    from gspo_megatron.checkpoint.safe_torch import load_torch_file
 
     from gspo_megatron.errors import CheckpointError
     from gspo_megatron.train.optim import fuse_cpu_adam
@@ -533,8 +535,7 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     fuse_cpu_adam(optimizer, model)  # the Adam kernel is this run's choice, not the saved groups' (optim.py)
     scheduler.load_state_dict(trainer["scheduler"])
     saved, here = trainer["layout"], layout_of(ctx)
-    rng = torch.load(_rng_path(path, ctx.rank), weights_only=True, map_location="cpu") \
-        if os.path.exists(_rng_path(path, ctx.rank)) else None
+    rng = load_torch_file(_rng_path(path, ctx.rank)) if os.path.exists(_rng_path(path, ctx.rank)) else None
     if rng is not None and same_layout(saved, here, rng):
         set_rng_state(rng)
     else:
