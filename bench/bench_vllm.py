@@ -4,7 +4,7 @@
     python bench/bench_vllm.py --smoke         # 2 prompts x 2 samples, 8 tokens, 2 pushes, 1 rollout
     python bench/bench_vllm.py --hidden 256 --layers 4 --experts 16   # a bigger model (head_dim stays 32)
     python bench/bench_vllm.py --json out.json --keep --workdir /tmp/bv
-    python bench/bench_vllm.py --smoke --url http://127.0.0.1:8000 --api-key K   # a running server
+    python bench/bench_vllm.py --smoke --url http://127.0.0.1:8000 --api-key-env VAR   # a running server
 
 With --url the server is not launched: the bench pushes its own models (the architecture below)
 into a running server started as rollout/vllm_server.py says (tests/test_vllm.py runs the smoke
@@ -433,7 +433,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="2 prompts x 2 samples, 8 tokens, 2 pushes, 1 rollout "
                                                          "(still one server start: minutes)")
     ap.add_argument("--url", default=None, help="a running vLLM server to use instead of launching one")
-    ap.add_argument("--api-key", default=None, help="with --url: its API key")
+    ap.add_argument("--api-key-env", default=None, help="with --url: the environment variable holding its API key "
+                    "(a key is never an argument: `ps` shows argv)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the workdir (models, server log)")
     ap.add_argument("--json", default=None)
@@ -480,7 +481,7 @@ def main(argv=None) -> int:
         common = {"shared_dir": os.path.join(workdir, "weight_sync"), "ready_timeout_s": args.ready_timeout,
                   "request_timeout_s": 600}
         if args.url:  # a running server: nothing of it is measured but what the requests take
-            eng = VLLMEngine({"urls": [args.url], "api_key": args.api_key, **common}, hf_config=hf_full,
+            eng = VLLMEngine({"urls": [args.url], "api_key_env": args.api_key_env, **common}, hf_config=hf_full,
                              sync_dtype=torch.float32)
             eng.server_pids = []
             server = dict(start_s=0.0, processes=f"external server {args.url} (its memory and CPU not measured)",

@@ -337,6 +337,33 @@ class LossConfig:
             )
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_SECRET_PARTS = frozenset({"KEY", "KEYS", "APIKEY", "TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD",
+                           "CREDENTIAL", "CREDENTIALS", "AUTH", "COOKIE", "PRIVATE"})
+
+
+def secret_like(name: str) -> bool:
+    """A variable name with a part (split at '_') that says it holds a secret: HF_TOKEN,
+    WANDB_API_KEY, AWS_SECRET_ACCESS_KEY; not TOKENIZERS_PARALLELISM. Asked by the checks below
+    and by the launched servers' environment (rollout/http_servers.py server_environment)."""
+    return any(part in _SECRET_PARTS for part in name.upper().split("_"))
+
+
+def _check_env_names(prefix: str, api_key_env: Optional[str], env_vars: list[str]) -> None:
+    """`<prefix>.api_key_env` and `<prefix>.env_vars` name environment variables. A value that is
+    not a name (a key pasted in by mistake) is refused without being shown; a secret-like name in
+    env_vars is refused (a key reaches a server only through api_key_env)."""
+    if api_key_env is not None and not _ENV_NAME.match(str(api_key_env)):
+        raise ConfigError(f"{prefix}.api_key_env must name an environment variable (letters, digits, '_'); "
+                          "the value given is not a name (not shown: is it the key itself?)")
+    for name in env_vars:
+        if not _ENV_NAME.match(str(name)):
+            raise ConfigError(f"{prefix}.env_vars: {str(name)[:40]!r} is not an environment variable name")
+        if secret_like(str(name)):
+            raise ConfigError(f"{prefix}.env_vars: {name} looks like a secret (KEY/TOKEN/SECRET/...): launched "
+                              f"servers get a key only through {prefix}.api_key_env")
+
+
 def _check_urls(key: str, urls: list[str]) -> None:
     for i, u in enumerate(urls):
         p = urllib.parse.urlsplit(u)
@@ -367,9 +394,15 @@ class SGLangConfig:
     # First port of launched servers (server i listens on port + i) and the address they bind.
     port: int = 30000
     host: str = "127.0.0.1"
-    # Bearer token sent to the servers (and passed to launched ones); null = none (launched
-    # servers bound beyond loopback then get a generated one).
-    api_key: Optional[str] = None
+    # Name of the environment variable holding the Bearer token sent to the servers (and given to
+    # launched ones in a file only this user reads, never in their argv); null = none (launched
+    # servers bound beyond loopback then get a generated one). A name, never the key: a key in a
+    # config would reach config.yaml, the W&B config and the servers' command lines.
+    api_key_env: Optional[str] = None
+    # More of the trainer's environment variables a launched server inherits, by name, beyond what
+    # every server gets (paths, locale, CUDA/NCCL/threads/caches, SGLANG_*: rollout/http_servers.py
+    # SERVER_ENV_NAMES / SERVER_ENV_PREFIXES); the rest (keys, W&B, cloud credentials) stays here.
+    env_vars: list[str] = field(default_factory=list)
     # Refuse servers whose /server_info "version" is not the SGLang version this project speaks
     # (rollout/sglang_api.py SGLANG_VERSION); false = warn and go on.
     check_version: bool = True
@@ -417,9 +450,13 @@ class VLLMConfig:
     # /inference: its control routes (pause, weight reload) are open, so launch binds loopback only.
     port: int = 8000
     host: str = "127.0.0.1"
-    # Bearer token sent to the servers (and given to a launched one); null = a generated one for
-    # a launched server, none for urls.
-    api_key: Optional[str] = None
+    # Name of the environment variable holding the Bearer token sent to the servers (and given to a
+    # launched one as its VLLM_API_KEY, never in its argv); null = a generated one for a launched
+    # server, none for urls. A name, never the key (as rollout.sglang.api_key_env).
+    api_key_env: Optional[str] = None
+    # More of the trainer's environment variables a launched server inherits, by name (as
+    # rollout.sglang.env_vars; VLLM_* are passed already).
+    env_vars: list[str] = field(default_factory=list)
     # Refuse servers whose GET /version is not the vLLM version this project speaks
     # (rollout/vllm_api.py VLLM_VERSION); false = warn and go on.
     check_version: bool = True
@@ -580,6 +617,7 @@ class RolloutConfig:
             raise ConfigError("rollout.backend=vllm needs either rollout.vllm.urls=[http://host:port,...] (running "
                               "servers) or rollout.vllm.launch=true, not both")
         _check_urls("rollout.vllm.urls", v.urls)
+        _check_env_names("rollout.vllm", v.api_key_env, v.env_vars)
         if v.launch and v.host not in ("127.0.0.1", "localhost", "::1"):
             raise ConfigError(f"rollout.vllm.host={v.host!r}: a launched vLLM server binds loopback only (vLLM 0.32's "
                               "--api-key leaves its pause / weight-reload routes open)")
@@ -624,6 +662,7 @@ class RolloutConfig:
                 "rollout.sglang.launch=true"
             )
         _check_urls("rollout.sglang.urls", s.urls)
+        _check_env_names("rollout.sglang", s.api_key_env, s.env_vars)
         for k in ("tp", "dp", "ep", "bucket_mb", "concurrency"):
             _positive(f"rollout.sglang.{k}", getattr(s, k))
         if not 0 < s.mem_fraction < 1:
@@ -705,7 +744,9 @@ class JudgeConfig:
                      "Question: {prompt}\nReference answer: {answer}\nResponse: {response}\nScore:")
     # The score: the first match of score_regex in the answer (its first group, else the whole
     # match), or with score_json_field the answer parsed as JSON and that field.
-    score_regex: str = "(-?\\d+(?:\\.\\d+)?)"
+    # The default reads a decimal number with an optional exponent ("8.5e-1" is 0.85, "1e309" is
+    # not finite: a failed sample, as every non-finite score is).
+    score_regex: str = "(-?\\d+(?:\\.\\d+)?(?:[eE][-+]?\\d+)?)"
     score_json_field: Optional[str] = None
     # Requests in flight at once; the budget of one sample's attempts together, seconds; retries
     # of a connection error, timeout, HTTP 429 or 5xx within it.
@@ -725,6 +766,7 @@ class JudgeConfig:
         if self.url is None:
             return
         _check_urls("reward.judge.url", [self.url])
+        _check_env_names("reward.judge", self.api_key_env, [])
         _positive("reward.judge.max_concurrency", self.max_concurrency)
         _positive("reward.judge.timeout_s", self.timeout_s)
         _positive("reward.judge.retries", self.retries, allow_zero=True)
@@ -1305,11 +1347,21 @@ def _coerce(value, tp, key: str):
     raise TypeError(f"unsupported config type {tp!r} at {key}")
 
 
+# Keys that were options once and are refused with the reason (not "unknown key").
+_SECRET_IN_CONFIG = ("keys are given by environment variable name, never in a config (it would reach config.yaml, "
+                     "the W&B config and the servers' command lines): set {p}api_key_env=<VARIABLE> instead")
+MOVED = {"rollout.sglang.api_key": _SECRET_IN_CONFIG.format(p="rollout.sglang."),
+         "rollout.vllm.api_key": _SECRET_IN_CONFIG.format(p="rollout.vllm."),
+         "reward.judge.api_key": _SECRET_IN_CONFIG.format(p="reward.judge.")}
+
+
 def _build(cls, data: dict, prefix: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
     for k in data:
         if k not in names:
+            if f"{prefix}{k}" in MOVED:
+                raise ConfigError(f"{prefix}{k}: {MOVED[f'{prefix}{k}']}")
             raise _unknown_key(f"{prefix}{k}", str(k), names)
     kwargs = {}
     for f in fields(cls):
@@ -1339,7 +1391,33 @@ def parse_override(item: str) -> tuple[list[str], object]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw  # not YAML: keep the literal string (the field type decides)
+    # A text field keeps the text the user typed: `reward.judge.score_regex=Score: ([0-9.]+)` is a
+    # YAML mapping and `reward.judge.model=1e3` a float, neither what was meant. YAML still removes
+    # quotes around a string, and null / ~ / nothing is None where the field admits it.
+    leaf = _field_type(parts)
+    if leaf is not None and value is not None and not isinstance(value, str):
+        value = raw.strip()
     return parts, value
+
+
+def _field_type(parts: list[str]):
+    """`str` when `parts` names a text field of Config (str or Optional[str], not a Literal);
+    otherwise None (a section, a number, a list, a free-form dict's entry, or no such key)."""
+    cls = Config
+    for i, p in enumerate(parts):
+        if not is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if p not in hints:
+            return None
+        tp = hints[p]
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args and len(args) == 2:
+            tp = next(a for a in args if a is not type(None))
+        if i == len(parts) - 1:
+            return str if tp is str else None
+        cls = tp
+    return None
 
 
 def _deep_merge(dst: dict, src: dict) -> dict:

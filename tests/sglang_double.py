@@ -1158,6 +1158,38 @@ def teacher_forced_logprobs(model, prompt: list[int], response: list[int], tempe
 
 
 # ------------------------------------------------------------------------------ as a process
+def _merge_config(argv: list[str]) -> list[str]:
+    """`--config <file>` as SGLang 0.5.23 reads it (server_args.py:683-689,
+    utils/server_args_config_parser.py ConfigArgumentMerger): one file, .yaml/.yml only, a mapping
+    whose entries become leading `--key value` arguments (the command line's own follow, so they
+    win). What it refuses, this refuses (tests/test_sglang_contract.py reads the real source)."""
+    if "--config" not in argv:
+        return argv
+    import yaml
+
+    if argv.count("--config") > 1:
+        raise ValueError("Multiple config files specified! Only one allowed.")
+    i = argv.index("--config")
+    if i == len(argv) - 1:
+        raise ValueError("No config file specified after --config flag!")
+    path = argv[i + 1]
+    if os.path.splitext(path)[1].lower() not in (".yaml", ".yml"):
+        raise ValueError(f"Config file must be YAML format, got: {os.path.splitext(path)[1]}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError("Config file must contain a dictionary at root level")
+    merged: list[str] = []
+    for k, v in data.items():
+        if isinstance(v, bool):
+            merged += [f"--{k}"] if v else []
+        elif isinstance(v, list):
+            merged += [f"--{k}", *map(str, v)] if v else []
+        else:
+            merged += [f"--{k}", str(v)]
+    return merged + argv[:i] + argv[i + 2:]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="SGLang HTTP test double (NOT SGLang)")
     ap.add_argument("--model-path", required=True)
@@ -1176,7 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--double-per-token-s", type=float, default=0.0, help="seconds per generated token")
     ap.add_argument("--double-exit-code", type=int, default=None, help="exit at once with this code")
     ap.add_argument("--double-stale-weights", action="store_true", help="accept weight updates, keep the old weights")
-    args, unknown = ap.parse_known_args(argv)
+    args, unknown = ap.parse_known_args(_merge_config(list(sys.argv[1:] if argv is None else argv)))
     print(f"[sglang test double] args={vars(args)} ignored={unknown}", flush=True)
     print(f"[sglang test double] SGLANG_RETURN_ORIGINAL_LOGPROB={os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB')}",
           flush=True)

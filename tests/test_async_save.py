@@ -183,3 +183,29 @@ def test_sigterm_waits_for_the_background_write_in_flight(tmp_path, when):
     assert all((ck / f"iter_{s:07d}" / "checksums.json").exists() for s in sorted({2, 4, step}))
     r = run_train(out, *BASE, ASYNC, "train.max_steps=8")
     assert f"resumed from {ck / f'iter_{step:07d}'} at step {step}" in r.stderr
+
+
+def test_the_writer_thread_makes_the_ranks_device_current_before_writing(monkeypatch):
+    """Issue 52: a new thread starts on CUDA device 0, and DCP's writer synchronises the thread's
+    current stream, so every rank's background writer created a context on GPU 0. The writer now
+    calls torch.cuda.set_device(the rank's device) first, in its own thread. The CUDA call is
+    recorded here (no GPU): the branch a GPU run takes, run on CPU; `make gpu-check` runs it on a
+    GPU (bench/gpu_check.py)."""
+    import threading
+
+    import torch
+
+    from gspo_megatron.train.async_save import BackgroundSaves
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d, threading.get_ident())))
+    saves = BackgroundSaves(ops=None, device=torch.device("cuda", 3))
+    saves.submit("iter_1", lambda: calls.append(("write", None, threading.get_ident())))
+    saves.wait()
+    assert [c[0] for c in calls] == ["set_device", "write"], calls
+    assert calls[0][1] == torch.device("cuda", 3) and calls[0][2] == calls[1][2] != threading.get_ident()
+    calls.clear()
+    cpu = BackgroundSaves(ops=None, device=torch.device("cpu"))
+    cpu.submit("iter_2", lambda: calls.append(("write", None, 0)))
+    cpu.wait()
+    assert [c[0] for c in calls] == ["write"]

@@ -137,13 +137,13 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
     "where to find or how to start an engine (its own tests: test_sglang, test_train_sglang, test_vllm, "
     "test_vllm_launch, test_vllm_nccl); the cells use running servers": (
         "rollout.sglang.urls", "rollout.sglang.launch", "rollout.sglang.port",
-        "rollout.sglang.host", "rollout.sglang.api_key", "rollout.sglang.model_path",
+        "rollout.sglang.host", "rollout.sglang.api_key_env", "rollout.sglang.env_vars", "rollout.sglang.model_path",
         "rollout.sglang.server_command", "rollout.sglang.extra_args", "rollout.sglang.check_version",
         "rollout.sglang.weight_sync", "rollout.sglang.mem_fraction",
         "rollout.sglang.tp", "rollout.sglang.dp", "rollout.sglang.ep", "rollout.sglang.bucket_mb",
         "rollout.sglang.sync_address", "rollout.sglang.sync_port",
         "rollout.vllm.urls", "rollout.vllm.launch", "rollout.vllm.port",
-        "rollout.vllm.host", "rollout.vllm.api_key", "rollout.vllm.model_path",
+        "rollout.vllm.host", "rollout.vllm.api_key_env", "rollout.vllm.env_vars", "rollout.vllm.model_path",
         "rollout.vllm.server_command", "rollout.vllm.extra_args", "rollout.vllm.check_version",
         "rollout.vllm.weight_sync", "rollout.vllm.dtype", "rollout.vllm.max_model_len", "rollout.vllm.cpu_kv_cache_mb",
         "rollout.vllm.gpus", "rollout.return_routing"),
@@ -329,11 +329,11 @@ def vllm_servers(model_dirs, tmp_path_factory):
         raise
 
     def start(port, model_dir):
-        spec = VLLMLaunchSpec(model_path=model_dir, port=port, api_key="k3y", python=python, trainer_dtype="float32",
+        spec = VLLMLaunchSpec(model_path=model_dir, port=port, python=python, trainer_dtype="float32",
                               max_model_len=512, log_dir=str(tmp_path_factory.mktemp("sweep_vllm_logs")))
         procs = launch(spec)
         try:
-            procs.wait_ready([ServerClient(procs.urls[0], api_key="k3y")], 900)
+            procs.wait_ready([ServerClient(procs.urls[0])], 900)
         except BaseException:
             procs.stop()
             raise
@@ -402,7 +402,7 @@ def test_cell_trains_or_is_refused_in_one_line(cell, model_dirs, tmp_path, reque
         if servers is None:
             pytest.skip("the vLLM venv cannot be built here (no package index)")
         vllm_server = servers(cell["family"])  # started by the family's first vLLM cell
-        overrides += [f"rollout.vllm.urls=[{vllm_server}]", "rollout.vllm.api_key=k3y",
+        overrides += [f"rollout.vllm.urls=[{vllm_server}]",
                       f"rollout.vllm.shared_dir={tmp_path / 'sync'}", "rollout.vllm.request_timeout_s=120"]
     try:
         got = run_distributed(_cell_rank, 2, str(tmp_path / "run"), overrides, timeout=400)

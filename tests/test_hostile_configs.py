@@ -104,3 +104,32 @@ def test_an_integral_float_is_still_read_as_the_integer(tiny, tmp_path, capsys):
     code, _, _, _ = _convert_with(tiny, tmp_path, "qwen3_moe", hidden_size=float(
         json.loads((tiny / "qwen3_moe" / "config.json").read_text())["hidden_size"]))
     assert code == 0, capsys.readouterr().err[-2000:]
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("hidden_size", 64.5, "must be an integer"), ("num_moe_experts", "8", "must be an integer"),
+    ("num_layers", True, "must be an integer"), ("num_attention_heads", 0, "must be >= 1"),
+    ("rotary_base", float("nan"), "must be a finite number"), ("layernorm_epsilon", "1e-6", "must be a finite number"),
+    ("kv_channels", 16.5, "must be an integer"),
+])
+def test_megatron_bridge_provider_fields_are_read_as_checked_numbers(key, value, why):
+    """Megatron-Bridge's run_config.yaml (and Megatron-LM's run arguments) go through the family's
+    provider-field reader: the same checks as config.json (int() read 64.5 as 64 and "8" as 8,
+    float() "nan" as NaN), one line naming the file and the field. Reference: the fields the
+    project itself writes for a tiny Qwen3-MoE read back to its architecture."""
+    from gspo_megatron.errors import ModelConfigError
+    from gspo_megatron.model.family import family_of_type
+
+    fam = family_of_type("qwen3_moe")
+    hf = {"model_type": "qwen3_moe", "vocab_size": 98, "hidden_size": 64, "intermediate_size": 128,
+          "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+          "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": False}
+    arch = fam.read_config(hf, "config.json")
+    fields = dict(fam.bridge_run_config(arch)["model"])
+    good = fam.hf_from_provider_fields(fields, "run_config.yaml", "model.", provider_defaults=True)
+    assert good["hidden_size"] == 64 and good["num_experts"] == 8 and good["head_dim"] == 16
+    with pytest.raises(ModelConfigError) as e:
+        fam.hf_from_provider_fields({**fields, key: value}, "run_config.yaml", "model.", provider_defaults=True)
+    msg = str(e.value)
+    assert msg.startswith(f"run_config.yaml: model.{key} {why}") and "\n" not in msg, msg

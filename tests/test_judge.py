@@ -214,6 +214,75 @@ def test_judge_config_is_checked_in_one_line(tmp_path):
     assert c.reward.judge.url == "http://127.0.0.1:1" and c.reward.fn_weight is None
 
 
+def test_the_default_score_regex_reads_exponents_and_refuses_what_is_not_finite():
+    """Issue 52: the default score_regex had no exponent, so "8.5e-1" scored 8.5 and "1e309" 1.0.
+    Reference: Python's float() of the whole number the judge wrote."""
+    from gspo_megatron.rollout.judge import JudgeScorer
+
+    j = JudgeScorer(JudgeConfig(url="http://127.0.0.1:1"))
+    for answer, want in (("8.5e-1", 0.85), ("Score: 7", 7.0), ("-3.25E+1 points", -32.5), ("7e", 7.0),
+                         ("10", 10.0), ("2.5e3x", 2500.0)):
+        assert j.parse(answer) == pytest.approx(want), answer
+    for answer in ("1e309", "-1e400", "9e38"):  # past float32: a failed sample
+        with pytest.raises(ValueError, match="not a finite float32"):
+            j.parse(answer)
+
+
+@pytest.mark.parametrize("failure", ["stall", "http500"])
+def test_a_samples_retries_share_its_one_budget(monkeypatch, failure):
+    """Issue 52: every attempt of a sample gets only what is left of reward.judge.timeout_s, never
+    the whole budget again. A fake clock (no sleeping, no elapsed-time bound): each attempt either
+    fails after 3 s (or at the deadline it was given) or answers 500 after 1 s; each deadline the
+    client was given is at most what was left of the budget (the whole budget again would not be)."""
+    from gspo_megatron.rollout import judge as judge_mod
+    from gspo_megatron.rollout.http_servers import DeadlineExceededError
+
+    clock = {"t": 1000.0}
+
+    class FakeTime:
+        @staticmethod
+        def monotonic():
+            return clock["t"]
+
+        @staticmethod
+        def sleep(s):
+            clock["t"] += max(0.0, s)
+
+    monkeypatch.setattr(judge_mod, "time", FakeTime)
+    j = judge_mod.JudgeScorer(JudgeConfig(url="http://127.0.0.1:1", timeout_s=10.0, retries=5))
+    given: list[tuple[float, float]] = []  # (timeout_s given, budget left at that moment)
+    start = clock["t"]
+
+    def request_once(method, path, body, timeout_s):
+        given.append((timeout_s, start + 10.0 - clock["t"]))
+        if failure == "stall":  # cut after 3 s (or at its deadline, when that comes first)
+            clock["t"] += min(timeout_s, 3.0)
+            raise DeadlineExceededError("stalled", url="http://127.0.0.1:1")
+        clock["t"] += 1.0
+        return 500, b"busy"
+
+    monkeypatch.setattr(j.client, "request_once", request_once)
+    score, why = j._one("resp", {"prompt": "p", "answer": "a"})
+    assert score is None and "no answer within reward.judge.timeout_s=10" in why, why
+    assert given and all(t <= left + 1e-9 for t, left in given), given
+    assert len(given) >= 3, given  # it did retry, each time with less
+    assert all(b[0] < a[0] for a, b in zip(given, given[1:])), given
+
+
+def test_a_text_override_keeps_the_text_typed():
+    """`key=value` overrides are YAML: `Score: ([0-9.]+)` is a mapping and `1e3` a float. For a
+    text field (str, Optional[str]) the text typed is kept; quotes are still removed, null is None
+    where admitted, and a non-text field still takes YAML (a list, a number)."""
+    c = load_config(TINY, ["reward.judge.url=http://127.0.0.1:1", "reward.judge.score_regex=Score: ([0-9.]+)",
+                           "reward.judge.model=1e3", "reward.judge.score_json_field=null"])
+    assert c.reward.judge.score_regex == "Score: ([0-9.]+)" and c.reward.judge.model == "1e3"
+    assert c.reward.judge.score_json_field is None
+    c = load_config(TINY, ["reward.judge.url=http://127.0.0.1:1", "reward.judge.model='a: b'",
+                           "reward.judge.max_tokens=12", "rollout.vllm.extra_args=[--x, '1']"])
+    assert c.reward.judge.model == "a: b" and c.reward.judge.max_tokens == 12
+    assert list(c.rollout.vllm.extra_args) == ["--x", "1"]
+
+
 @pytest.mark.timeout(600)
 def test_a_judge_drives_training_and_its_failures_are_counted(judge, tmp_path):
     """3 GSPO steps whose reward is a stand-in judge's (fn_weight 0.5 with the task's reward):

@@ -203,16 +203,18 @@ def test_sglang_sbatch_disaggregated(name, tmp_path):
         assert launch[launch.index("--port") + 1] == "30000"
         assert launch[launch.index("--model-path") + 1] == model
         assert launch[launch.index("--tp-size") + 1] == "8"
-        assert "--api-key=sekret" in launch  # one word: a key may begin with '-'
-        assert "--api-key" not in launch
+        # the key in no command line: the server starts through serve_with_key.sh (a --config file)
+        assert c[c.index("env") - 1].endswith("launch/slurm/serve_with_key.sh") and c[c.index("env") - 2] == "bash"
+        assert not any("sekret" in a for a in c) and not any(a.startswith("--api-key") for a in launch)
         assert "--nnodes" not in launch
     assert opt(trainer, "--nodelist") == "n1,n2,n3" and opt(trainer, "--nnodes") == "3"
     assert opt(trainer, "--rdzv-endpoint") == f"n1:{20000 + 4242}"
     assert train_args(trainer) == [
         "--config", preset(name), "checkpoint.resume=auto", "rollout.backend=sglang",
         "rollout.sglang.launch=false", "rollout.sglang.urls=[http://n4:30000,http://n5:30000]",
-        "rollout.sglang.api_key=sekret", f"model.hf_dir={model}", "train.max_steps=2",
+        "rollout.sglang.api_key_env=SGLANG_API_KEY", f"model.hf_dir={model}", "train.max_steps=2",
     ]
+    assert not any("sekret" in a for c in cmds for a in c)  # nowhere in what the job runs
     # The url override the trainer receives parses back to the list of servers.
     cfg = load_config(preset(name), train_args(trainer)[2:6])
     assert cfg.rollout.sglang.urls == ["http://n4:30000", "http://n5:30000"]
@@ -233,10 +235,11 @@ def test_sglang_sbatch_multinode_servers_and_colocated(tmp_path):
     (trainer,) = [c for c in cmds if "gspo_megatron.train" in c]
     assert "rollout.sglang.urls=[http://b:31000]" in train_args(trainer)
     assert opt(trainer, "--nnodes") == "1"
-    # servers on the nodes' addresses and no SGLANG_API_KEY: a generated key, the same on both sides
-    keys = {opt(c, "--api-key") for c in servers}
-    assert len(keys) == 1 and len(key := keys.pop()) == 32
-    assert f"rollout.sglang.api_key={key}" in train_args(trainer)
+    # servers on the nodes' addresses and no SGLANG_API_KEY: a generated key, exported to both
+    # sides (the trainer reads it by name), in no command line
+    assert "rollout.sglang.api_key_env=SGLANG_API_KEY" in train_args(trainer)
+    assert all(c[c.index("env") - 1].endswith("serve_with_key.sh") for c in servers)
+    assert not any(a.startswith("--api-key") for c in cmds for a in c)
 
     # Servers in their own image; the trainer keeps the host interpreter.
     cmds = render(script, [preset("qwen3_30b_a3b"), f"model.hf_dir={hf_dir(tmp_path, 'qwen3_30b_a3b')}"],

@@ -12,6 +12,7 @@ readiness timeouts; pytest-timeout).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -300,7 +301,9 @@ def test_launch_and_distributed_sync_over_gloo(model_dir, prompts, model_a, mode
         assert re.fullmatch(r"(bu+e){2}", pushes), pushes
         with open(eng.procs.log_paths[0]) as f:
             log = f.read()
-        assert "--tp-size 1" in log and "--api-key=k3y" in log and "--dtype float32" in log
+        assert "--tp-size 1" in log and "--dtype float32" in log
+        # the key reached the double through --config (its printed args) and is in no log line
+        assert "'api_key': '<redacted>'" in log and "k3y" not in log and "--config" in log
     finally:
         eng.close()
     assert proc.poll() is not None  # stopped by close()
@@ -591,26 +594,76 @@ def test_launch_command_line():
     assert spec.argv(1) == [
         sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
         "--port", "31001", "--tp-size", "2", "--dp-size", "1", "--ep-size", "2",
-        "--mem-fraction-static", "0.6", "--base-gpu-id", "2", "--api-key=k", "--enable-memory-saver",
-    ]
+        "--mem-fraction-static", "0.6", "--base-gpu-id", "2", "--enable-memory-saver",
+    ]  # the key never: it travels in a --config file (secret_args), see the test below
     assert spec.url(1) == "http://127.0.0.1:31001"
     one = LaunchSpec(model_path="/m", command=["python", "x.py"])
     assert one.argv(0)[:2] == ["python", "x.py"] and "--base-gpu-id" not in one.argv(0)
     assert LaunchSpec(model_path="/m", host="0.0.0.0").url(0) == "http://127.0.0.1:30000"
 
 
-def test_api_key_beginning_with_a_dash_reaches_the_server(capsys):
-    """SGLang parses its command line with plain argparse (sglang/srt/server_args.py:679,696 in
-    0.5.23): `--api-key -Xy..` reads the key as an option and the server exits with code 2 before
-    it is ready. secrets.token_urlsafe starts a key with '-' one time in 64: the key must travel
-    as `--api-key=<key>`. The double's parser is argparse too (checked by its own tests)."""
-    import sglang_double
+def test_a_launched_servers_key_is_in_no_argv_no_environment_and_no_log(tmp_path, monkeypatch):
+    """Issue 52 row 6, by construction (rollout/http_servers.ServerProcesses): the key reaches a
+    launched SGLang server (here the double, which merges --config as SGLang 0.5.23 does and then
+    prints its arguments, as SGLang logs its server_args) only through a --config YAML of mode 0600
+    in a private directory removed at stop; the log's argv line and the server's own output in the
+    log carry `<redacted>`, never the key; the server inherits none of the trainer's secrets (the
+    judge key's variable, WANDB_API_KEY, HF_TOKEN), only the allow-listed variables."""
+    import stat
 
+    key = "sentinel-k3y-7f1c"
+    monkeypatch.setenv("GSPO_TEST_JUDGE_KEY", "judge-sentinel")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-sentinel")
+    monkeypatch.setenv("HF_TOKEN", "hf-sentinel")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # allow-listed, not secret-like
+    code = ("import os, sys, json; sys.path.insert(0, %r); import sglang_double; "
+            "argv = sglang_double._merge_config(sys.argv[1:]); "
+            "print('argv', json.dumps(argv), flush=True); print('env', json.dumps(dict(os.environ)), flush=True); "
+            "import time; time.sleep(60)") % os.path.dirname(DOUBLE_SCRIPT)
+    spec = LaunchSpec(model_path=str(tmp_path), command=[sys.executable, "-c", code], api_key=key,
+                      log_dir=str(tmp_path / "logs"), env_vars=("GSPO_TEST_EXTRA",))
+    monkeypatch.setenv("GSPO_TEST_EXTRA", "passed-on")
+    procs = ServerProcesses(spec)
+    procs.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "\nenv " not in open(procs.log_paths[0]).read() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        secret_file = procs._private_dir + "/sglang_secrets.yaml"
+        assert stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(procs._private_dir).st_mode) == 0o700
+        with open(f"/proc/{procs.procs[0].pid}/cmdline", "rb") as f:
+            assert key.encode() not in f.read()
+        with open(f"/proc/{procs.procs[0].pid}/environ", "rb") as f:
+            environ = f.read()
+    finally:
+        procs.stop(grace_s=2)
+    log_text = open(procs.log_paths[0]).read()
+    assert key not in log_text, log_text
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in log_text.splitlines() if " " in ln}
+    argv = json.loads(lines["argv"])
+    assert argv[:2] == ["--api-key", "<redacted>"], argv  # the server got it (redacted in its log)
+    env = json.loads(lines["env"])
+    for name in ("GSPO_TEST_JUDGE_KEY", "WANDB_API_KEY", "HF_TOKEN"):
+        assert name not in env, name
+    for sentinel in (b"judge-sentinel", b"wandb-sentinel", b"hf-sentinel", key.encode()):
+        assert sentinel not in environ
+    assert env["TOKENIZERS_PARALLELISM"] == "false" and env["GSPO_TEST_EXTRA"] == "passed-on"
+    assert "PATH" in env
+    assert not os.path.exists(secret_file)  # removed at stop
+
+
+def test_a_key_beginning_with_a_dash_is_refused_in_one_line(tmp_path):
+    """SGLang 0.5.23 turns a --config YAML into `["--api-key", key]` before argparse
+    (utils/server_args_config_parser.py _add_scalar_arg): a key beginning with '-' would read as an
+    option and the server would exit with code 2. Refused at launch, the key not shown."""
     key = "-Zk3y_from_token_urlsafe"
-    spec = LaunchSpec(model_path="/m", api_key=key, command=["python", "x.py"])
-    rc = sglang_double.main(spec.argv(0)[2:] + ["--double-exit-code", "0"])
-    out = capsys.readouterr().out
-    assert rc == 0 and f"'api_key': '{key}'" in out, out
+    procs = ServerProcesses(LaunchSpec(model_path="/m", api_key=key, command=["python", "x.py"],
+                                       log_dir=str(tmp_path)))
+    with pytest.raises(ValueError) as e:
+        procs.start()
+    assert "beginning with '-'" in str(e.value) and key not in str(e.value)
+    procs.stop()
 
 
 def test_stop_kills_a_server_that_ignores_sigterm(tmp_path):

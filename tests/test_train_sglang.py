@@ -193,9 +193,11 @@ def test_colocated_engines_release_train_resume_push_every_step(tmp_path):
     for i, path in enumerate(logs):
         argv = path.read_text().splitlines()[0]
         assert "--enable-memory-saver" in argv and f"--base-gpu-id {i}" in argv and f"--port {port + i}" in argv
-        # bound beyond loopback without rollout.sglang.api_key: a generated key, which the double
-        # (like SGLang) then demands of every request but the health checks
-        assert re.search(r"--api-key=\S{20,}", argv), argv
+        # bound beyond loopback without rollout.sglang.api_key_env: a generated key, which the
+        # double (like SGLang) then demands of every request but the health checks; it reaches the
+        # server in a --config file, never its command line, and its log has it redacted
+        assert re.search(r"--config \S+/sglang_secrets.yaml$", argv) and "--api-key" not in argv, argv
+        assert "'api_key': '<redacted>'" in path.read_text()
     rows = gspo_rows(out)
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1))
     assert all(x["mismatch_logprob_max"] < 1e-5 for x in rows), [x["mismatch_logprob_max"] for x in rows]

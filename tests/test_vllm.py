@@ -291,7 +291,7 @@ def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_py
     url, key, _ = server
     # (pooled ranks: the trainer's own main; the command line and the process tree were the first run's)
     r = train_pooled(2, *common, "rollout.vllm.launch=false", f"rollout.vllm.urls=[{url}]",
-                     f"rollout.vllm.api_key={key}", timeout=900)
+                     "rollout.vllm.api_key_env=GSPO_TEST_VLLM_KEY", env={"GSPO_TEST_VLLM_KEY": key}, timeout=900)
     assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
     steps = [x["step"] for x in rows]
@@ -330,9 +330,9 @@ def test_bench_vllm_smoke_against_the_running_server(server, tmp_path):
     """bench/bench_vllm.py --smoke (as a user runs it) against this module's server instead of a
     second one: the bench cannot rot unseen. Last in the file: it pushes the bench's own models."""
     url, key, _ = server
-    env = dict(run_env(), OMP_NUM_THREADS="1")
+    env = dict(run_env(), OMP_NUM_THREADS="1", GSPO_TEST_VLLM_KEY=key)
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_vllm.py"), "--smoke", "--url", url,
-                        "--api-key", key, "--workdir", str(tmp_path / "bench")],
+                        "--api-key-env", "GSPO_TEST_VLLM_KEY", "--workdir", str(tmp_path / "bench")],
                        capture_output=True, text=True, timeout=540, env=env, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
@@ -392,8 +392,9 @@ def test_bench_judge_smoke_against_the_running_server(server, models, tmp_path):
     url, key, _ = server
     root, _, _ = models
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_judge.py"), "--smoke", "--url", url,
-                        "--api-key", key, "--model", str(root / "A"), "--workdir", str(tmp_path / "bench")],
-                       capture_output=True, text=True, timeout=540, env=dict(run_env(), OMP_NUM_THREADS="1"), cwd=REPO)
+                        "--api-key-env", "GSPO_TEST_VLLM_KEY", "--model", str(root / "A"),
+                        "--workdir", str(tmp_path / "bench")], capture_output=True, text=True, timeout=540,
+                       env=dict(run_env(), OMP_NUM_THREADS="1", GSPO_TEST_VLLM_KEY=key), cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert any(line.startswith("judge throughput: 8 samples") for line in lines), r.stdout

@@ -40,7 +40,8 @@ QWEN3_30B = dict(num_hidden_layers=48, num_attention_heads=32, num_key_value_hea
 
 RECORDER = textwrap.dedent("""
     import ctypes, json, os, sys
-    keep = ("VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES", "VLLM_SERVER_DEV_MODE", "LOCAL_RANK", "RANK")
+    keep = ("VLLM_CPU_OMP_THREADS_BIND", "CUDA_VISIBLE_DEVICES", "VLLM_SERVER_DEV_MODE", "LOCAL_RANK", "RANK",
+            "VLLM_API_KEY", "GSPO_TEST_VLLM_KEY", "WANDB_API_KEY", "HF_TOKEN", "PATH", "GSPO_TEST_EXTRA")
     sig = ctypes.c_int(-1)  # prctl(PR_GET_PDEATHSIG): kept across exec
     ctypes.CDLL(None).prctl(2, ctypes.byref(sig))
     with open(sys.argv[1] + ".tmp", "w") as f:
@@ -101,6 +102,54 @@ def test_cpu_launch_gets_the_cpu_flags_and_a_kv_cache_sized_from_the_model(tmp_p
     assert int(_flag(argv, "--kv-cache-memory-bytes")) == 32 << 20
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["LOCAL_RANK"] is None
+
+
+def test_the_key_reaches_the_server_as_its_own_variable_and_nothing_secret_is_inherited(tmp_path, monkeypatch):
+    """Issue 52 row 6: rollout.vllm.api_key_env names the variable; the launched server gets the
+    key as VLLM_API_KEY (vllm/entrypoints/serve/middleware/register.py:32-33 reads it there), never
+    in its argv or its log; the trainer's secrets (the key's own variable, WANDB_API_KEY, HF_TOKEN)
+    are not inherited; rollout.vllm.env_vars passes more by name. Without a key: a generated one."""
+    key = "sentinel-launch-key-3c9e"
+    for name, value in (("GSPO_TEST_VLLM_KEY", key), ("WANDB_API_KEY", "wandb-sentinel"), ("HF_TOKEN", "hf-sentinel"),
+                        ("GSPO_TEST_EXTRA", "passed-on")):
+        monkeypatch.setenv(name, value)
+    argv, env = _recorded_launch(tmp_path, _config("rollout.vllm.api_key_env=GSPO_TEST_VLLM_KEY",
+                                                   "rollout.vllm.env_vars=[GSPO_TEST_EXTRA]"))
+    assert env["VLLM_API_KEY"] == key and not any(key in a for a in argv), argv
+    assert env["GSPO_TEST_VLLM_KEY"] is None and env["WANDB_API_KEY"] is None and env["HF_TOKEN"] is None, env
+    assert env["GSPO_TEST_EXTRA"] == "passed-on" and env["PATH"], env
+    log_text = (tmp_path / "logs" / "vllm_server_0.log").read_text()
+    assert log_text.startswith("$ ") and key not in log_text, log_text[:500]
+    monkeypatch.delenv("GSPO_TEST_VLLM_KEY")
+    _, env = _recorded_launch(tmp_path, _config())
+    assert len(env["VLLM_API_KEY"]) == 32  # secrets.token_hex(16): a launched server always has a key
+
+
+def test_keys_are_named_never_written_in_a_config(monkeypatch):
+    """A key in a config is refused in one line pointing at api_key_env (it would reach
+    config.yaml, the W&B config and the servers' argv); api_key_env must be a variable name (a
+    pasted key is refused without being shown); env_vars may not name a secret; a named variable
+    that is unset, or holds what no header carries, is one line naming the variable, not the value."""
+    from gspo_megatron.config import ConfigError
+    from gspo_megatron.errors import InputError
+    from gspo_megatron.rollout.vllm_engine import VLLMEngine
+
+    for key in ("rollout.vllm.api_key", "rollout.sglang.api_key", "reward.judge.api_key"):
+        with pytest.raises(ConfigError, match=rf"^{key}: keys are given by environment variable name.*api_key_env"):
+            _config(f"{key}=s3cr3t-value")
+    with pytest.raises(ConfigError) as e:
+        _config("rollout.vllm.api_key_env=sk-live-s3cr3t")
+    assert "s3cr3t" not in str(e.value) and "not a name" in str(e.value)
+    with pytest.raises(ConfigError, match="WANDB_API_KEY looks like a secret"):
+        _config("rollout.vllm.env_vars=[WANDB_API_KEY]")
+    monkeypatch.delenv("GSPO_UNSET_KEY", raising=False)
+    with pytest.raises(InputError, match=r"^rollout.vllm.api_key_env=GSPO_UNSET_KEY: that environment variable is not set"):
+        VLLMEngine({"urls": ["http://127.0.0.1:9"], "api_key_env": "GSPO_UNSET_KEY"}, wait_ready=False)
+    monkeypatch.setenv("GSPO_CR_KEY", "abc\r")
+    with pytest.raises(InputError) as e:
+        VLLMEngine({"urls": ["http://127.0.0.1:9"], "api_key_env": "GSPO_CR_KEY"}, wait_ready=False)
+    assert str(e.value).startswith("rollout.vllm.api_key_env=GSPO_CR_KEY: the key holds a carriage return")
+    assert "abc" not in str(e.value)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .http_servers import secret_from_env
 from .sglang_server import LaunchSpec, ServerClient, ServerProcesses, SGLangError
 
 log = logging.getLogger("gspo_megatron.rollout")
@@ -90,7 +91,7 @@ def check_colocated(sg, nnodes: int) -> None:
 
 
 def node_launch_spec(sg, *, model_path: str, layout: NodeLayout, log_dir: str | None = None,
-                     return_routed_experts: bool = False) -> LaunchSpec:
+                     return_routed_experts: bool = False, api_key: str | None = None) -> LaunchSpec:
     """This node's servers: engines_per_node of them on its GPUs, with the memory saver (and
     --enable-return-routed-experts when the run needs the engines' routing)."""
     n = engines_per_node(layout.gpus_per_node, int(sg.tp), int(sg.dp))
@@ -101,7 +102,8 @@ def node_launch_spec(sg, *, model_path: str, layout: NodeLayout, log_dir: str | 
         extra += ["--base-gpu-id", "0"]
     return LaunchSpec(
         model_path=model_path, tp=int(sg.tp), dp=int(sg.dp), ep=int(sg.ep), mem_fraction=float(sg.mem_fraction),
-        port=int(sg.port), host=sg.host, api_key=sg.api_key, extra_args=extra, num_servers=n, base_gpu_id=0,
+        port=int(sg.port), host=sg.host, api_key=api_key, env_vars=tuple(sg.env_vars), extra_args=extra,
+        num_servers=n, base_gpu_id=0,
         command=list(sg.server_command) if sg.server_command else None, log_dir=log_dir,
         unset_env=LaunchSpec.unset_env + TORCHRUN_ENV, return_routed_experts=return_routed_experts,
     )
@@ -130,21 +132,22 @@ class NodeServers:
 def start_colocated(cfg, ctx, *, make_engine) -> tuple[object | None, NodeServers]:
     """Collective. Start every node's engines, gather their URLs, build the engine on global rank 0
     with `make_engine(urls, api_key)`, release the servers' memory; returns (engine or None,
-    NodeServers). Servers bound beyond loopback without rollout.sglang.api_key get a generated key."""
+    NodeServers). The key: rollout.sglang.api_key_env's variable; servers bound beyond loopback
+    without one get a generated key (rank 0's, to every rank in memory)."""
     sg = cfg.rollout.sglang
     layout = NodeLayout.from_env(ctx.rank, ctx.world_size)
     check_colocated(sg, layout.nnodes)
     model_path = sg.model_path or cfg.model.hf_dir
     if not model_path:
         raise SGLangError("colocated SGLang needs rollout.sglang.model_path or model.hf_dir (the servers' model)")
-    if sg.api_key is None and sg.host not in LOOPBACK:
+    api_key = secret_from_env(sg.api_key_env, "rollout.sglang.api_key_env")
+    if api_key is None and sg.host not in LOOPBACK:
         # servers reachable beyond this host require a key: one per run, from rank 0 to every node
-        import dataclasses
         import secrets
 
         box = [secrets.token_hex(24) if ctx.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        sg = dataclasses.replace(sg, api_key=box[0])
+        api_key = box[0]
         log.info("colocated SGLang servers bind %s: they require a generated API key", sg.host)
     procs, urls, error = None, [], None
     if layout.local_rank == 0:
@@ -156,10 +159,10 @@ def start_colocated(cfg, ctx, *, make_engine) -> tuple[object | None, NodeServer
                 advertise = local_address_towards(f"http://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:1")
             spec = node_launch_spec(sg, model_path=model_path, layout=layout,
                                     log_dir=os.path.join(cfg.out_dir, "sglang_logs", f"node{layout.node_rank}"),
-                                    return_routed_experts=cfg.engine_routing)
+                                    return_routed_experts=cfg.engine_routing, api_key=api_key)
             procs = ServerProcesses(spec)
             procs.start()
-            clients = [ServerClient(u, api_key=sg.api_key) for u in procs.urls]
+            clients = [ServerClient(u, api_key=api_key) for u in procs.urls]
             procs.wait_ready(clients, float(sg.ready_timeout_s))
             urls = [_advertised(u, advertise) for u in procs.urls]
             log.info("node %d: started %d colocated SGLang server(s): %s", layout.node_rank, len(urls), urls)
@@ -179,7 +182,7 @@ def start_colocated(cfg, ctx, *, make_engine) -> tuple[object | None, NodeServer
     engine = None
     try:
         if ctx.rank == 0:
-            engine = make_engine(all_urls, sg.api_key)
+            engine = make_engine(all_urls, api_key)
             engine.sleep()  # release: the trainer builds its model and optimizer next
         _barrier(ctx)
     except BaseException:

@@ -40,6 +40,7 @@ import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 from gspo_megatron.errors import InputError
+from gspo_megatron.config import secret_like
 
 log = logging.getLogger("gspo_megatron.rollout")
 
@@ -404,6 +405,45 @@ def header_safe_secret(value: str, where: str) -> str:
     return value
 
 
+def secret_from_env(name: str | None, where: str) -> str | None:
+    """The key held by the environment variable `name` (None when no name is given), checked for
+    an HTTP header (header_safe_secret). Keys are named, never written: a config holds the
+    variable's name, so the key never reaches config.yaml, the W&B config, a log or an argv.
+    `where`: the config key that named the variable (in errors, with the name, never the value)."""
+    if not name:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise InputError(f"{where}={name}: that environment variable is not set")
+    return header_safe_secret(value, f"{where}={name}")
+
+
+# What a launched server inherits from the trainer's environment: what an engine needs to find its
+# libraries, devices, caches and threads, and nothing else. Everything else stays in the trainer
+# (the judge key's variable, WANDB_API_KEY, cloud credentials): a server's environment is readable
+# by anything of its user (/proc/<pid>/environ) and is dumped by crash reporters.
+# rollout.sglang.env_vars / rollout.vllm.env_vars name more. A name with a secret-like part (KEY, TOKEN, SECRET, ...:
+# HF_TOKEN, an inherited VLLM_API_KEY) is not passed even under an admitted prefix.
+SERVER_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "HOSTNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TMP", "TEMP",
+    "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH", "CC", "CXX", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
+    "NO_PROXY", "no_proxy"})
+SERVER_ENV_PREFIXES = ("LC_", "XDG_", "CUDA_", "NCCL_", "NVIDIA_", "CUDNN_", "NVTE_", "TORCH_", "TORCHINDUCTOR_",
+                       "PYTORCH_", "TRITON_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "HF_", "TRANSFORMERS_",
+                       "TOKENIZERS_", "VLLM_", "SGLANG_", "FLASHINFER_", "GLOO_", "UCX_", "NVSHMEM_", "FI_")
+
+
+def server_environment(extra_names: Iterable[str] = (), unset: Iterable[str] = ()) -> dict[str, str]:
+    """The part of this process's environment a launched server inherits: SERVER_ENV_NAMES,
+    SERVER_ENV_PREFIXES and `extra_names` (rollout.*.env_vars), less `unset` and every
+    secret-like name (a key reaches a server only as the launch spec's own secret)."""
+    extra, unset = set(extra_names), set(unset)
+    return {k: v for k, v in os.environ.items()
+            if (k in SERVER_ENV_NAMES or k.startswith(SERVER_ENV_PREFIXES) or k in extra)
+            and k not in unset and not secret_like(k)}
+
+
 def parse_json(data: bytes, url: str, path: str, label: str = "server") -> Any:
     try:
         return loads_answer(data)
@@ -490,6 +530,22 @@ def root_cause(log_text: str) -> str | None:
 _LIVE: "weakref.WeakSet[ServerProcesses]" = weakref.WeakSet()
 
 
+def _redacting_pump(src, dst, lock: threading.Lock, secrets: list[bytes]) -> None:
+    """Copy a server's output to its log line by line, each secret replaced (a key holds no line
+    break: header_safe_secret), until the server's group closes the pipe."""
+    try:
+        for line in iter(src.readline, b""):
+            for s in secrets:
+                line = line.replace(s, b"<redacted>")
+            with lock:
+                dst.write(line)
+                dst.flush()
+    except (OSError, ValueError):  # the log was closed under us (stop after its grace)
+        pass
+    finally:
+        src.close()
+
+
 @atexit.register
 def _stop_all_at_exit() -> None:  # pragma: no cover - exercised only when an owner forgot close()
     for group in list(_LIVE):
@@ -501,7 +557,16 @@ def _stop_all_at_exit() -> None:  # pragma: no cover - exercised only when an ow
 
 class ServerProcesses:
     """The server processes this trainer started (never anything else). `spec`: url(i), argv(i),
-    num_servers, env, unset_env, log_dir, log_name (sglang_server.LaunchSpec, vllm_server.VLLMLaunchSpec)."""
+    num_servers, env, env_vars, unset_env, log_dir, log_name, api_key, secret_env(),
+    secret_args(private_dir) (sglang_server.LaunchSpec, vllm_server.VLLMLaunchSpec).
+
+    Where a key may go, by construction: never into argv (the log's first line, `ps`), never into
+    the environment a server inherits (server_environment: an allow-list, secret-like names
+    dropped). A key reaches its server only through the spec's secret channel: an environment
+    variable of the server's own (vLLM's VLLM_API_KEY) or a file only this user can read (SGLang's
+    --config YAML, in a private directory removed at stop). The server's output goes through a
+    pump that writes the log with every occurrence of the key replaced, since servers log their
+    own arguments (SGLang 0.5.23 entrypoints/engine.py:311 logs server_args, api_key included)."""
 
     def __init__(self, spec: Any):
         if spec.num_servers < 1:
@@ -512,7 +577,11 @@ class ServerProcesses:
         self.procs: list[subprocess.Popen] = []
         self.log_paths: list[str] = []
         self._logs: list[Any] = []
+        self._log_locks: list[threading.Lock] = []
+        self._pumps: list[threading.Thread] = []
         self._watchdogs: list[subprocess.Popen] = []
+        self._private_dir: str | None = None  # the secret files' directory (0700), removed at stop
+        self._secrets = [s.encode() for s in (spec.api_key,) if s]
 
     @property
     def urls(self) -> list[str]:
@@ -533,6 +602,7 @@ class ServerProcesses:
                 path = os.path.join(log_dir, f"{getattr(self.spec, 'log_name', 'server')}_{i}.log")
                 log = open(path, "ab")
                 self._logs.append(log)
+                self._log_locks.append(threading.Lock())
                 self.log_paths.append(path)
                 self.procs.append(self._spawn(i))
         except BaseException:
@@ -541,17 +611,31 @@ class ServerProcesses:
         return self.urls
 
     def _spawn(self, i: int) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if k not in self.spec.unset_env}
+        env = server_environment(self.spec.env_vars, self.spec.unset_env)
         env.update(self.spec.env or {})
-        argv = self.spec.argv(i)
-        log = self._logs[i]
-        log.write(("$ " + " ".join(argv) + "\n").encode())
-        log.flush()
+        env.update(self.spec.secret_env())
+        if self._secrets and self._private_dir is None:
+            import tempfile
+
+            self._private_dir = tempfile.mkdtemp(prefix="gspo-server-")  # mode 0700
+        argv = self.spec.argv(i) + (self.spec.secret_args(self._private_dir) if self._secrets else [])
+        line = ("$ " + " ".join(argv) + "\n").encode()
+        if any(s in line for s in self._secrets):  # by construction never: argv holds paths, not keys
+            raise RuntimeError(f"server {i}: a key in its command line (refused; the key is not shown)")
+        logf = self._logs[i]
+        with self._log_locks[i]:
+            logf.write(line)
+            logf.flush()
         p = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,  # own process group: stop() reaches its children
+            argv, stdout=subprocess.PIPE if self._secrets else logf, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env, start_new_session=True,  # own process group: stop() reaches its children
             preexec_fn=_term_with_parent(),  # resolved here, not in the forked child
         )
+        if self._secrets:
+            pump = threading.Thread(target=_redacting_pump, args=(p.stdout, logf, self._log_locks[i], self._secrets),
+                                    name=f"server-{i}-log", daemon=True)
+            pump.start()
+            self._pumps = [t for t in self._pumps if t.is_alive()] + [pump]
         self._watchdogs = [w for w in self._watchdogs if w.poll() is None]
         try:
             self._watchdogs.append(_watchdog(p.pid))
@@ -564,8 +648,9 @@ class ServerProcesses:
         its own shutdown does not hold the restart) and start it again, same argv, same log."""
         p = self.procs[i]
         _stop_group(p, grace_s)
-        self._logs[i].write(f"--- restarted by the trainer (the previous process exited with {p.poll()}) ---\n"
-                            .encode())
+        with self._log_locks[i]:
+            self._logs[i].write(f"--- restarted by the trainer (the previous process exited with {p.poll()}) ---\n"
+                                .encode())
         self.procs[i] = self._spawn(i)
 
     def log_tail(self, i: int, n_bytes: int = 2000) -> str:
@@ -631,12 +716,20 @@ class ServerProcesses:
             else:
                 # the leader is gone; children it left in its group (SGLang schedulers, vLLM engine cores) go too
                 _signal_group(p, signal.SIGKILL, leader_gone=True)
-        for log in self._logs:
+        for t in self._pumps:  # each ends at its server group's end of output (EOF)
+            t.join(timeout=10)
+        self._pumps = []
+        for f in self._logs:
             try:
-                log.close()
+                f.close()
             except OSError:
                 pass
         self._logs = []
+        if self._private_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
         for w in self._watchdogs:  # they end once their server's group is gone; reap them
             try:
                 w.wait(timeout=5)

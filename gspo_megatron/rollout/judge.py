@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from .http_servers import RetryableHTTPError, ServerClient, header_safe_secret, loads_answer
+from .http_servers import RetryableHTTPError, ServerClient, loads_answer, secret_from_env
 
 log = logging.getLogger("gspo_megatron.rollout")
 
@@ -57,13 +56,7 @@ class JudgeScorer:
 
     def __init__(self, cfg, *, prompt_key: str = "prompt", answer_key: str = "answer"):
         self.cfg = cfg
-        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-        if cfg.api_key_env and not key:
-            from gspo_megatron.errors import InputError
-
-            raise InputError(f"reward.judge.api_key_env={cfg.api_key_env}: that environment variable is not set")
-        if key:
-            header_safe_secret(key, f"reward.judge.api_key_env={cfg.api_key_env}")
+        key = secret_from_env(cfg.api_key_env, "reward.judge.api_key_env")
         self.client = ServerClient(cfg.url, api_key=key, timeout_s=cfg.timeout_s, max_retries=cfg.retries,
                                    label="judge")
         self.regex = re.compile(cfg.score_regex) if cfg.score_json_field is None else None

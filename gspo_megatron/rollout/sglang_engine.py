@@ -129,7 +129,7 @@ import torch
 from gspo_megatron.errors import InputError
 
 from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
-from .http_servers import generate_response_cap, loads_answer
+from .http_servers import generate_response_cap, loads_answer, secret_from_env
 from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG, SGLANG_VERSION, version_matches
 from .sglang_api import payload as api_payload
 from .sglang_server import (
@@ -231,7 +231,9 @@ def _cfg_dict(cfg: Any) -> dict:
 def _defaults() -> dict:
     from gspo_megatron.config import SGLangConfig  # the one place the fields and defaults live
 
-    return _cfg_dict(SGLangConfig())
+    # + "api_key": the key itself (not a config field; the config names its variable, api_key_env):
+    # what a caller holding one passes in-process (colocated servers' generated key, tests)
+    return {**_cfg_dict(SGLangConfig()), "api_key": None}
 
 
 _DEFAULTS = _defaults()
@@ -347,6 +349,8 @@ class SGLangEngine(RolloutEngine):
         # the bound of returned token ids (rollout/validate.py); None: warned at the first generate
         self.vocab_size = int(vocab_size) if vocab_size is not None else vocab_size_of(self.hf_config)
 
+        api_key = c["api_key"] if c["api_key"] is not None else \
+            secret_from_env(c["api_key_env"], "rollout.sglang.api_key_env")
         try:
             if c["launch"]:
                 if not self.model_path:
@@ -358,7 +362,7 @@ class SGLangEngine(RolloutEngine):
                 spec = LaunchSpec(
                     model_path=self.model_path, tp=int(c["tp"]), dp=int(c["dp"]), ep=int(c["ep"]),
                     mem_fraction=float(c["mem_fraction"]), port=int(c["port"]), host=c["host"],
-                    api_key=c["api_key"], extra_args=list(c["extra_args"] or []),
+                    api_key=api_key, env_vars=tuple(c["env_vars"]), extra_args=list(c["extra_args"] or []),
                     num_servers=num_servers, module=server_module, command=server_command,
                     env=env, log_dir=log_dir, return_routed_experts=self.return_routing,
                 )
@@ -367,7 +371,7 @@ class SGLangEngine(RolloutEngine):
             else:
                 urls = list(c["urls"])
             mk = lambda u: ServerClient(  # noqa: E731
-                u, api_key=c["api_key"], timeout_s=self.request_timeout_s,
+                u, api_key=api_key, timeout_s=self.request_timeout_s,
                 max_retries=self.max_retries, backoff_s=self.retry_backoff_s,
                 response_cap=self._response_cap,
             )

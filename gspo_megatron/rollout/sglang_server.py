@@ -21,6 +21,7 @@ management of rollout/http_servers.py with SGLang's names, health route and laun
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -85,6 +86,8 @@ class LaunchSpec:
     mem_fraction: float = 0.7
     port: int = 30000
     host: str = "127.0.0.1"
+    # the key: never in argv (`ps`, the log's first line); given in a --config YAML file only this
+    # user can read (secret_args)
     api_key: str | None = None
     extra_args: list[str] = field(default_factory=list)
     num_servers: int = 1
@@ -96,6 +99,7 @@ class LaunchSpec:
     # GPU of server i's first rank: base_gpu_id + i * tp * dp (SGLang's --base-gpu-id).
     base_gpu_id: int = 0
     env: dict[str, str] | None = None
+    env_vars: tuple[str, ...] = ()  # rollout.server_env_vars: more of the trainer's variables passed on
     # Removed from the servers' inherited environment. SGLANG_RETURN_ORIGINAL_LOGPROB would make
     # SGLang report T=1 log-probs instead of the tempered ones the trainer recomputes.
     unset_env: tuple[str, ...] = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
@@ -114,6 +118,28 @@ class LaunchSpec:
             host = f"[{host}]"
         return f"http://{host}:{self.port + i}"
 
+    def secret_env(self) -> dict[str, str]:
+        return {}  # SGLang 0.5.23 reads no key from its environment (srt/environ.py); see secret_args
+
+    def secret_args(self, private_dir: str) -> list[str]:
+        """`--config <file>`: the key in a YAML file of its own (mode 0600, in `private_dir`, 0700,
+        which the trainer removes at stop). SGLang 0.5.23 merges a --config YAML into its argv
+        before parsing (server_args.py:683-689, utils/server_args_config_parser.py), as
+        `["--api-key", key]`: a key beginning with '-' would then read as an option, so such a
+        key is refused (one line, the key not shown)."""
+        if not self.api_key:
+            return []
+        if self.api_key.startswith("-"):
+            raise ValueError("rollout.sglang: a key beginning with '-' cannot reach a launched SGLang server "
+                             "(its --config file becomes ['--api-key', key]); use another key (not shown)")
+        import yaml
+
+        path = os.path.join(private_dir, "sglang_secrets.yaml")  # SGLang takes .yaml/.yml only
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump({"api-key": self.api_key}, f)
+        return ["--config", path]
+
     def argv(self, i: int) -> list[str]:
         """The command line of server i."""
         prefix = list(self.command) if self.command else [self.python, "-m", self.module]
@@ -128,10 +154,6 @@ class LaunchSpec:
         ]
         if self.num_servers > 1 or self.base_gpu_id:
             args += ["--base-gpu-id", str(self.base_gpu_id + i * self.tp * self.dp)]
-        if self.api_key:
-            # one token: SGLang's plain argparse (sglang/srt/server_args.py:679,696 in 0.5.23)
-            # reads a key beginning with '-' as an option and exits with code 2
-            args.append(f"--api-key={self.api_key}")
         extra = [str(a) for a in self.extra_args]
         if self.return_routed_experts and ROUTED_EXPERTS_FLAG not in extra:
             args.append(ROUTED_EXPERTS_FLAG)

@@ -51,6 +51,7 @@ import torch
 
 from .base import (NamedTensors, RolloutEngine, Sample, SamplingParams, WeightVerificationError, check_generate_args,
                    cut_at_stop_string)
+from .http_servers import secret_from_env
 from .http_servers import (EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError,
                            generate_response_cap, parse_json)
 from .validate import check_response, rejected_sample, vocab_size_of
@@ -119,7 +120,9 @@ def _cfg_dict(cfg: Any) -> dict:
 def _defaults() -> dict:
     from gspo_megatron.config import VLLMConfig
 
-    return _cfg_dict(VLLMConfig())
+    # + "api_key": the key itself (not a config field; the config names its variable, api_key_env):
+    # what a caller holding one passes in-process (colocated or test servers)
+    return {**_cfg_dict(VLLMConfig()), "api_key": None}
 
 
 def _response_cap(method: str, path: str, payload: Any) -> int | None:
@@ -200,7 +203,8 @@ class VLLMEngine(RolloutEngine):
         if c["weight_sync"] == "nccl" and nccl_backend is None and not torch.cuda.is_available():
             raise EngineError("rollout.vllm.weight_sync=nccl needs a CUDA device on trainer rank 0 (vLLM's NCCL "
                               "weight transfer); on CPU use weight_sync=disk")
-        api_key = c["api_key"]
+        api_key = c["api_key"] if c["api_key"] is not None else \
+            secret_from_env(c["api_key_env"], "rollout.vllm.api_key_env")
         try:
             if c["launch"]:
                 model = c["model_path"]
@@ -220,6 +224,7 @@ class VLLMEngine(RolloutEngine):
                                       dtype=c["dtype"], max_model_len=c["max_model_len"],
                                       cpu_kv_cache_mb=c["cpu_kv_cache_mb"], extra_args=list(c["extra_args"] or []),
                                       command=cmd, python=python, env=server_env, log_dir=log_dir,
+                                      env_vars=tuple(c["env_vars"]),
                                       weight_transfer="nccl" if c["weight_sync"] == "nccl" else None,
                                       trainer_dtype=self.sync_dtype, gpus=list(c.get("gpus") or []))
                 self.procs = launch(spec)

@@ -76,6 +76,8 @@ class VLLMLaunchSpec:
     model_path: str
     port: int = 8000
     host: str = "127.0.0.1"
+    # the key: never in argv (`ps`, the log's first line); the server reads it from VLLM_API_KEY
+    # (vllm/entrypoints/serve/middleware/register.py:32-33: --api-key, else envs.VLLM_API_KEY)
     api_key: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -84,7 +86,7 @@ class VLLMLaunchSpec:
     command: list[str] | None = None  # [python, -m, vllm.entrypoints.openai.api_server] by default
     python: str = "python3"
     env: dict[str, str] | None = None
-    unset_env: tuple[str, ...] = ()
+    env_vars: tuple[str, ...] = ()  # rollout.server_env_vars: more of the trainer's variables passed on
     log_dir: str | None = None
     # "nccl": the server takes vLLM's NCCL weight transfer (rollout.vllm.weight_sync=nccl)
     weight_transfer: str | None = None
@@ -122,11 +124,16 @@ class VLLMLaunchSpec:
             args += ["--max-model-len", str(self.max_model_len)]
         if self._cpu():
             args += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(self.cpu_kv_cache_mb) << 20)]
-        if self.api_key:
-            args.append(f"--api-key={self.api_key}")  # one token: a key may begin with '-' (see sglang_server)
         if self.weight_transfer:
             args += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         return prefix + args + [str(a) for a in self.extra_args]
+
+    def secret_env(self) -> dict[str, str]:
+        """The key, as the server's own environment variable (http_servers.ServerProcesses)."""
+        return {"VLLM_API_KEY": self.api_key} if self.api_key else {}
+
+    def secret_args(self, private_dir: str) -> list[str]:
+        return []  # the key travels in secret_env
 
     def server_env(self) -> dict[str, str]:
         """What a launched server needs in its environment besides ours."""

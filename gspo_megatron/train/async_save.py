@@ -40,12 +40,27 @@ log = logging.getLogger("gspo_megatron.train")
 WAIT_TIMEOUT_S = 30 * 60.0
 
 
+def bind_device(device) -> None:
+    """Make `device` (a torch.device, or None) current in this thread when it is a CUDA device."""
+    import torch
+
+    if isinstance(device, torch.device) and device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class BackgroundSaves:
     """One writer thread at a time. `ops`: the background group's collectives (GroupOps)."""
 
-    def __init__(self, ops, *, timeout_s: float = WAIT_TIMEOUT_S):
+    def __init__(self, ops, *, timeout_s: float = WAIT_TIMEOUT_S, device=None):
         self.ops = ops
         self.timeout_s = timeout_s
+        # the rank's device: the writer thread makes it current before anything else. A new thread
+        # starts on CUDA device 0, and DCP's writer synchronises the thread's current stream
+        # (torch/distributed/checkpoint/filesystem.py _OverlappingCpuLoader): without this every
+        # rank's writer creates a context on GPU 0 (>= 0.5 GiB each; on exclusive-process GPUs the
+        # save fails). Runs on GPU only: `make gpu-check` (bench/gpu_check.py background_save);
+        # tests/test_async_save.py checks the call on CPU.
+        self.device = device
         self._thread: threading.Thread | None = None
         self._label = ""
         self._error: BaseException | None = None
@@ -68,6 +83,7 @@ class BackgroundSaves:
         def run() -> None:
             t0 = time.perf_counter()
             try:
+                bind_device(self.device)
                 write()
             except BaseException as e:  # raised in the training thread at the next wait
                 self._error = e

@@ -616,7 +616,7 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
         from gspo_megatron.train.async_save import BackgroundSaves
 
         t = cfg.collective_timeout_s()[0]
-        parts.saves = BackgroundSaves(background_group(t), timeout_s=t)
+        parts.saves = BackgroundSaves(background_group(t), timeout_s=t, device=ctx.device)
     if cfg.rollout.verify_weights:
         from gspo_megatron.train.refit_check import RefitCheck
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from gspo_megatron.errors import ModelConfigError
 from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.families.qwen3_moe.config import HF_ARCHITECTURE, MODEL_TYPE, read_config
+from gspo_megatron.model.family import as_float, as_int
 
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -33,6 +34,17 @@ def hf_from_provider_fields(m: dict, path: str, prefix: str) -> dict:
             raise ModelConfigError(f"{path}: {prefix}{key} is missing")
         return m[key]
 
+    # every size and count an integer >= 1, every float finite, one line naming the field
+    # (int() would read 64.5 as 64 and "64" as 64; float() "nan" as NaN: issue 52)
+    def num(key, default=None, minimum=1):
+        v = m.get(key) if m.get(key) is not None else default
+        if v is None:
+            return as_int(req(key), path, prefix + key, minimum)
+        return as_int(v, path, prefix + key, minimum)
+
+    def real(key):
+        return as_float(req(key), path, prefix + key)
+
     for key, want in REQUIRED_FIELDS.items():
         if m.get(key) != want:
             raise ModelConfigError(f"{path}: {prefix}{key} is {m.get(key)!r}; a Qwen3-MoE has {want!r}")
@@ -45,22 +57,22 @@ def hf_from_provider_fields(m: dict, path: str, prefix: str) -> dict:
     freq = m.get("moe_layer_freq", 1)
     if freq != 1 and not (isinstance(freq, list) and all(x == 1 for x in freq)):
         raise ModelConfigError(f"{path}: {prefix}moe_layer_freq={freq!r} mixes dense layers in (not supported)")
-    heads = int(req("num_attention_heads"))
+    heads = num("num_attention_heads")
     dtype = m.get("params_dtype")
     dtype = _DTYPES.get(dtype.get("_target_") if isinstance(dtype, dict) else dtype, "bfloat16")
     hf = {
         "model_type": MODEL_TYPE, "architectures": [HF_ARCHITECTURE],
-        "vocab_size": int(req("vocab_size")), "hidden_size": int(req("hidden_size")),
-        "intermediate_size": int(m.get("ffn_hidden_size") or req("moe_ffn_hidden_size")),
-        "moe_intermediate_size": int(req("moe_ffn_hidden_size")),
-        "num_hidden_layers": int(req("num_layers")), "num_attention_heads": heads,
-        "num_key_value_heads": int(m.get("num_query_groups") or heads),
-        "head_dim": int(m.get("kv_channels") or int(req("hidden_size")) // heads),
-        "num_experts": int(req("num_moe_experts")), "num_experts_per_tok": int(req("moe_router_topk")),
+        "vocab_size": num("vocab_size"), "hidden_size": num("hidden_size"),
+        "intermediate_size": num("ffn_hidden_size", default=num("moe_ffn_hidden_size")),
+        "moe_intermediate_size": num("moe_ffn_hidden_size"),
+        "num_hidden_layers": num("num_layers"), "num_attention_heads": heads,
+        "num_key_value_heads": num("num_query_groups", default=heads),
+        "head_dim": num("kv_channels", default=num("hidden_size") // heads),
+        "num_experts": num("num_moe_experts"), "num_experts_per_tok": num("moe_router_topk"),
         "norm_topk_prob": not bool(m.get("moe_router_pre_softmax", False)),
-        "rms_norm_eps": float(req("layernorm_epsilon")),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(req("rotary_base"))},
-        "max_position_embeddings": int(m.get("max_position_embeddings") or m.get("seq_length") or 32768),
+        "rms_norm_eps": real("layernorm_epsilon"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": real("rotary_base")},
+        "max_position_embeddings": num("max_position_embeddings", default=m.get("seq_length") or 32768),
         "tie_word_embeddings": bool(m.get("share_embeddings_and_output_weights", False)),
         "hidden_act": "silu", "attention_bias": False, "dtype": dtype,
     }
