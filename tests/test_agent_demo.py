@@ -1,6 +1,6 @@
 """The calculator-agent example learns on CPU: launch/configs/tiny_cpu_agent.yaml as shipped
-(2 ranks, TP2+SP, 80 warm-start + 300 GSPO steps), held-out pass@1 after the warm start, at step
-150 and at the end."""
+(2 ranks, TP2+SP, 80 warm-start + 300 GSPO steps), held-out pass@1 after the warm start and at the
+end."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,11 @@ from test_train_loop import DEMO_EVAL, REPO, gspo_rows, run_train
 AGENT = os.path.join(REPO, "launch", "configs", "tiny_cpu_agent.yaml")
 
 # What the run does differently from `make demo-agent`, none of it touching what is learned:
-# held-out evaluation (its own prompts and sampling seed, never the training RNG) only at steps 0,
-# 150 and 300 instead of every 25, checkpoints only at the end, no plot. The 300 GSPO steps are
-# ~75% of the run's time (0.3-0.65 s each); the 10 evaluations and 29 saves dropped were ~18 s.
-OVERRIDES = [*(x for x in DEMO_EVAL if not x.startswith("eval.interval=")), "eval.interval=150",
+# held-out evaluation (its own prompts and sampling seed, never the training RNG) only at steps 0
+# and 300 instead of every 25 (the bound is on those two), checkpoints only at the end, no plot. The
+# 300 GSPO steps are ~75% of the run's time (0.3-0.65 s each); the 11 evaluations (256 agent
+# sessions each) and 29 saves dropped were ~20 s.
+OVERRIDES = [*(x for x in DEMO_EVAL if not x.startswith("eval.interval=")), "eval.interval=300",
              "checkpoint.interval=0", "logging.plot=false", "logging.progress_bar=false"]
 
 
@@ -29,9 +30,9 @@ def test_calculator_agent_learns_the_tool(tmp_path):
     rows = gspo_rows(out)
     assert len(rows) == 300
     evals = [json.loads(x) for x in open(out / "metrics.jsonl") if '"eval"' in x]
-    assert [e["step"] for e in evals] == [0, 150, 300]
+    assert [e["step"] for e in evals] == [0, 300]
     p1 = [e["eval/heldout/pass@1"] for e in evals]
-    print("held-out pass@1 at steps 0, 150, 300:", p1)
+    print("held-out pass@1 at steps 0 and 300:", p1)
     # the warm start teaches the format; GSPO teaches the tool (call it with the question, copy
     # its answer): >= 0.5 at the end, from at most half of that. A frozen policy scores its step-0
     # value again (same held-out prompts, same evaluation seed): 0.06-0.12 here. Measured: seven

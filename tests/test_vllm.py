@@ -401,3 +401,21 @@ def test_bench_judge_smoke_against_the_running_server(server, models, tmp_path):
     rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
     assert [x[0] for x in rows] == ["1", "8"] and all(x[3] == "0" for x in rows), r.stdout  # no scoring errors
 
+
+
+# ---- the configuration sweep's Qwen3-MoE vLLM cells, on this module's server ----------------------
+from test_config_sweep import ELSEWHERE, _cell_id, run_cell  # noqa: E402
+
+SWEEP_CELLS = ELSEWHERE["tests/test_vllm.py::test_sweep_cells_on_this_modules_server"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cell", SWEEP_CELLS, ids=_cell_id)
+def test_sweep_cells_on_this_modules_server(cell, server, models, tmp_path):
+    """tests/test_config_sweep.py's Qwen3-MoE vLLM cells, with every check a cell makes there
+    (test_config_sweep.run_cell), on this module's server instead of a server of their own (issue
+    51: one vLLM start fewer). Model A is the sweep's architecture (tiny_cpu.yaml, head_dim 32);
+    the cell's first push replaces the served weights. Last in the file: it pushes its own model."""
+    url, key, _ = server
+    root, _, _ = models
+    run_cell(cell, str(root / "A"), tmp_path, vllm_url=url, env={"GSPO_SWEEP_VLLM_KEY": key})
