@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 
 import pytest
 
 from http_standin import FRAMINGS, StandIn
-from testlib import REPO
 
 # any of these in a module of the package is an HTTP client that bypasses ServerClient's deadline
 CLIENT_MODULES = ("http.client", "urllib.request", "urllib3", "requests", "httpx", "aiohttp", "websocket")
@@ -33,21 +31,16 @@ def _client(url, **kw):
 def test_servers_client_is_the_packages_only_http_client():
     """By construction: no module of gspo_megatron but rollout/http_servers.py imports an HTTP client
     library, so every exchange of every engine, judge and tracker goes through request_once."""
+    from testlib import project_trees
+
     found = []
-    pkg = os.path.join(REPO, "gspo_megatron")
-    for root, _, files in os.walk(pkg):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(root, name)
-            with open(path) as f:
-                tree = ast.parse(f.read(), path)
-            for node in ast.walk(tree):
-                mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                        [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-                for m in mods:
-                    if any(m == c or m.startswith(c + ".") for c in CLIENT_MODULES):
-                        found.append((os.path.relpath(path, REPO), m))
+    for rel, tree in project_trees("gspo_megatron"):
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for m in mods:
+                if any(m == c or m.startswith(c + ".") for c in CLIENT_MODULES):
+                    found.append((rel, m))
     assert found == [("gspo_megatron/rollout/http_servers.py", "http.client")], found
 
 

@@ -28,7 +28,6 @@ import torch
 from gspo_megatron.checkpoint.safe_torch import load_torch_file, loads_torch
 from gspo_megatron.errors import CheckpointError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64]
 
@@ -277,19 +276,14 @@ def test_load_torch_file_reads_the_file_and_names_it(tmp_path):
 def test_nothing_in_the_package_calls_torch_load():
     """By construction: no module of the project (or bench/, converters/) calls torch.load; every
     torch.save file of a checkpoint is read by safe_torch.py."""
+    from testlib import project_trees
+
     calls = []
-    for root in ("gspo_megatron", "bench", "converters"):
-        for dirpath, _, files in os.walk(os.path.join(REPO, root)):
-            for f in files:
-                if not f.endswith(".py"):
-                    continue
-                path = os.path.join(dirpath, f)
-                with open(path) as fh:
-                    tree = ast.parse(fh.read(), path)
-                for node in ast.walk(tree):
-                    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load"
-                            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"):
-                        calls.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    for rel, tree in project_trees("gspo_megatron", "bench", "converters"):
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"):
+                calls.append(f"{rel}:{node.lineno}")
     assert not calls, calls
 
 

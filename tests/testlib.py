@@ -22,6 +22,20 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def project_trees(*roots: str):
+    """(path relative to the repository, ast of the file) of every .py file under the repository's
+    `roots` (e.g. "gspo_megatron"): the source checks that hold something by construction."""
+    import ast
+
+    for root in roots:
+        for dirpath, _, files in os.walk(os.path.join(REPO, root)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    with open(path) as f:
+                        yield os.path.relpath(path, REPO), ast.parse(f.read(), path)
+
+
 def free_port() -> int:
     """A port the kernel says is free now (the caller's child binds it soon after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import enum
+import functools
 import importlib
 import io
 import os
@@ -167,14 +168,10 @@ class _Tables:
         self.call_ids = {id(f) for f in self.calls.values()}
 
 
-_tables: _Tables | None = None
-
-
+@functools.lru_cache(maxsize=None)
 def _get_tables() -> _Tables:
-    global _tables
-    if _tables is None:
-        _tables = _Tables()
-    return _tables
+    """The tables, built once on first use (imports torch)."""
+    return _Tables()
 
 
 def admitted_globals(run_args: bool = False) -> list[str]:
