@@ -376,3 +376,34 @@ def test_push_digests_name_the_first_tensor_that_differs_is_missing_or_extra():
         assert "\n" not in str(e.value) and needle in str(e.value) and "http://s" in str(e.value), str(e.value)
     with pytest.raises(EngineProtocolError, match="sent no digests"):
         check_digests("http://s", [{"files": 1}], sent, 3)
+
+
+def test_the_digest_is_taken_block_by_block_and_equals_the_float64_reference(monkeypatch):
+    """Issue 52: the push digest made a float64 copy of the whole tensor (12 GB on rank 0's GPU for
+    GLM-4.5's output layer). Now DIGEST_BLOCK elements at a time; the answer is the float64
+    reference's (a whole-tensor sum) to rounding, for blocks that do and do not divide the size, a
+    non-contiguous tensor, a 0-dim and an empty one; every block converted is at most DIGEST_BLOCK."""
+    import torch
+
+    from gspo_megatron.rollout import vllm_worker
+
+    converted = []
+    real_to = torch.Tensor.to
+
+    def recording_to(self, *a, **k):
+        out = real_to(self, *a, **k)
+        if out.dtype == torch.float64 and self.dtype != torch.float64:
+            converted.append(self.numel())
+        return out
+
+    monkeypatch.setattr(vllm_worker, "DIGEST_BLOCK", 7)
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    g = torch.Generator().manual_seed(0)
+    for t in (torch.randn(5, 9, generator=g).to(torch.bfloat16), torch.randn(4, 7, generator=g),
+              torch.randn(6, 5, generator=g).t(), torch.tensor(3.5), torch.empty(0, 3)):
+        converted.clear()
+        ref = real_to(t, torch.float64)
+        got = vllm_worker.tensor_digest(t)
+        assert got[0] == pytest.approx(float(ref.sum()), rel=1e-12, abs=1e-12)
+        assert got[1] == pytest.approx(float((ref * ref).sum()), rel=1e-12, abs=1e-12)
+        assert all(n <= 7 for n in converted), converted
