@@ -1255,3 +1255,43 @@ def test_the_double_holds_a_weight_update_behind_running_requests_unless_paused(
         assert c.request_once("POST", "/continue_generation", {}, timeout_s=10)[0] == 200
         req.join(30)
         assert not req.is_alive()
+
+
+def test_a_restart_waits_for_every_process_of_the_old_server(tmp_path, monkeypatch):
+    """Issue 52: a killed GPU process keeps its memory until it has exited, and vLLM's start-up
+    free-memory check then refuses the new server; restart() waited for the leader only. Now it
+    waits (bounded) until no live process of the old group is left. Real: group_members sees a
+    server's leader and the child it started (same group), and nothing once they are stopped
+    (zombies do not count). By construction: a restart whose old group reports live processes
+    three more times spawns only after that."""
+    from gspo_megatron.rollout import http_servers
+
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            "print('up', flush=True); time.sleep(120)")
+    procs = ServerProcesses(LaunchSpec(model_path="/m", command=[sys.executable, "-c", code], log_dir=str(tmp_path)))
+    procs.start()
+    try:
+        old = procs.procs[0]
+        deadline = time.monotonic() + 30
+        while len(http_servers.group_members(old.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(http_servers.group_members(old.pid)) == 2  # the leader and its child
+        events = []
+        real_members, real_spawn = http_servers.group_members, procs._spawn
+        polls = {"n": 0}
+
+        def members(pgid):
+            if pgid == old.pid:
+                polls["n"] += 1
+                events.append("poll")
+                if polls["n"] <= 3:
+                    return [4242]  # still tearing down
+            return real_members(pgid)
+
+        monkeypatch.setattr(http_servers, "group_members", members)
+        monkeypatch.setattr(procs, "_spawn", lambda i: events.append("spawn") or real_spawn(i))
+        procs.restart(0, grace_s=1.0)
+        assert events[:5] == ["poll", "poll", "poll", "poll", "spawn"], events
+        assert real_members(old.pid) == []  # the old group is gone, the child included
+    finally:
+        procs.stop(grace_s=1.0)

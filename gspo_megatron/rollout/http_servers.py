@@ -293,7 +293,9 @@ class ServerClient:
             if cut:
                 raise RetryableHTTPError(f"{self.label} {self.url}: {method} {path} cut short: {cut[0]}",
                                          url=self.url) from e
-            if expired.is_set():
+            # a socket timeout is the deadline too: one recv ran the whole timeout, so the exchange
+            # is past its deadline even when the watchdog thread was not scheduled yet (under load)
+            if expired.is_set() or isinstance(e, TimeoutError):
                 raise deadline(f"; {type(e).__name__}") from e
             if not isinstance(e, RETRYABLE_OS_ERRORS):
                 raise
@@ -648,6 +650,10 @@ class ServerProcesses:
         its own shutdown does not hold the restart) and start it again, same argv, same log."""
         p = self.procs[i]
         _stop_group(p, grace_s)
+        left = wait_group_gone(p.pid)  # its GPU memory is free only once every process has exited
+        if left:
+            log.warning("server %d: %d process(es) of the old server still running after %.0f s (pids %s); "
+                        "starting the new one anyway", i, len(left), GROUP_EXIT_TIMEOUT_S, left[:5])
         with self._log_locks[i]:
             self._logs[i].write(f"--- restarted by the trainer (the previous process exited with {p.poll()}) ---\n"
                                 .encode())
@@ -801,6 +807,46 @@ def _stop_group(p: subprocess.Popen, grace_s: float) -> None:
             except subprocess.TimeoutExpired:
                 pass
     _signal_group(p, signal.SIGKILL, leader_gone=True)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`, from /proc (Linux); elsewhere the
+    leader's pid while signal 0 reaches the group."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            found.append(int(name))
+    return found
+
+
+# How long a restart waits for the old server's processes to be gone: a killed GPU process keeps
+# its memory until the driver has torn its context down, and vLLM's start-up free-memory check
+# then refuses the new server (issue 52).
+GROUP_EXIT_TIMEOUT_S = 60.0
+
+
+def wait_group_gone(pgid: int, timeout_s: float = GROUP_EXIT_TIMEOUT_S) -> list[int]:
+    """Wait (bounded) until no live process of group `pgid` is left; those still left."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = group_members(pgid)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
 def _term_with_parent():
