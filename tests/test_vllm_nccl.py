@@ -200,3 +200,53 @@ def test_nccl_needs_cuda_and_launch_passes_the_transfer_config():
     i = argv.index("--weight-transfer-config")
     assert argv[i + 1] == '{"backend": "nccl"}'
     assert "--weight-transfer-config" not in VLLMLaunchSpec(model_path="/m").argv(0)
+
+
+def test_a_dead_server_on_nccl_sync_fails_in_one_line_without_a_useless_restart():
+    """Issue 52: with weight_sync=nccl, after the first push a restarted server cannot get the
+    weights back without the trainer, yet the supervisor restarted it (a whole server start) and
+    only then said so. Now it says so first and restarts nothing. (Fake engine and processes: the
+    supervisor's own decision.)"""
+    from gspo_megatron.rollout.vllm_engine import _Supervisor
+
+    class Server:
+        url = "http://127.0.0.1:9"
+        cut = []
+
+        def request_once(self, *a, **k):
+            return 200, b""
+
+        def cut_inflight(self, reason):
+            self.cut.append(reason)
+            return 1
+
+    class Proc:
+        def poll(self):
+            return None
+
+    class Procs:
+        restarts = []
+        procs = [Proc()]
+
+        def dead(self, i):
+            return None
+
+        def restart(self, i, grace_s=5.0):
+            self.restarts.append(i)
+
+    class Engine:
+        servers = [Server()]
+        procs = Procs()
+        metrics = {"restarts": 0}
+        cfg = {"ready_timeout_s": 5}
+        _nccl = object()
+        _synced = True
+
+    sup = _Supervisor(Engine(), max_restarts=3, interval_s=60.0)
+    try:
+        sup._restart(0, "process exited with -9")
+    finally:
+        sup.stop()
+    assert Procs.restarts == [] and Engine.metrics["restarts"] == 0
+    assert "weight_sync=nccl a restarted server cannot get the pushed weights back" in sup.failed
+    assert Server.cut == [sup.failed]

@@ -706,6 +706,14 @@ class _Supervisor:
         eng = self.engine
         s = eng.servers[i]
         done = int(eng.metrics.get("restarts", 0))
+        if eng._nccl is not None and eng._synced:
+            # checked before a restart, not after one (issue 52): a restarted server cannot get the
+            # pushed weights back over NCCL without the trainer, so a restart only burns a start
+            self.failed = (f"vLLM server {s.url} is dead ({why}); with rollout.vllm.weight_sync=nccl a restarted "
+                           "server cannot get the pushed weights back (use weight_sync=disk for restarts)")
+            log.error("%s", self.failed)
+            s.cut_inflight(self.failed)
+            return
         if done >= self.max_restarts:
             self.failed = (f"vLLM server {s.url} is dead ({why}) and rollout.vllm.max_restarts={self.max_restarts} "
                            "restarts are used up")
@@ -729,9 +737,6 @@ class _Supervisor:
                 raise EngineProtocolError(f"vLLM server {s.url}: reload after the restart answered {str(r)[:200]}")
             s.post("/update_weight_version", {"new_version": str(eng._weight_version)}, timeout_s=60, retries=1,
                    expect_json=False)
-        elif eng._nccl is not None and eng._synced:
-            raise EngineError("a restarted server cannot get the weights back over NCCL without the trainer "
-                              "(use weight_sync=disk for restarts)")
         eng._inc("restarts")
         log.warning("vLLM server %s restarted in %.1f s (%d request(s) cut and re-sent), weights version %d reloaded",
                     s.url, time.perf_counter() - t0, cut, eng._weight_version)
