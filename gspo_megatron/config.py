@@ -1394,30 +1394,29 @@ def parse_override(item: str) -> tuple[list[str], object]:
     # A text field keeps the text the user typed: `reward.judge.score_regex=Score: ([0-9.]+)` is a
     # YAML mapping and `reward.judge.model=1e3` a float, neither what was meant. YAML still removes
     # quotes around a string, and null / ~ / nothing is None where the field admits it.
-    leaf = _field_type(parts)
-    if leaf is not None and value is not None and not isinstance(value, str):
+    if value is not None and not isinstance(value, str) and _is_text_field(parts):
         value = raw.strip()
     return parts, value
 
 
-def _field_type(parts: list[str]):
-    """`str` when `parts` names a text field of Config (str or Optional[str], not a Literal);
-    otherwise None (a section, a number, a list, a free-form dict's entry, or no such key)."""
+def _is_text_field(parts: list[str]) -> bool:
+    """Whether `parts` names a text field of Config (str or Optional[str], not a Literal); not a
+    section, a number, a list, a free-form dict's entry, or an unknown key."""
     cls = Config
     for i, p in enumerate(parts):
         if not is_dataclass(cls):
-            return None
+            return False
         hints = typing.get_type_hints(cls)
         if p not in hints:
-            return None
+            return False
         tp = hints[p]
         args = typing.get_args(tp)
         if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args and len(args) == 2:
             tp = next(a for a in args if a is not type(None))
         if i == len(parts) - 1:
-            return str if tp is str else None
+            return tp is str
         cls = tp
-    return None
+    return False
 
 
 def _deep_merge(dst: dict, src: dict) -> dict:

@@ -72,6 +72,8 @@ import pathlib
 import pickle
 from typing import Any
 
+from gspo_megatron.checkpoint.safe_torch import loads_torch, pread_exact
+from gspo_megatron.checkpoint.safe_torch import qualified_name as _name
 from gspo_megatron.errors import CheckpointError
 
 METADATA_FILE = ".metadata"  # torch/distributed/checkpoint/filesystem.py _metadata_fn
@@ -231,12 +233,6 @@ def _get_tables() -> _Tables:
 def admitted_globals() -> list[str]:
     """`module.name` of every global a `.metadata` may name (documentation and tests)."""
     return sorted(f"{m}.{n}" for m, n in _get_tables().globals)
-
-
-def _name(obj: Any) -> str:
-    """`module.name` of a class or function, else of the object's type."""
-    t = obj if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__")) else type(obj)
-    return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', '?')}"
 
 
 class _RestrictedUnpickler(pickle._Unpickler):  # the pure-Python machine (see the module docstring)
@@ -496,8 +492,6 @@ def _file_system_reader_class():
             from torch.futures import Future
 
             from torch.distributed.checkpoint.planner import LoadItemType
-
-            from gspo_megatron.checkpoint.safe_torch import loads_torch, pread_exact
 
             md_path = os.path.join(os.fspath(self.path), METADATA_FILE)
             for item in plan.items:

@@ -105,7 +105,7 @@ def _rebuild_tensor(storage, offset, size, stride, requires_grad, hooks, metadat
     import torch
 
     if type(storage) is not _Storage:
-        raise _Refused(f"a tensor over a {_name(storage)} (not a storage of the file)")
+        raise _Refused(f"a tensor over a {qualified_name(storage)} (not a storage of the file)")
     shape_ok = lambda v: type(v) in (tuple, torch.Size) and all(type(x) is int and x >= 0 for x in v)  # noqa: E731
     if not (type(offset) is int and offset >= 0 and shape_ok(size) and shape_ok(stride) and len(size) == len(stride)):
         raise _Refused("a tensor whose offset, size or stride are not non-negative ints")
@@ -181,7 +181,9 @@ def admitted_globals(run_args: bool = False) -> list[str]:
     return names + (["argparse.Namespace", "megatron.core.*.<an Enum class>"] if run_args else [])
 
 
-def _name(obj: Any) -> str:
+def qualified_name(obj: Any) -> str:
+    """`module.name` of a class or function, else of the object's type (refusals name it; also
+    checkpoint/safe_metadata.py's)."""
     t = obj if isinstance(obj, type) or (callable(obj) and hasattr(obj, "__qualname__")) else type(obj)
     return f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', '?')}"
 
@@ -228,7 +230,7 @@ class _Unpickler(pickle._Unpickler):  # the pure-Python machine: its operations 
         return self._storages(pid[2], pid[1].dtype, pid[4])
 
     def _instantiate(self, klass, args):  # OBJ / INST: protocol 0/1
-        raise _Refused(f"a protocol 0/1 instance of {_name(klass)}")
+        raise _Refused(f"a protocol 0/1 instance of {qualified_name(klass)}")
 
     def load_reduce(self):
         args, func = self.stack[-1], self.stack[-2]
@@ -236,21 +238,21 @@ class _Unpickler(pickle._Unpickler):  # the pure-Python machine: its operations 
             return super().load_reduce()
         if id(func) in self._enums and type(args) is tuple and len(args) == 1 and type(args[0]) in (int, str):
             return super().load_reduce()  # Enum(value): a member lookup
-        raise _Refused(f"a call of {_name(func)}")
+        raise _Refused(f"a call of {qualified_name(func)}")
 
     def load_newobj(self):
         cls, args = self.stack[-2], self.stack[-1]
         if not (cls is argparse.Namespace and self._run_args and args == ()):
-            raise _Refused(f"a new {_name(cls)}")
+            raise _Refused(f"a new {qualified_name(cls)}")
         super().load_newobj()
 
     def load_newobj_ex(self):
-        raise _Refused(f"a new {_name(self.stack[-3])} with keyword arguments")
+        raise _Refused(f"a new {qualified_name(self.stack[-3])} with keyword arguments")
 
     def load_build(self):
         state, inst = self.stack[-1], self.stack[-2]
         if type(inst) is not argparse.Namespace:
-            raise _Refused(f"state for {'the class ' if isinstance(inst, type) else 'a '}{_name(inst)}")
+            raise _Refused(f"state for {'the class ' if isinstance(inst, type) else 'a '}{qualified_name(inst)}")
         if type(state) is not dict or not all(type(k) is str for k in state):
             raise _Refused("state for a Namespace that is not a dict of names")
         self.stack.pop()

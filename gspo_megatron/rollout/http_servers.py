@@ -583,7 +583,7 @@ class ServerProcesses:
         self._pumps: list[threading.Thread] = []
         self._watchdogs: list[subprocess.Popen] = []
         self._private_dir: str | None = None  # the secret files' directory (0700), removed at stop
-        self._secrets = [s.encode() for s in (spec.api_key,) if s]
+        self._secrets = [spec.api_key.encode()] if spec.api_key else []
 
     @property
     def urls(self) -> list[str]:

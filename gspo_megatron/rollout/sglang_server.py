@@ -99,7 +99,7 @@ class LaunchSpec:
     # GPU of server i's first rank: base_gpu_id + i * tp * dp (SGLang's --base-gpu-id).
     base_gpu_id: int = 0
     env: dict[str, str] | None = None
-    env_vars: tuple[str, ...] = ()  # rollout.server_env_vars: more of the trainer's variables passed on
+    env_vars: tuple[str, ...] = ()  # rollout.*.env_vars: more of the trainer's variables passed on
     # Removed from the servers' inherited environment. SGLANG_RETURN_ORIGINAL_LOGPROB would make
     # SGLang report T=1 log-probs instead of the tempered ones the trainer recomputes.
     unset_env: tuple[str, ...] = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)

@@ -51,9 +51,8 @@ import torch
 
 from .base import (NamedTensors, RolloutEngine, Sample, SamplingParams, WeightVerificationError, check_generate_args,
                    cut_at_stop_string)
-from .http_servers import secret_from_env
 from .http_servers import (EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError,
-                           generate_response_cap, parse_json)
+                           generate_response_cap, parse_json, secret_from_env)
 from .validate import check_response, rejected_sample, vocab_size_of
 from .vllm_api import GENERATE, RELOAD_METHOD, VLLM_VERSION, version_matches
 from .vllm_server import ServerClient, VLLMLaunchSpec, launch

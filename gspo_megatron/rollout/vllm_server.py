@@ -86,7 +86,7 @@ class VLLMLaunchSpec:
     command: list[str] | None = None  # [python, -m, vllm.entrypoints.openai.api_server] by default
     python: str = "python3"
     env: dict[str, str] | None = None
-    env_vars: tuple[str, ...] = ()  # rollout.server_env_vars: more of the trainer's variables passed on
+    env_vars: tuple[str, ...] = ()  # rollout.*.env_vars: more of the trainer's variables passed on
     log_dir: str | None = None
     # "nccl": the server takes vLLM's NCCL weight transfer (rollout.vllm.weight_sync=nccl)
     weight_transfer: str | None = None
