@@ -35,8 +35,8 @@ import torch
 import vllm_fixtures
 from run_output import explain
 from sglang_double import teacher_forced_logprobs
-from testlib import REPO, cmdline, descendants, run_env, torchrun_cmd, train_pooled, vllm_port
-from vllm_fixtures import FROM_TINY, HF, TINY, gspo_rows, still_running
+from testlib import REPO, cmdline, descendants, run_env, still_running, torchrun_cmd, train_pooled, vllm_port
+from vllm_fixtures import FROM_TINY, HF, TINY, gspo_rows
 
 # the shared fixtures, bound here (one instance per module: this module's own server)
 vllm_python, models, server = vllm_fixtures.vllm_python, vllm_fixtures.models, vllm_fixtures.server

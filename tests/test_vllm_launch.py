@@ -154,11 +154,14 @@ def test_keys_are_named_never_written_in_a_config(monkeypatch):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_server_dies_with_its_starter_and_nothing_is_loaded_between_fork_and_exec(tmp_path, monkeypatch):
-    """Issue 41 5h: the server gets SIGTERM when the trainer dies (PR_SET_PDEATHSIG, read back in
-    the server), and libc is looked up in the trainer before the fork: a dlopen between fork and
-    exec of a process with threads can hang on a loader lock held by another thread at the fork.
-    ctypes.CDLL is wrapped to leave a mark when a process other than this one calls it (the forked
-    child runs this process's memory until exec); before, the child called it."""
+    """Issue 41 5h, then issue 52: the server gets SIGKILL when its shim dies (PR_SET_PDEATHSIG, read
+    back in the server; rollout/process_guard.py: the shim, not the trainer, is its parent, and the
+    shim stops the group when the trainer dies), and nothing is looked up between fork and exec in
+    the trainer: a dlopen there, in a process with threads, can hang on a loader lock held by
+    another thread at the fork. ctypes.CDLL is wrapped to leave a mark when a process other than
+    this one calls it (the forked child runs this process's memory until exec); before issue 41,
+    the child called it. The shim that sets the signal is single-threaded and resolves libc before
+    its own fork."""
     import ctypes
     import signal
 
@@ -172,7 +175,7 @@ def test_the_server_dies_with_its_starter_and_nothing_is_loaded_between_fork_and
 
     monkeypatch.setattr(ctypes, "CDLL", cdll)
     _, env = _recorded_launch(tmp_path, _config())
-    assert env["pdeathsig"] == int(signal.SIGTERM)
+    assert env["pdeathsig"] == int(signal.SIGKILL)
     assert not mark.exists(), "ctypes.CDLL ran in the forked child"
 
 

@@ -17,6 +17,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +95,17 @@ def cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def still_running(pids, timeout_s: float) -> list[int]:
+    """Those of `pids` still running (a zombie has no cmdline) once they are all gone or `timeout_s`
+    has passed: a killed process, or a server stopped by its guards, exits asynchronously."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [q for q in pids if os.path.exists(f"/proc/{q}") and cmdline(q)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)  # a poll interval
 
 
 def run_env(**extra: str) -> dict:

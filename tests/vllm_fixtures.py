@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
 
-from testlib import REPO, cmdline, vllm_port  # vllm_port: test_config_sweep imports it from here too
+from testlib import REPO, vllm_port  # vllm_port: test_config_sweep imports it from here too
 
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
 # tiny_cpu.yaml to a launched vLLM server: the engine, and head_dim 32 (vLLM's CPU attention takes
@@ -98,12 +97,3 @@ def gspo_rows(out) -> list[dict]:
         return [r for r in map(json.loads, f) if r.get("phase") == "gspo"]
 
 
-def still_running(pids, timeout_s: float) -> list[int]:
-    """Those of `pids` still running (a zombie has no cmdline) once they are all gone or `timeout_s`
-    has passed: a killed process, or a server stopped by its watchdog, exits asynchronously."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = [q for q in pids if os.path.exists(f"/proc/{q}") and cmdline(q)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)  # a poll interval

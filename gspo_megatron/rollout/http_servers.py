@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from gspo_megatron.errors import InputError
 from gspo_megatron.config import secret_like
+from gspo_megatron.rollout import process_guard
 
 log = logging.getLogger("gspo_megatron.rollout")
 
@@ -628,11 +629,9 @@ class ServerProcesses:
         with self._log_locks[i]:
             logf.write(line)
             logf.flush()
-        p = subprocess.Popen(
-            argv, stdout=subprocess.PIPE if self._secrets else logf, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=env, start_new_session=True,  # own process group: stop() reaches its children
-            preexec_fn=_term_with_parent(),  # resolved here, not in the forked child
-        )
+        # the server under its shim (process_guard: own session and group, so stop() reaches its
+        # children; gone with the shim, and the group stopped once this process is gone)
+        p = process_guard.spawn_guarded(argv, env, subprocess.PIPE if self._secrets else logf)
         if self._secrets:
             pump = threading.Thread(target=_redacting_pump, args=(p.stdout, logf, self._log_locks[i], self._secrets),
                                     name=f"server-{i}-log", daemon=True)
@@ -640,8 +639,8 @@ class ServerProcesses:
             self._pumps = [t for t in self._pumps if t.is_alive()] + [pump]
         self._watchdogs = [w for w in self._watchdogs if w.poll() is None]
         try:
-            self._watchdogs.append(_watchdog(p.pid))
-        except OSError as e:  # the server still gets PR_SET_PDEATHSIG's SIGTERM
+            self._watchdogs.append(process_guard.watch(p.pid))
+        except OSError as e:  # the shim still stops the group once this process is gone
             log.warning("no watchdog for server %d (pid %d): %s", i, p.pid, e)
         return p
 
@@ -752,48 +751,6 @@ class ServerProcesses:
         self.stop()
 
 
-# A server's watchdog (one small process per started server, in a session of its own): once the
-# process that started the server is gone -- its parent changes, whatever killed it, SIGKILL
-# included -- it stops the server's process group: SIGTERM, then SIGKILL after the grace. The
-# kernel's PR_SET_PDEATHSIG (below) only sends SIGTERM, which a server stuck in its own shutdown
-# (vLLM 0.32 after its engine core died: "Waiting for connections to close") never completes.
-# It exits by itself once the group is gone (a normal stop()).
-_WATCHDOG = """
-import os, signal, sys, time
-owner, pgid, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-def group_alive():
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-while os.getppid() == owner:
-    if not group_alive():
-        sys.exit(0)
-    time.sleep(0.2)
-try:
-    os.killpg(pgid, signal.SIGTERM)
-except ProcessLookupError:
-    sys.exit(0)
-end = time.monotonic() + grace
-while time.monotonic() < end and group_alive():
-    time.sleep(0.2)
-try:
-    os.killpg(pgid, signal.SIGKILL)
-except ProcessLookupError:
-    pass
-"""
-WATCHDOG_GRACE_S = 10.0
-
-
-def _watchdog(pgid: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(pgid), str(WATCHDOG_GRACE_S)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
-
-
 def _stop_group(p: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM `p`'s process group, SIGKILL it after `grace_s`, and SIGKILL what the leader left."""
     if p.poll() is None:
@@ -847,31 +804,6 @@ def wait_group_gone(pgid: int, timeout_s: float = GROUP_EXIT_TIMEOUT_S) -> list[
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
-
-
-def _term_with_parent():
-    """The preexec_fn of a server process (Linux; None elsewhere): SIGTERM to the server when the
-    process that started it dies, even by SIGKILL, where no stop() or atexit hook runs; the server
-    then shuts its own children down (SGLang's schedulers, vLLM's engine core). Linux ties it to
-    the starting *thread*: servers are started from the owner's main thread (engine construction).
-
-    libc's prctl is looked up here, in the parent, and the child only calls the resolved function:
-    between fork and exec of a process with threads (the trainer has gloo's, the HTTP clients'),
-    dlopen (ctypes.CDLL) could wait forever on a loader lock another thread held at the fork."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    sigterm = int(signal.SIGTERM)
-
-    def preexec() -> None:
-        prctl(1, sigterm)  # PR_SET_PDEATHSIG
-
-    return preexec
 
 
 def _signal_group(p: subprocess.Popen, sig: int, leader_gone: bool = False) -> None:

@@ -611,8 +611,8 @@ class _Supervisor:
     counted (metrics["restarts"]: `engine_restarts` in every row); past max_restarts, or when a
     restart fails, the engine is failed: every caller gets one line naming the server and why.
 
-    The thread stays alive until close(): a server it started gets SIGTERM when the thread that
-    started it ends (PR_SET_PDEATHSIG is per thread, http_servers._term_with_parent)."""
+    A server it restarts is guarded as the first one was (rollout/process_guard.py: its shim
+    watches the trainer process, not this thread)."""
 
     FAILURES = 3
 
