@@ -1208,6 +1208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--double-per-token-s", type=float, default=0.0, help="seconds per generated token")
     ap.add_argument("--double-exit-code", type=int, default=None, help="exit at once with this code")
     ap.add_argument("--double-stale-weights", action="store_true", help="accept weight updates, keep the old weights")
+    ap.add_argument("--double-fail-path", default="/generate", help="the endpoint --double-fail-5xx applies to")
+    ap.add_argument("--double-fail-5xx", type=int, default=0, help="answer HTTP 500 this many times there")
     args, unknown = ap.parse_known_args(_merge_config(list(sys.argv[1:] if argv is None else argv)))
     print(f"[sglang test double] args={vars(args)} ignored={unknown}", flush=True)
     print(f"[sglang test double] SGLANG_RETURN_ORIGINAL_LOGPROB={os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB')}",
@@ -1229,7 +1231,8 @@ def main(argv: list[str] | None = None) -> int:
                      memory_saver=args.enable_memory_saver,
                      enable_return_routed_experts=args.enable_return_routed_experts,
                      faults=Faults(never_ready=args.double_never_ready, per_token_s=args.double_per_token_s,
-                                   stale_weights=args.double_stale_weights))
+                                   stale_weights=args.double_stale_weights, fault_path=args.double_fail_path,
+                                   fail_5xx=args.double_fail_5xx))
     d.print_requests = True
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())

@@ -42,7 +42,7 @@ from gspo_megatron.rollout.tokenizer import build_tokenizer
 from gspo_megatron.rollout.weight_sync import iter_buckets
 
 from dist_utils import with_free_port
-from testlib import free_port
+from testlib import REPO, cmdline, descendants, free_port, still_running
 from sglang_double import Faults, SGLangDouble, start_double_and_engine, teacher_forced_logprobs
 
 DOUBLE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_double.py")
@@ -311,6 +311,55 @@ def test_launch_and_distributed_sync_over_gloo(model_dir, prompts, model_a, mode
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
+def test_a_failed_distributed_push_aborts_the_group_instead_of_flushing_it(model_dir, model_b, tmp_path, monkeypatch):
+    """Issue 52 (GPU): after a failed weight_sync=distributed push, close() destroyed the group, and
+    since torch 2.6 destroy_process_group flushes the pending work (pg.shutdown()): on NCCL the
+    trainer waited at exit for a broadcast no server would join. Now a push that fails or is
+    interrupted marks the group broken and close() aborts it (c10d._abort_process_group), never
+    destroys it. Real: a launched double whose /update_weights_from_distributed answers 500 (it
+    never joins the broadcast), gloo; gloo's shutdown does not wait, so the hang itself is NCCL's,
+    and one GPU cannot form a two-rank NCCL group to show it in `make gpu-check`."""
+    from gspo_megatron.rollout import weight_sync
+
+    calls = []
+    real_abort, real_destroy = weight_sync.abort_weight_update_group, weight_sync.destroy_weight_update_group
+    monkeypatch.setattr(weight_sync, "abort_weight_update_group", lambda pg: calls.append("abort") or real_abort(pg))
+    monkeypatch.setattr(weight_sync, "destroy_weight_update_group", lambda pg: calls.append("destroy") or real_destroy(pg))
+    eng = with_free_port(lambda port: SGLangEngine(
+        {"launch": True, "model_path": model_dir, "port": port, "weight_sync": "distributed", "bucket_mb": 64,
+         "extra_args": ["--dtype", "float32", "--double-fail-path", "/update_weights_from_distributed",
+                        "--double-fail-5xx", "1"]},
+        server_command=[sys.executable, DOUBLE_SCRIPT], log_dir=str(tmp_path / "logs"),
+        server_env={"OMP_NUM_THREADS": "1"}, **dict(FAST, ready_timeout_s=90.0),
+    ), free=free_port)
+    try:
+        with pytest.raises(SGLangError, match="distributed weight sync"):
+            eng.update_weights(hub_tensors(model_b), version=1)
+        with pytest.raises(SGLangError, match="unusable after an earlier failure"):
+            eng.update_weights(hub_tensors(model_b), version=2)
+    finally:
+        eng.close()
+    assert calls == ["abort"], calls  # never a flush of the pending broadcast
+    assert eng.procs is None or all(p.poll() is not None for p in eng.procs.procs)
+
+    # any exception inside a push (a SIGTERM's KeyboardInterrupt, an error between buckets) marks
+    # the group broken too: close() then aborts it
+    sync = weight_sync.DistributedSync([], ranks_per_server=[], master_address="127.0.0.1", master_port=0,
+                                       backend="gloo")
+    sync.pg = object()  # a formed group (init_group then does nothing)
+
+    def interrupted(named, version):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sync, "_update", interrupted)
+    monkeypatch.setattr(weight_sync, "abort_weight_update_group", lambda pg: calls.append("abort:interrupted") or "ok")
+    with pytest.raises(KeyboardInterrupt):
+        sync.update([], version=3)
+    assert sync.broken and "KeyboardInterrupt" in sync.broken
+    sync.close()
+    assert calls[-1] == "abort:interrupted" and sync.pg is None, calls
+
+
 def test_weight_update_store_address_and_port_come_from_the_config(monkeypatch):
     """rollout.sglang.sync_address / sync_port (a port an operator can open in a firewall) reach the
     distributed weight-update group; unset, the address is the route towards the first server and
@@ -334,45 +383,117 @@ def test_weight_update_store_address_and_port_come_from_the_config(monkeypatch):
         load_config(tiny, base + ["rollout.sglang.sync_port=70000"])
 
 
-def test_launched_servers_do_not_outlive_a_killed_trainer(tmp_path):
-    """SIGKILL of the process that launched the servers (no stop(), no atexit) still ends them:
-    they get SIGTERM when their parent dies (PR_SET_PDEATHSIG, rollout/http_servers.py)."""
-    import signal
+# A stand-in server that no SIGTERM stops (a server stuck in its own shutdown), with a child of
+# its own (an engine core, a scheduler) that ignores it too.
+_STUCK_SERVER = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                 "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+                 "print('up', flush=True); time.sleep(600)")
+
+
+def _start_owner(tmp_path, command: list[str]):
+    """A process that launches one server through ServerProcesses (guards' grace 1 s) and sleeps:
+    (its Popen, the shim's pid, the watchdog's pid, the log path)."""
     import subprocess
 
-    pidfile = tmp_path / "server.pid"
+    pidfile = tmp_path / "pids.json"
     code = (
-        "import sys, time\n"
+        "import json, sys, time\n"
+        "from gspo_megatron.rollout import process_guard\n"
         "from gspo_megatron.rollout.sglang_server import LaunchSpec, ServerProcesses\n"
-        f"spec = LaunchSpec(model_path='m', command=[sys.executable, '-c', 'import time; time.sleep(600)'], log_dir={str(tmp_path)!r})\n"
+        "process_guard.GRACE_S = 1.0\n"
+        f"spec = LaunchSpec(model_path='m', command={command!r}, log_dir={str(tmp_path)!r})\n"
         "p = ServerProcesses(spec); p.start()\n"
-        f"open({str(pidfile)!r}, 'w').write(str(p.procs[0].pid))\n"
+        f"open({str(pidfile) + '.tmp'!r}, 'w').write(json.dumps([p.procs[0].pid, p._watchdogs[0].pid, p.log_paths[0]]))\n"
+        f"import os; os.rename({str(pidfile) + '.tmp'!r}, {str(pidfile)!r})\n"
         "time.sleep(600)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    owner = subprocess.Popen([sys.executable, "-c", code], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not pidfile.exists():
+        assert owner.poll() is None and time.monotonic() < deadline, "the owner did not start its server"
+        time.sleep(0.05)
+    shim, watchdog, log_path = json.loads(pidfile.read_text())
+    return owner, shim, watchdog, log_path
+
+
+def test_launched_servers_do_not_outlive_a_killed_trainer(tmp_path):
+    """SIGKILL of the process that launched the servers (no stop(), no atexit) still ends them:
+    their guards (rollout/process_guard.py) stop the group once their owner is gone."""
+    import signal
+
+    owner, shim, _, _ = _start_owner(tmp_path, [sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        deadline = time.monotonic() + 30
+        while not (len(descendants(shim)) == 1 and "time.sleep(600)" in cmdline(descendants(shim)[0])):
+            assert time.monotonic() < deadline, [cmdline(q) for q in descendants(shim)]
+            time.sleep(0.05)
+        server = descendants(shim)
+        assert len(server) == 1 and "time.sleep(600)" in cmdline(server[0])  # the server, under its shim
+        assert "time.sleep(600)" not in cmdline(shim)  # its argv reaches the shim on stdin, never its own argv
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+        assert not still_running([shim, *server], 30), "the server outlived its killed parent"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+
+
+@pytest.mark.parametrize("first", ["watchdog", "shim"])
+def test_a_stuck_server_does_not_outlive_its_trainer_whichever_guard_was_killed_first(tmp_path, first):
+    """Issue 52 (degraded): the watchdog killed, then the trainer: the server was left behind (it
+    only had the kernel's SIGTERM on its parent's death, which a stopped server, or one stuck in
+    its own shutdown, never acts on). Here the server ignores SIGTERM and is stopped (SIGSTOP),
+    and so is its child. Either guard killed first (kill -9), then the trainer: nothing is left.
+    The shim killed first takes the server with it at once (PR_SET_PDEATHSIG = SIGKILL) and the
+    watchdog takes its child; the watchdog killed first leaves the shim to stop the group,
+    SIGTERM then SIGKILL."""
+    import signal
+
+    owner, shim, watchdog, log_path = _start_owner(tmp_path, [sys.executable, "-c", _STUCK_SERVER])
     try:
         deadline = time.monotonic() + 60
-        while not (pidfile.exists() and pidfile.read_text()):
-            assert parent.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-        server = int(pidfile.read_text())
-        os.kill(server, 0)  # running
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                os.kill(server, 0)
-            except ProcessLookupError:
-                break
-            with open(f"/proc/{server}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped (its reaper died)
-                    break
-            assert time.monotonic() < deadline, "the server outlived its killed parent"
-            time.sleep(0.2)
+        while not ("\nup\n" in open(log_path).read() and len(descendants(shim)) == 2):
+            assert time.monotonic() < deadline, open(log_path).read()
+            time.sleep(0.05)
+        server, child = descendants(shim)
+        for q in (server, child):
+            os.kill(q, signal.SIGSTOP)
+        os.kill(shim if first == "shim" else watchdog, signal.SIGKILL)
+        if first == "shim":  # the kernel kills the server with its shim, stopped or not
+            assert not still_running([server], 10), "the server outlived its shim"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+        left = still_running([shim, watchdog, server, child], 30)
+        assert not left, [(q, cmdline(q)[:80]) for q in left]
     finally:
-        if parent.poll() is None:
-            parent.kill()
+        if owner.poll() is None:
+            owner.kill()
+        for q in descendants(os.getpid()):  # nothing of this test's survives a failure
+            try:
+                os.kill(q, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_the_server_exits_as_its_shim_reports_it():
+    """The shim exits as the server did: the same exit code, or death by the same signal
+    (Popen.returncode is what the server's would be: `dead()` and the supervisor read it), and a
+    command that cannot start is exit 127 with a line in the log."""
+    import subprocess
+
+    from gspo_megatron.rollout import process_guard
+
+    for argv, code in (([sys.executable, "-c", "raise SystemExit(3)"], 3),
+                       ([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], -9),
+                       ([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"], -15),
+                       (["/nonexistent/server"], 127)):
+        p = process_guard.spawn_guarded(argv, dict(os.environ), subprocess.PIPE)
+        out = p.stdout.read()
+        assert p.wait(timeout=60) == code, (argv, p.returncode, out)
+        p.stdout.close()
+        if code == 127:
+            assert b"cannot start /nonexistent/server" in out, out
 
 
 # ------------------------------------------------------------------------------ faults
@@ -632,10 +753,12 @@ def test_a_launched_servers_key_is_in_no_argv_no_environment_and_no_log(tmp_path
         secret_file = procs._private_dir + "/sglang_secrets.yaml"
         assert stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600
         assert stat.S_IMODE(os.stat(procs._private_dir).st_mode) == 0o700
-        with open(f"/proc/{procs.procs[0].pid}/cmdline", "rb") as f:
-            assert key.encode() not in f.read()
-        with open(f"/proc/{procs.procs[0].pid}/environ", "rb") as f:
-            environ = f.read()
+        environ = b""
+        for q in [procs.procs[0].pid, *descendants(procs.procs[0].pid)]:  # the shim and the server
+            with open(f"/proc/{q}/cmdline", "rb") as f:
+                assert key.encode() not in f.read()
+            with open(f"/proc/{q}/environ", "rb") as f:
+                environ += f.read()
     finally:
         procs.stop(grace_s=2)
     log_text = open(procs.log_paths[0]).read()
@@ -1273,9 +1396,9 @@ def test_a_restart_waits_for_every_process_of_the_old_server(tmp_path, monkeypat
     try:
         old = procs.procs[0]
         deadline = time.monotonic() + 30
-        while len(http_servers.group_members(old.pid)) < 2 and time.monotonic() < deadline:
+        while len(http_servers.group_members(old.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(http_servers.group_members(old.pid)) == 2  # the leader and its child
+        assert len(http_servers.group_members(old.pid)) == 3  # the shim (the leader), the server, its child
         events = []
         real_members, real_spawn = http_servers.group_members, procs._spawn
         polls = {"n": 0}

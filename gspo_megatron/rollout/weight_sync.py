@@ -40,6 +40,7 @@ import base64
 import datetime
 import inspect
 import io
+import logging
 import os
 import re
 import shutil
@@ -51,6 +52,8 @@ import torch
 
 from .sglang_api import payload as api_payload
 from .sglang_server import SGLangError, SGLangServerError, ServerClient, check_success
+
+log = logging.getLogger("gspo_megatron.rollout")
 
 WEIGHT_SYNC_MODES = ("disk", "distributed", "tensor")
 VERSION_DIR_RE = re.compile(r"^v(\d+)$")
@@ -368,6 +371,22 @@ def destroy_weight_update_group(pg) -> None:
         pass
 
 
+def abort_weight_update_group(pg) -> str:
+    """End `pg` after a failed or interrupted push, without waiting for its pending broadcasts:
+    since torch 2.6 destroy_process_group shuts a group down by flushing its pending work
+    (distributed_c10d.py destroy_process_group -> pg.shutdown()), which waits for servers that
+    will never join the broadcast (the trainer hung at exit). Abort drops the work instead
+    (distributed_c10d.py _abort_process_group: pg.abort(), then the group's entries removed).
+    What happened, for the log."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        c10d._abort_process_group(pg)
+        return "the weight-update group was aborted"
+    except Exception as e:  # the run's own error is the one to report
+        return f"aborting the weight-update group failed: {type(e).__name__}: {e}"
+
+
 class DistributedSync:
     mode = "distributed"
 
@@ -455,11 +474,19 @@ class DistributedSync:
         self.pg = pg
 
     def update(self, named_tensors, version: int) -> dict:
-        import torch.distributed as dist
-
         if self.broken:
             raise SGLangError(f"the weight-update group is unusable after an earlier failure ({self.broken})")
         self.init_group()
+        try:
+            return self._update(named_tensors, version)
+        except BaseException as e:  # a broadcast of ours may be pending: the group cannot be reused or destroyed
+            if not self.broken:
+                self.broken = f"a push failed or was interrupted: {type(e).__name__}: {str(e)[:200]}"
+            raise
+
+    def _update(self, named_tensors, version: int) -> dict:
+        import torch.distributed as dist
+
         nbytes, nbuckets = 0, 0
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool, \
                 weight_update_session(self.servers, self.timeout_s):
@@ -508,16 +535,21 @@ class DistributedSync:
             time.sleep(0.002)
 
     def close(self) -> None:
-        if self.pg is not None:
-            for s in self.servers:
-                try:
-                    s.post("/destroy_weights_update_group",
-                           api_payload("/destroy_weights_update_group", group_name=self.group_name),
-                           timeout_s=10, retries=0)
-                except Exception:
-                    pass
-            destroy_weight_update_group(self.pg)
-            self.pg = None
+        if self.pg is None:
+            return
+        pg, self.pg = self.pg, None
+        if self.broken:  # first: a server stuck in the broadcast may not answer the requests below
+            log.error("distributed weight sync closed after a failure (%s): %s", self.broken,
+                      abort_weight_update_group(pg))
+        for s in self.servers:
+            try:
+                s.post("/destroy_weights_update_group",
+                       api_payload("/destroy_weights_update_group", group_name=self.group_name),
+                       timeout_s=10, retries=0)
+            except Exception:
+                pass
+        if not self.broken:
+            destroy_weight_update_group(pg)
 
 
 # ---------------------------------------------------------------------------------- tensor
