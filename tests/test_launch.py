@@ -877,23 +877,52 @@ def test_sglang_sbatch_compares_nccl_versions_before_an_nccl_weight_sync(weight_
     train_probe, server_probe = line.split("first: ", 1)[1].split(" and ")
     assert "--nodelist=a" in train_probe and "--container-image=/img/gspo.sqsh" in train_probe
     assert "--nodelist=b" in server_probe and "--container-image=lmsysorg/sglang:v0.5.23" in server_probe
-    assert "torch.cuda.nccl.version" in train_probe and "torch.cuda.nccl.version" in server_probe
+    assert train_probe.rstrip().endswith("launch/slurm/nccl_version.py")
+    assert server_probe.rstrip().endswith("launch/slurm/nccl_version.py")
 
 
-@pytest.mark.parametrize("reported, printed", [((2, 27, 3), "2.27.3"), (21803, "2.18.3"), (2708, "0.27.8")])
-def test_the_nccl_probe_prints_major_minor_patch(reported, printed, tmp_path):
-    """The probe the job runs in both images (taken from the script), against a stand-in torch
-    whose torch.cuda.nccl.version() answers as torch does: a tuple (recent releases) or the
-    integer code major*10000 + minor*100 + patch (older ones)."""
-    import re
+@pytest.mark.parametrize("linked", ["libnccl", "static"])
+def test_the_nccl_probe_reports_the_library_loaded_at_run_time_not_torchs_header(linked, tmp_path):
+    """Issue 52: the probe asked torch.cuda.nccl.version(), the NCCL header torch was compiled with,
+    while NCCL's init compares the libnccl each side loads, which images replace. The probe the job
+    runs (launch/slurm/nccl_version.py) against a stand-in torch whose header says 2.18.3 and whose
+    import loads a library answering ncclGetVersion with 2.27.3: a libnccl.so.2 of its own, or
+    NCCL linked into libtorch_cuda. It prints 2.27.3. A stand-in with no NCCL: one line, exit 1."""
 
-    text = open(os.path.join(ROOT, "launch", "slurm", "train_with_sglang.sbatch")).read()
-    (probe,) = re.findall(r"^NCCL_PROBE='([^']*)'$", text, re.M)
-    stub = tmp_path / "torch"
-    (stub / "cuda").mkdir(parents=True)
-    (stub / "__init__.py").write_text("from . import cuda\n")
-    (stub / "cuda" / "__init__.py").write_text("from . import nccl\n")
-    (stub / "cuda" / "nccl.py").write_text(f"def version():\n    return {reported!r}\n")
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert r.returncode == 0 and r.stdout.strip() == printed, r.stderr
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in NCCL library")
+    libname = "libnccl.so.2" if linked == "libnccl" else "libtorch_cuda.so"
+    src = tmp_path / "nccl.c"
+    src.write_text("int ncclGetVersion(int *v) { *v = 22703; return 0; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / libname), str(src)], check=True, timeout=120)
+    probe = os.path.join(ROOT, "launch", "slurm", "nccl_version.py")
+
+    def run(load: str | None):
+        stub = tmp_path / ("torch_" + str(load is not None)) / "torch"
+        (stub / "cuda").mkdir(parents=True)
+        loader = f"import ctypes\nctypes.CDLL({load!r})\n" if load else ""
+        (stub / "__init__.py").write_text(loader + "from . import cuda\n")
+        (stub / "cuda" / "__init__.py").write_text("from . import nccl\n")
+        (stub / "cuda" / "nccl.py").write_text("def version():\n    return (2, 18, 3)\n")
+        return subprocess.run([sys.executable, probe], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(stub.parent)})
+
+    r = run(str(tmp_path / libname))
+    assert r.returncode == 0 and r.stdout.strip() == "2.27.3", (r.stdout, r.stderr)
+    assert libname in r.stderr  # it names the library that answered
+    r = run(None)
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+    assert r.stderr.strip().splitlines()[-1].startswith("nccl_version.py: no NCCL library is loaded"), r.stderr
+
+
+@pytest.mark.parametrize("code, printed", [(22703, "2.27.3"), (21803, "2.18.3"), (2708, "2.7.8")])
+def test_the_nccl_version_code_reads_as_nccl_defines_it(code, printed):
+    """NCCL_VERSION_CODE: major*10000 + minor*100 + patch since 2.9, major*1000 + minor*100 + patch
+    before (nccl.h)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("nccl_version", os.path.join(ROOT, "launch", "slurm", "nccl_version.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.version_string(code) == printed
