@@ -346,6 +346,50 @@ class Check:
         return "\n".join(lines)
 
 
+def _nccl_versions(device: str) -> str:
+    """CUDA: the libnccl loaded at run time (what NCCL's init compares between trainer and
+    servers), by the probe train_with_sglang.sbatch runs (launch/slurm/nccl_version.py), beside
+    torch.cuda.nccl.version(), the header torch was built with (issue 52: the sbatch compared the
+    header). A CUDA torch with no NCCL loaded fails the row. CPU: nothing to read."""
+    if device != "cuda":
+        return ""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("nccl_version", os.path.join(REPO, "launch", "slurm", "nccl_version.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    runtime, path = probe.runtime_version(probe.mapped_libraries())
+    header = torch.cuda.nccl.version()
+    header = ".".join(map(str, header)) if isinstance(header, tuple) else probe.version_string(int(header))
+    return f", NCCL {runtime} loaded ({os.path.basename(path)}; torch built with {header})"
+
+
+SNAPSHOT_LINE = re.compile(r"checkpoint snapshot: (\d+) chunks, (\d+) bytes in one host allocation, (\d+) page-locked, "
+                           r"(\d+) in torch's pinned allocator")
+
+
+def _snapshot_memory(log_text: str, device: str) -> str:
+    """The background save's host memory, from the trainer's line (train/checkpoint.py
+    _log_snapshot_memory), checked: on CUDA the page-locked bytes are the snapshot's (<= 1.05x; one
+    allocation registered once, not one power-of-two pinned block per chunk, issue 52) and torch's
+    pinned allocator holds less than the snapshot (the old path put it all there, rounded up); on
+    CPU nothing is page-locked."""
+    found = SNAPSHOT_LINE.findall(log_text)
+    if not found:
+        raise RuntimeError("the background save logged no 'checkpoint snapshot:' line")
+    chunks, nbytes, pinned, torch_pinned = (int(x) for x in found[0])
+    if device == "cuda":
+        if not 0 < pinned <= 1.05 * nbytes:
+            raise RuntimeError(f"snapshot of {nbytes} bytes: {pinned} page-locked (expected <= 1.05x)")
+        if torch_pinned >= nbytes:
+            raise RuntimeError(f"torch's pinned allocator holds {torch_pinned} bytes >= the snapshot's {nbytes}")
+    elif pinned != 0:
+        raise RuntimeError(f"CPU run: {pinned} bytes page-locked")
+    return f"snapshot {nbytes / 2**20:.1f} MiB in {chunks} chunks, {pinned / 2**20:.1f} MiB page-locked"
+
+
 def _masters(ckpt: str) -> dict:
     """The fp32 master weights (optimizer.state.param.*) of a torch_dist checkpoint, global tensors."""
     from gspo_megatron.checkpoint.dcp_io import DcpReader
@@ -471,7 +515,7 @@ def main(argv=None) -> int:
         gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
         backend = "nccl" if args.device == "cuda" else "gloo"
         return (f"torch {torch.__version__}, transformers {transformers.__version__}, megatron-core {mc}{how}, "
-                f"{te}, {gpu}, world group on {backend}")
+                f"{te}, {gpu}, world group on {backend}{_nccl_versions(args.device)}")
 
     def launch(tag: str, out_dir: str, steps: int, export: bool, extra: tuple[str, ...] = ()):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
@@ -497,7 +541,7 @@ def main(argv=None) -> int:
         launch("train", run_dir, 2, export=False, extra=ASYNC_SAVE)
         if not os.path.isdir(ckpt(run_dir, 2)):
             raise RuntimeError("no step-2 checkpoint")
-        return "launch A: SFT warm start + GSPO steps 1-2, checkpoint step 2"
+        return "launch A: SFT warm start + GSPO steps 1-2, checkpoint step 2; " + _snapshot_memory(logs["train"], args.device)
 
     resumed = []
 

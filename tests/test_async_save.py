@@ -209,3 +209,60 @@ def test_the_writer_thread_makes_the_ranks_device_current_before_writing(monkeyp
     cpu.submit("iter_2", lambda: calls.append(("write", None, 0)))
     cpu.wait()
     assert [c[0] for c in calls] == ["write"]
+
+
+def test_a_background_snapshot_is_one_allocation_pinned_once_exactly_its_bytes(monkeypatch):
+    """Issue 52: on CUDA the snapshot took one `torch.empty(pin_memory=True)` per chunk, each
+    rounded up to a power of two by torch's caching host allocator and kept for the run (about
+    290 GB page-locked per 8-GPU node for the 235B preset). Now (train/async_save.py HostSnapshot):
+    one allocation for the whole snapshot, chunks at 64-byte aligned offsets, page-locked once with
+    exactly its bytes (cudaHostRegister: recorded here through a stand-in cudart, no GPU), reused by
+    every save of the same layout, unpinned before a new layout or the run's end. The snapshot
+    holds copies: what the next steps write into the parameters does not reach it."""
+    from gspo_megatron.checkpoint.dcp_io import Chunk
+    from gspo_megatron.train import async_save
+    from gspo_megatron.train.checkpoint import _snapshot
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    saves = async_save.BackgroundSaves(ops=None, device=torch.device("cuda", 0))
+    assert async_save.BackgroundSaves(ops=None, device=torch.device("cpu")).host._pin is None  # CPU: nothing pinned
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(300, 257, generator=g), torch.randn(1001, generator=g).to(torch.bfloat16),
+               torch.randint(0, 9, (3,), generator=g), torch.randn(64, 33, generator=g).double(), torch.zeros(0)]
+    chunks = [Chunk(f"t{i}", tuple(t.shape), (0,) * t.dim(), tuple(t.shape), t.dtype, (lambda t=t: t))
+              for i, t in enumerate(sources)]
+    exact = sum(c.nbytes for c in chunks)
+    cpu = torch.device("cpu")  # the copies themselves: CPU tensors here
+    first, state = _snapshot(chunks, {"step": 3}, cpu, saves.host)
+    assert state == {"step": 3}
+    assert len([c for c in calls if c[0] == "register"]) == 1, calls
+    (_, ptr, size), = calls
+    assert ptr == saves.host.flat.data_ptr() and size == saves.host.pinned_bytes
+    assert exact <= size <= exact + 63 * len(chunks) and size <= 1.05 * exact, (size, exact)
+    for c, src in zip(first, sources):
+        got = c.produce()
+        assert got.dtype == src.dtype and got.shape == src.shape and torch.equal(got, src)
+        assert got.data_ptr() % 64 == 0 or got.numel() == 0
+    for t in sources:  # the next steps overwrite the parameters: the snapshot keeps what was saved
+        t.zero_() if t.dtype != torch.int64 else t.fill_(7)
+    assert not torch.equal(first[0].produce(), sources[0])
+    second, _ = _snapshot(chunks, {"step": 4}, cpu, saves.host)  # same layout: same memory, nothing pinned again
+    assert saves.host.allocations == 1 and len(calls) == 1
+    assert [c.produce().data_ptr() for c in second] == [c.produce().data_ptr() for c in first]
+    assert all(torch.equal(c.produce(), s) for c, s in zip(second, sources))
+    bigger = chunks + [Chunk("t9", (5,), (0,), (5,), torch.float32, lambda: torch.ones(5))]
+    _snapshot(bigger, {}, cpu, saves.host)  # a new layout: the old memory unpinned first, the new pinned once
+    assert [c[0] for c in calls] == ["register", "unregister", "register"] and calls[1][1] == ptr, calls
+    saves.host.release()  # the run's end (train/setup.py close)
+    assert [c[0] for c in calls][-1] == "unregister" and saves.host.pinned_bytes == 0

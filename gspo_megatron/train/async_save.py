@@ -48,6 +48,87 @@ def bind_device(device) -> None:
         torch.cuda.set_device(device)
 
 
+# Each chunk's offset in the snapshot's one allocation: a multiple of this (any dtype's alignment,
+# and a cache line).
+HOST_ALIGN = 64
+
+
+def cuda_host_register(flat) -> Callable[[], None]:
+    """Page-lock `flat`'s bytes, exactly those (cudaHostRegister, as torch's own DCP staging does:
+    torch/distributed/checkpoint/_state_dict_stager.py, torch/cuda/_pin_memory_utils.py); the
+    undo. A GPU run's branch: `make gpu-check` (bench/gpu_check.py background_save) measures it;
+    tests/test_async_save.py runs the layout around it on CPU with a stand-in."""
+    import torch
+
+    cudart = torch.cuda.cudart()
+    ptr, size = flat.data_ptr(), flat.numel() * flat.element_size()
+    rc = int(cudart.cudaHostRegister(ptr, size, 0))
+    if rc != 0:
+        raise RuntimeError(f"cudaHostRegister of the checkpoint snapshot's {size} bytes failed (cudaError {rc})")
+    return lambda: cudart.cudaHostUnregister(ptr)
+
+
+class HostSnapshot:
+    """The host memory a background save copies the rank's shard into (train/checkpoint.py
+    `_snapshot`): one allocation for the whole snapshot, each chunk a view at a HOST_ALIGN-aligned
+    offset, reused by every later save with the same layout (the caller waited for the previous
+    write), so one copy of the shard stays allocated for the run.
+
+    On CUDA the allocation is page-locked once, exactly its bytes, with `pin` (cuda_host_register),
+    so the device-to-host copies are asynchronous. Not torch's pinned allocator
+    (`torch.empty(pin_memory=True)`): its CachingHostAllocator rounds every allocation up to a power
+    of two and keeps it for the process; one allocation per chunk was about 290 GB page-locked per
+    8-GPU node for the 235B preset (issue 52). Here the page-locked bytes are the snapshot's plus at
+    most HOST_ALIGN - 1 per chunk (`pinned_bytes`)."""
+
+    def __init__(self, pin: Callable | None = None):
+        self._pin = pin
+        self._unpin: Callable[[], None] | None = None
+        self.layout: tuple = ()
+        self.flat = None
+        self.views: list = []
+        self.pinned_bytes = 0
+        self.allocations = 0  # how many times a new layout had to be allocated (tests, gpu-check)
+
+    def take(self, specs: list) -> list:
+        """Host tensors for `specs` [(shape, dtype), ...], in order: the ones of the last call when
+        the layout is the same."""
+        import torch
+
+        layout = tuple((tuple(shape), dtype) for shape, dtype in specs)
+        if layout == self.layout and self.flat is not None:
+            return self.views
+        self.release()
+        offsets, total = [], 0
+        for shape, dtype in layout:
+            total = -(-total // HOST_ALIGN) * HOST_ALIGN
+            offsets.append(total)
+            n = 1
+            for d in shape:
+                n *= int(d)
+            total += n * dtype.itemsize
+        flat = torch.empty(max(total, 1), dtype=torch.uint8)
+        views = []
+        for (shape, dtype), off in zip(layout, offsets):
+            n = 1
+            for d in shape:
+                n *= int(d)
+            views.append(flat[off:off + n * dtype.itemsize].view(dtype).view(shape))
+        if self._pin is not None:
+            self._unpin = self._pin(flat)
+            self.pinned_bytes = flat.numel()
+        self.flat, self.views, self.layout = flat, views, layout
+        self.allocations += 1
+        return views
+
+    def release(self) -> None:
+        """Unpin (before the memory can go back to the allocator) and drop the allocation."""
+        if self._unpin is not None:
+            unpin, self._unpin = self._unpin, None
+            unpin()
+        self.flat, self.views, self.layout, self.pinned_bytes = None, [], (), 0
+
+
 class BackgroundSaves:
     """One writer thread at a time. `ops`: the background group's collectives (GroupOps)."""
 
@@ -66,9 +147,12 @@ class BackgroundSaves:
         self._error: BaseException | None = None
         self._t_write = 0.0
         self.last: dict = {}  # {"label", "t_write"} of the last write that finished
-        # the snapshot's host tensors, reused by the next save (train/checkpoint.py _snapshot): one
-        # copy of the rank's shard stays allocated for the run
-        self.buffers: dict = {}
+        # the snapshot's host memory, reused by the next save (train/checkpoint.py _snapshot): one
+        # copy of the rank's shard stays allocated for the run, page-locked on CUDA
+        import torch
+
+        cuda = isinstance(device, torch.device) and device.type == "cuda"
+        self.host = HostSnapshot(pin=cuda_host_register if cuda else None)
         self.extra_state_keys: list | None = None  # the model's `_extra_state` entries, read once
 
     @property

@@ -260,7 +260,10 @@ def _save_collective(root, final, step, model, optimizer, model_state, trainer, 
     dist.all_reduce(direct, op=dist.ReduceOp.MIN)
     if int(direct) and background is not None:
         chunks, common = plan
-        chunks, state = _snapshot(chunks, {"optimizer": common, "trainer": trainer}, ctx.device, background.buffers)
+        allocations = background.host.allocations
+        chunks, state = _snapshot(chunks, {"optimizer": common, "trainer": trainer}, ctx.device, background.host)
+        if background.host.allocations != allocations:  # a new layout: say what it holds (bench/gpu_check.py reads it)
+            _log_snapshot_memory(chunks, background.host, ctx.device)
         if background.extra_state_keys is None:  # the modules' entries: fixed for the run
             background.extra_state_keys = model_extra_state_keys(model)
         keys, ops = background.extra_state_keys, background.ops
@@ -308,31 +311,41 @@ def _publish(root: str, final: str, step: int, keep_last: int, d) -> None:
     d.barrier()
 
 
-def _snapshot(chunks: list, state: dict, device: torch.device, buffers: dict | None = None) -> tuple[list, dict]:
+def _snapshot(chunks: list, state: dict, device: torch.device, host=None) -> tuple[list, dict]:
     """A copy in host memory of what a background write needs, taken while the step waits: every
     chunk's tensor (views into the parameters and the optimizer's buffers, which the next steps
-    overwrite) and the plain state (param groups, step counters, loop state). `buffers`: the
-    previous snapshot's host tensors, reused (the caller waited for its write): the copy then
-    goes into memory that is already mapped (and pinned), not freshly faulted in. On CUDA the
-    copies go into pinned memory, issued without a sync each and synchronized once (a GPU run's
-    branch; CPU runs take the other, in the suite)."""
+    overwrite) and the plain state (param groups, step counters, loop state). `host`: the run's
+    train/async_save.py HostSnapshot (one allocation for the whole snapshot, reused by every save
+    of the same layout, page-locked once on CUDA; None: a fresh one). On CUDA the copies are issued
+    without a sync each and synchronized once (a GPU run's branch, `make gpu-check`; CPU runs take
+    the other, in the suite)."""
     import copy
     from dataclasses import replace
 
+    from gspo_megatron.train.async_save import HostSnapshot
+
     cuda = device.type == "cuda"
-    buffers = {} if buffers is None else buffers
+    host = HostSnapshot() if host is None else host
+    views = host.take([(tuple(c.sizes), c.dtype) for c in chunks])  # declared: nothing produced yet
     out = []
-    for c in chunks:
-        t = c.produce()
-        host = buffers.get((c.key, c.offsets))
-        if host is None or host.shape != t.shape or host.dtype != t.dtype:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda and t.is_cuda)
-            buffers[(c.key, c.offsets)] = host
-        host.copy_(t.detach(), non_blocking=cuda and t.is_cuda)
-        out.append(replace(c, produce=(lambda h=host: h)))
+    for c, h in zip(chunks, views):
+        t = c.produce()  # one chunk at a time (a producer's temporaries live for its copy only)
+        h.copy_(t.detach(), non_blocking=cuda and t.is_cuda)
+        out.append(replace(c, produce=(lambda h=h: h)))
     if cuda:
         torch.cuda.synchronize(device)
     return out, copy.deepcopy(state)
+
+
+def _log_snapshot_memory(chunks: list, host, device: torch.device) -> None:
+    """One line per new snapshot layout: its bytes, the page-locked bytes, and (CUDA) what torch's
+    own pinned allocator holds, which the snapshot no longer uses (issue 52: `make gpu-check`
+    asserts page-locked <= 1.05x the snapshot and the allocator under the snapshot's size)."""
+    torch_pinned = 0
+    if device.type == "cuda":
+        torch_pinned = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    log.info("checkpoint snapshot: %d chunks, %d bytes in one host allocation, %d page-locked, %d in torch's "
+             "pinned allocator", len(chunks), sum(c.nbytes for c in chunks), host.pinned_bytes, torch_pinned)
 
 
 def _write_checksums(directory: str, d) -> None:

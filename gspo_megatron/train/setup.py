@@ -342,6 +342,8 @@ class RunParts:
                 self.saves.wait("before the process groups are destroyed")
             except Exception as e:  # the run's own error is the one to report
                 log.error("%s", e)
+        if self.saves is not None and not self.saves.in_flight:
+            self.saves.host.release()  # unpinned and freed with the run (a write still in flight keeps it)
         from gspo_megatron.parallel.ddp import release_model
 
         release_model(self.model)  # the model and its process groups freed with the run, not the process
