@@ -290,6 +290,32 @@ def test_dockerfile_is_well_formed():
     assert any(t.startswith("megatron-core") for t in deps.targets) and len(deps.targets) >= 10
 
 
+# What NGC PyTorch tags ship (torch, Transformer Engine), as far as known without registry access
+# here: torch of 25.12 from NVIDIA's release notes (docs.nvidia.com/deeplearning/frameworks/
+# pytorch-release-notes/rel-25-12.html); the other versions from third-party reports of the images.
+# Megatron-LM builds megatron-core 0.16.x with 25.11 (docker/.ngc_version.dev at core_v0.16.1).
+# A new default tag is added here with its versions, checked by `pip list` in the image.
+NGC_TAGS = {
+    "25.11": {"torch": "2.10.0a0", "transformer-engine": "2.9.0"},
+    "25.12": {"torch": "2.10.0a0", "transformer-engine": "2.10.0"},
+    "26.01": {"torch": "2.10.0a0", "transformer-engine": "2.11.0"},
+}
+
+
+def test_the_default_base_images_transformer_engine_is_in_range():
+    """Issue 52: the default base (26.08) almost certainly shipped a Transformer Engine outside
+    megatron-core 0.16.1's range (< 2.12, pyproject.toml's `gpu` extra), so `make image` with its
+    defaults failed at its first step. The default is now a tag whose versions are recorded above
+    and lie in pyproject's ranges (the same judgement docker/check_versions.py makes in the build)."""
+    args = check_instructions(parse_dockerfile(read(DOCKERFILE)))
+    tag = args["BASE_IMAGE"].split(":")[1].removesuffix("-py3")
+    assert tag in NGC_TAGS, f"record the versions of nvcr.io/nvidia/pytorch:{tag}-py3 in NGC_TAGS first"
+    cv = load_checker()
+    got = NGC_TAGS[tag]
+    versions = {"torch": got["torch"], "transformer_engine": got["transformer-engine"]}
+    assert cv.check_base(tomllib.loads(read(PYPROJECT)), versions, "3.12.3")  # admitted (maybe with a warning line)
+
+
 def test_dockerfile_pins_agree_with_pyproject():
     assert check_pins(read(DOCKERFILE), pyproject()) == []
 
