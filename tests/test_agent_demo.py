@@ -42,6 +42,9 @@ def test_calculator_agent_learns_the_tool(tmp_path):
     # data.seed=1 0.10 -> 0.72 -> 0.78. At step 150 older runs ended anywhere in 0.25-0.68, too
     # close to the bar to stop there. (Another train.seed can land past the warm start's sharp
     # edge: train.seed=1 gave 0.40 at step 0 -> 0.91, so the step-0 bound holds for this seed.)
+    # Why not fewer steps (issue 51, 2026-12-06, Intel Xeon): 150 steps ended at 0.52 (data.seed=0)
+    # and 0.56 (data.seed=1), on the bar; optimizer.lr=1e-3 collapsed (0.00 at step 50, seed 0;
+    # 0.31 -> 0.06 -> 0.32 by step 200, seed 1). 300 steps at 5e-4 is the run that clears it.
     assert p1[-1] >= 0.5 and p1[0] <= p1[-1] / 2, p1
     # every session called the tool: two policy turns around it, no agent failed
     assert all(x["agent_errors"] == 0 and x["env_tokens"] > 0 for x in rows)
