@@ -366,6 +366,28 @@ def _nccl_versions(device: str) -> str:
     return f", NCCL {runtime} loaded ({os.path.basename(path)}; torch built with {header})"
 
 
+def _writer_device(device: str) -> str:
+    """CUDA with two GPUs or more: the background writer thread of a rank on cuda:1 runs on cuda:1
+    (issue 52: a new thread starts on device 0, and DCP's writer synchronises that thread's
+    current stream, so every rank's writer made a context on GPU 0; train/async_save.py
+    bind_device). One GPU cannot show it: said so. CPU: nothing."""
+    if device != "cuda":
+        return ""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return "; writer thread's device: not checkable with one GPU"
+    from gspo_megatron.train.async_save import BackgroundSaves
+
+    seen: list[int] = []
+    saves = BackgroundSaves(ops=None, device=torch.device("cuda", 1))
+    saves.submit("device-probe", lambda: seen.append(torch.cuda.current_device()))
+    saves.wait()
+    if seen != [1]:
+        raise RuntimeError(f"the background writer of a rank on cuda:1 ran on cuda:{seen}")
+    return "; background writer of a rank on cuda:1 runs on cuda:1"
+
+
 SNAPSHOT_LINE = re.compile(r"checkpoint snapshot: (\d+) chunks, (\d+) bytes in one host allocation, (\d+) page-locked, "
                            r"(\d+) in torch's pinned allocator")
 
@@ -689,7 +711,7 @@ def main(argv=None) -> int:
             raise RuntimeError(f"{per_kind} optimizer tensors for {len(model_keys)} model tensors")
         if {str(d) for d in dtypes} != {"torch.float32"}:
             raise RuntimeError(f"optimizer state dtypes {sorted(map(str, dtypes))}, expected fp32")
-        return f"{len(model_keys)} model tensors, each with fp32 master + exp_avg + exp_avg_sq"
+        return f"{len(model_keys)} model tensors, each with fp32 master + exp_avg + exp_avg_sq{_writer_device(args.device)}"
 
     def vllm_nccl():
         import torch
