@@ -161,13 +161,12 @@ def _activation_bytes_per_layer(d, moe: bool, cfg: Config, T: float) -> tuple[fl
     """(stored bytes of one layer for one microbatch, bytes of its input alone)."""
     p = cfg.parallel
     b = 4 if cfg.model.dtype == "float32" else 2
-    H, hd = d["hidden_size"], d["head_dim"]
-    nq, nkv = d["num_attention_heads"], d["num_key_value_heads"]
+    H, arch = d["hidden_size"], d["arch"]
     tp, etp = p.tp, p.etp
     sp = tp if p.sequence_parallel else 1  # divisor of the H-sized (sequence-parallel) tensors
     selective = cfg.train.recompute == "selective"
     norm_terms = (1 if selective else 2) * H / sp  # norm input (+ output unless recomputed)
-    attn = norm_terms + ((nq + 2 * nkv) + (nq + nkv) + (0 if selective else nq)) * hd / tp
+    attn = norm_terms + arch.family.attention_activation_elements(arch, tp, selective)  # the family's attention
     if moe:
         E, I, k = d["num_experts"], d["moe_intermediate_size"], d["num_experts_per_tok"]
         pair = 2 * H + (2 if selective else 3) * I / etp

@@ -88,6 +88,19 @@ def _qkvg(T_shape, seed, dtype=torch.float64):
     return q, k, v, grad
 
 
+HV = 12  # a value head dim unlike q/k's (multi-head latent attention)
+
+
+def _qkvg_v(T_shape, seed, dtype=torch.float64):
+    """_qkvg with values of head dim HV (and the upstream gradient of width NP * HV)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*T_shape, NP, HN, generator=g, dtype=dtype)
+    k = torch.randn(*T_shape, NG, HN, generator=g, dtype=dtype)
+    v = torch.randn(*T_shape, NG, HV, generator=g, dtype=dtype)
+    grad = torch.randn(*T_shape, NP * HV, generator=g, dtype=dtype)
+    return q, k, v, grad
+
+
 def _cu(lengths):
     cu = [0]
     for n in lengths:
@@ -351,6 +364,16 @@ def _cp2_rank(rank, world_size):
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(full), cp_group=ctx.cp_group)
         out["thd_dynamic_group"] = _run_local(m, q[idx], k[idx], v[idx], g[idx], packed_seq_params=psp)
 
+        # a value head dim unlike q/k's, sbhd and thd: K and V gathered over CP in one collective
+        q, k, v, g = _qkvg_v((8, 2), seed=30)
+        idx = zigzag_index(8, 2, rank)
+        out["hv_sbhd"] = _run_local(m, q[idx], k[idx], v[idx], g[idx])
+        full = THD_CP_CASES["unpadded"][0]
+        q, k, v, g = _qkvg_v((sum(full),), seed=31)
+        idx = thd_index(full, 2, rank)
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(full), cu_seqlens_kv=_cu(full))
+        out["hv_thd"] = _run_local(mp, q[idx], k[idx], v[idx], g[idx], packed_seq_params=psp)
+
         # refusals happen before any collective, on every rank alike
         bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu([6, 6]))
         out["err_thd_len"] = _error(lambda: m(q[:6], k[:6], v[:6], None, packed_seq_params=bad))
@@ -399,6 +422,29 @@ def test_cp2_thd_equals_reference(cp2, name):
         assert got[0].shape == (sum(full) // 2, NP * HN)
         for what, a, ref in zip(("out", "dq", "dk", "dv"), got, want):
             torch.testing.assert_close(a, ref[idx], rtol=1e-10, atol=1e-10, msg=f"{what} rank {rank}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fmt", ["sbhd", "thd"])
+def test_cp2_a_value_head_dim_unlike_qk_equals_reference(cp2, fmt):
+    """Issue 53 (a generic capability, not a family's flag): values whose head dim differs from
+    the queries' and keys' (multi-head latent attention's v_head_dim against qk_head_dim +
+    qk_pos_emb_head_dim), at CP2 in both layouts, against the float64 reference; the output is
+    np * hv wide. The key/value shapes may still differ in nothing else."""
+    if fmt == "sbhd":
+        q, k, v, g = _qkvg_v((8, 2), seed=30)
+        want = ref_with_grads(lambda q, k, v: ref_sbhd(q, k, v, 1 / math.sqrt(HN)), q, k, v, g)
+        index = [zigzag_index(8, 2, r) for r in range(2)]
+    else:
+        full = THD_CP_CASES["unpadded"][0]
+        q, k, v, g = _qkvg_v((sum(full),), seed=31)
+        want = ref_with_grads(lambda q, k, v: ref_attention(q, k, v, full, 1 / math.sqrt(HN)), q, k, v, g)
+        index = [thd_index(full, 2, r) for r in range(2)]
+    for rank in range(2):
+        got = cp2[rank][f"hv_{fmt}"]
+        assert got[0].shape[-1] == NP * HV
+        for what, a, ref in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, ref[index[rank]], rtol=1e-10, atol=1e-10, msg=f"{what} rank {rank}")
 
 
 @pytest.mark.timeout(180)

@@ -145,6 +145,62 @@ def test_param_counts_agree_planner_family_built_model_transformers(tmp_path, fa
     assert plan_n == fam_n == built_n == hf_n
 
 
+def test_shared_code_asks_the_family_for_attention_kv_cache_and_routers(monkeypatch, tmp_path):
+    """Issue 53 (families provide behaviour): the planner's attention count and activation bytes,
+    a launched vLLM server's KV-cache size and the in-process engine's routing capture come from the model's
+    family, not from GQA formulas or transformers module names in shared code. A family defined
+    in one file of its own (tests/stand_in_family.py: Qwen3-MoE's config under another
+    model_type, with its own numbers), registered the way a family folder is (one registry line),
+    changes all four."""
+    import math
+
+    import stand_in_family as si
+    from gspo_megatron.model import registry
+    from gspo_megatron.rollout.vllm_server import CPU_KV_CACHE_MIN_MB, CPU_KV_CACHE_SEQS, default_cpu_kv_cache_mb
+
+    monkeypatch.setitem(registry.FAMILY_MODULES, si.MODEL_TYPE, "stand_in_family")
+    hf = {"model_type": si.MODEL_TYPE, "vocab_size": 98, "hidden_size": 64, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "max_position_embeddings": 4096}
+    arch = registry.arch_from_hf_dict(hf)
+    assert arch.family is si.FAMILY
+    counts = arch.count_params()["breakdown"]
+    assert counts["attention"] == 3 * si.ATTENTION[0] and counts["norms"] == 3 * (2 * 64 + si.ATTENTION[1])
+    assert arch.layer_params(0, tp=2)["attention"] == si.ATTENTION[0] // 2
+    # the planner's activation memory: the family's attention elements per token
+    from gspo_megatron import planner
+    from gspo_megatron.model.family import gqa_attention_activation_elements
+    from gspo_megatron.resolve import load_config
+
+    cfg = load_config(os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml"),
+                      ["parallel.tp=1", "parallel.sequence_parallel=false"])
+    qwen_arch = registry.arch_from_hf_dict({**hf, "model_type": "qwen3_moe"})
+    T, b = 64.0, 4  # tokens, fp32 bytes
+    mine, _ = planner._activation_bytes_per_layer(planner.planner_dims(arch), True, cfg, T)
+    gqa, _ = planner._activation_bytes_per_layer(planner.planner_dims(qwen_arch), True, cfg, T)
+    expect = T * b * (si.ACTIVATION - gqa_attention_activation_elements(qwen_arch, 1, False))
+    assert abs((mine - gqa) - expect) < 1e-6 * abs(expect), (mine, gqa, expect)
+    mb, why = default_cpu_kv_cache_mb(hf, 4096, "bfloat16")
+    assert "2000 B per token" in why  # the family's bytes per token (x 2 bytes of bf16)
+    assert mb == max(CPU_KV_CACHE_MIN_MB, math.ceil(CPU_KV_CACHE_SEQS * 4096 * 2000 / (1 << 20)))
+    # the in-process engine captures routing through the family's routers (Qwen3-MoE's modules here)
+    from gspo_megatron.model.family import transformers_gate_routers
+    from gspo_megatron.rollout.hf_engine import HFEngine
+    from gspo_megatron.rollout.tokenizer import build_tokenizer
+
+    qwen = {**hf, "model_type": "qwen3_moe", "intermediate_size": 64}
+    torch.manual_seed(0)
+    registry.family_of_type("qwen3_moe").reference_model(qwen).save_pretrained(str(tmp_path))
+    build_tokenizer(str(tmp_path))
+    monkeypatch.setattr(registry, "family_of_type", lambda model_type: si.FAMILY)
+    before = si.FAMILY.asked
+    eng = HFEngine(str(tmp_path), dtype="float32", return_routing=True)
+    assert si.FAMILY.asked == before + 1
+    assert [i for i, _, _ in eng._gates] == [0, 1, 2]
+    assert [g for _, g, _ in eng._gates] == [layer.mlp.gate for layer in eng.model.model.layers]
+    assert [i for i, _, _ in transformers_gate_routers(eng.model)] == [0, 1, 2]
+
+
 def test_mtp_layers_are_skipped_with_a_warning_and_never_declared_in_what_is_written(tmp_path):
     """GLM checkpoints carry their MTP layer(s) after the decoder's (model.layers.{L}...): not part of
     the policy. The reader says so (never a silent drop), and every config the project writes (export,

@@ -162,7 +162,7 @@ def test_an_exception_inside_generate_is_what_propagates(model_dir, prompts):
     eng.model.generate = boom
     with pytest.raises(RuntimeError, match="generate failed inside transformers"):
         eng.generate(prompts[:1], 1, SamplingParams(temperature=0.0, max_new_tokens=2))
-    assert eng._gates and all(not g._forward_hooks for _, g in eng._gates)
+    assert eng._gates and all(not g._forward_hooks for _, g, _ in eng._gates)
     eng.model.generate = real
     assert len(eng.generate(prompts[:1], 1, SamplingParams(temperature=0.0, max_new_tokens=2))[0].response_ids) >= 1
 

@@ -35,8 +35,9 @@ TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
 VLLM = ["rollout.backend=vllm", "rollout.vllm.launch=true"]
 HEAD32 = ["model.hf_config.head_dim=32"]  # vLLM's CPU attention takes head_dim 32, 64, 80, ... (cpu_attn.py)
 # Qwen3-30B-A3B's attention (config.json): what sizes the KV cache
-QWEN3_30B = dict(num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, hidden_size=2048,
-                 max_position_embeddings=40960)
+QWEN3_30B = dict(model_type="qwen3_moe", vocab_size=151936, num_hidden_layers=48, num_attention_heads=32,
+                 num_key_value_heads=4, head_dim=128, hidden_size=2048, max_position_embeddings=40960, num_experts=128,
+                 num_experts_per_tok=8, moe_intermediate_size=768)
 
 RECORDER = textwrap.dedent("""
     import ctypes, json, os, sys

@@ -110,13 +110,9 @@ class MoeArch:
     # ---- parameter counts (the planner's; real vocabulary, unsharded unless tp/ep/etp given) --
     def layer_params(self, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) -> dict[str, int]:
         """One decoder layer's parameters on one rank (tp = ep = etp = 1: the whole layer)."""
-        H, D = self.hidden_size, self.head_dim
-        nq, nkv = self.num_attention_heads, self.num_key_value_heads
-        attn = H * nq * D + 2 * H * nkv * D + nq * D * H
-        if self.qkv_bias:
-            attn += (nq + 2 * nkv) * D
-        norms = 2 * H + (2 * D if self.qk_norm else 0)
-        out = {"attention": attn // tp, "norms": norms, "router": 0, "experts": 0, "shared_experts": 0,
+        H = self.hidden_size
+        attn, attn_norms = self.family.attention_params(self, tp)  # the family's attention
+        out = {"attention": attn, "norms": 2 * H + attn_norms, "router": 0, "experts": 0, "shared_experts": 0,
                "dense_mlp": 0, "expert_active": 0}
         if self.is_moe_layer(layer):
             E, I = self.num_experts, self.moe_intermediate_size

@@ -38,7 +38,29 @@ class ModelFamily(Protocol):
         `source` and the field."""
 
     def rules(self, arch: MoeArch) -> tuple:
-        """mapping.Rule's for this architecture (model/mapping.py decoder_rules)."""
+        """mapping.Rule's for this architecture: model/mapping.py's rule blocks and the family's own."""
+
+    def attention_params(self, arch: MoeArch, tp: int = 1) -> tuple[int, int]:
+        """One layer's attention parameters on one TP rank (the split projections) and its
+        attention-internal norms (replicated): the planner's counts (MoeArch.layer_params)."""
+
+    def attention_activation_elements(self, arch: MoeArch, tp: int, selective: bool) -> float:
+        """Elements per token one layer's attention stores for the backward pass on one TP rank
+        (its input norm aside), core attention recomputed when `selective`: the planner's
+        activation memory (planner.py)."""
+
+    def kv_cache_bytes_per_token(self, arch: MoeArch, dtype_bytes: int) -> int:
+        """Bytes of KV cache one token takes in a serving engine, all layers: what an engine
+        launch sizes its cache from (rollout/vllm_server.py)."""
+
+    def routers(self, model) -> list:
+        """(layer index, module, top-k indices of a forward's output) of every MoE layer's router
+        of `model` (this family's transformers model): the in-process engine's routing capture
+        (rollout/hf_engine.py return_routing)."""
+
+    def megatron_config_class(self, arch: MoeArch) -> type:
+        """The Megatron-Core config class of this family's models (model/spec.py fills it):
+        TransformerConfig, or a subclass such as MLATransformerConfig."""
 
     def megatron_options(self, arch: MoeArch) -> dict[str, Any]:
         """TransformerConfig fields this family's features map to (model/spec.py adds the rest)."""
@@ -132,6 +154,48 @@ def rope_theta(d: dict, source: str) -> float:
     if rope_type not in ("default", None):
         raise ModelConfigError(f"{source}: rope_type {rope_type!r} is not supported (default RoPE only)")
     return as_float(rope.get("rope_theta", d.get("rope_theta", 10000.0)), source, "rope_theta")
+
+
+def transformer_config_class(arch: MoeArch) -> type:
+    """ModelFamily.megatron_config_class of a model Megatron-Core's plain TransformerConfig holds."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig
+
+
+def gqa_attention_params(arch: MoeArch, tp: int = 1) -> tuple[int, int]:
+    """ModelFamily.attention_params of grouped-query attention: q/k/v and output projections (and
+    their biases, `qkv_bias`) split over TP; per-head q/k norms (`qk_norm`) replicated."""
+    H, D = arch.hidden_size, arch.head_dim
+    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    weights = H * nq * D + 2 * H * nkv * D + nq * D * H
+    if arch.qkv_bias:
+        weights += (nq + 2 * nkv) * D
+    return weights // tp, (2 * D if arch.qk_norm else 0)
+
+
+def gqa_attention_activation_elements(arch: MoeArch, tp: int, selective: bool) -> float:
+    """ModelFamily.attention_activation_elements of grouped-query attention: the q/k/v projections'
+    output, the rotary q/k, and the attention output unless core attention is recomputed."""
+    nq, nkv, hd = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    return ((nq + 2 * nkv) + (nq + nkv) + (0 if selective else nq)) * hd / tp
+
+
+def gqa_kv_cache_bytes_per_token(arch: MoeArch, dtype_bytes: int) -> int:
+    """ModelFamily.kv_cache_bytes_per_token of grouped-query attention: K and V of every kv head,
+    every layer (multi-token-prediction layers are not served)."""
+    return 2 * arch.num_layers * arch.num_key_value_heads * arch.head_dim * dtype_bytes
+
+
+def transformers_gate_routers(model) -> list:
+    """ModelFamily.routers for transformers' MoE decoders whose layers hold `mlp.gate`, a router
+    returning (logits, scores, top-k indices) (Qwen3-MoE, GLM-4.5 in transformers 5.x); dense
+    layers have none."""
+    return [(i, layer.mlp.gate, _third) for i, layer in enumerate(model.model.layers) if "gate" in layer.mlp._modules]
+
+
+def _third(out):
+    return out[2]
 
 
 def check_attention(arch: MoeArch, source: str) -> None:

@@ -1,9 +1,9 @@
 """The Hugging Face <-> Megatron-Core name/shape map: the generic machinery every family uses.
 
-Declarative: a family's rules (`ModelFamily.rules(arch)`, built with `decoder_rules` below for the
-HF naming transformers' decoder families share) pair a Megatron parameter-name template with the HF
-tensor name(s) it is made of and a `Kind` saying how the tensors combine and how the result is
-split across ranks. Loading (HF -> sharded model), conversion (both directions) and weight sync
+Declarative: a family's rules (`ModelFamily.rules(arch)`, composed in the family's folder of the
+rule blocks below, for the HF naming transformers' decoder families share, and of blocks of its
+own) pair a Megatron parameter-name template with the HF tensor name(s) it is made of and a `Kind`
+saying how the tensors combine and how the result is split across ranks. Loading (HF -> sharded model), conversion (both directions) and weight sync
 (sharded model -> HF) all go through the helpers below; nothing else in the project spells these
 names.
 
@@ -89,52 +89,68 @@ EMBEDDING = "embedding.word_embeddings.weight"  # Megatron's names, the same for
 OUTPUT_LAYER = "output_layer.weight"
 
 
-def decoder_rules(*, qk_norm: bool, qkv_bias: bool, dense_mlp: bool, shared_experts: bool,
-                  expert_bias: bool) -> tuple[Rule, ...]:
-    """The rules of a decoder in transformers' common naming (`model.embed_tokens`,
-    `model.layers.N.self_attn.{q,k,v,o}_proj`, `mlp.gate`, `mlp.experts.E.{gate,up,down}_proj`,
-    `lm_head`), which the families here share; the flags add what a family has beyond the first
-    one. Local-spec and TE-spec Megatron names of one HF tensor are separate rules with the same
-    `hf` (the exporter and the checkpoint layout collapse them)."""
-    def hd(a):
-        return a.hidden_size
+# ---- rule blocks: what one kind of module names, in transformers' common decoder naming ------
+# (`model.embed_tokens`, `model.layers.N.self_attn.*`, `mlp.gate`, `mlp.experts.E.*_proj`,
+# `lm_head`). A family composes the blocks its modules are made of, in its own folder
+# (model/families/<name>/); a module this file has no block for (another attention) is a block of
+# the family's own, built from `Rule` and `Kind`. Local-spec and TE-spec Megatron names of one HF
+# tensor are separate rules with the same `hf` (the exporter and the checkpoint layout collapse
+# them); the first listed covers every layer holding the tensor (hf_rules).
 
+def _vec(f):
+    return lambda a: ((f(a),),)
+
+
+def _fc1_shape(width):
+    return lambda a: ((width(a), a.hidden_size),) * 2
+
+
+def _fc2_shape(width):
+    return lambda a: ((a.hidden_size, width(a)),)
+
+
+def _hidden(a):
+    return a.hidden_size
+
+
+def embedding_rules() -> list[Rule]:
+    """The token embedding, the output layer (absent from the files when tied) and the final norm."""
+    return [
+        Rule(EMBEDDING, ("model.embed_tokens.weight",), Kind.VOCAB, lambda a: ((a.vocab_size, a.hidden_size),)),
+        Rule(OUTPUT_LAYER, ("lm_head.weight",), Kind.VOCAB, lambda a: ((a.vocab_size, a.hidden_size),)),
+        Rule("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED, _vec(_hidden)),
+    ]
+
+
+def layer_norm_rules() -> list[Rule]:
+    """A decoder layer's two RMSNorms as the portable (local) spec names them: before attention and
+    before the MLP. The TE spec fuses them into the next linear layer: the attention and dense-MLP
+    blocks name those variants."""
+    return [
+        Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Kind.REPLICATED, _vec(_hidden)),
+        Rule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED,
+             _vec(_hidden)),
+    ]
+
+
+def gqa_attention_rules(*, qk_norm: bool, qkv_bias: bool) -> list[Rule]:
+    """Grouped-query attention: separate q/k/v projections (HF) merged per query group into
+    Megatron's linear_qkv, the output projection, optional per-head q/k RMSNorms and q/k/v biases;
+    the TE spec's input norm fused into linear_qkv."""
     def q(a):
         return a.num_attention_heads * a.head_dim
 
     def kv(a):
         return a.num_key_value_heads * a.head_dim
 
-    vec = lambda f: (lambda a: ((f(a),),))  # noqa: E731
-    exp_fc1 = (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight")
-    exp_fc2 = (_H + "mlp.experts.{expert}.down_proj.weight",)
-    fc1_shape = lambda width: (lambda a: ((width(a), a.hidden_size),) * 2)  # noqa: E731
-    fc2_shape = lambda width: (lambda a: ((a.hidden_size, width(a)),))  # noqa: E731
-    moe_i = lambda a: a.moe_intermediate_size  # noqa: E731
     rules = [
-        Rule(EMBEDDING, ("model.embed_tokens.weight",), Kind.VOCAB,
-             lambda a: ((a.vocab_size, a.hidden_size),)),
-        Rule(OUTPUT_LAYER, ("lm_head.weight",), Kind.VOCAB, lambda a: ((a.vocab_size, a.hidden_size),)),
-        Rule("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED, vec(hd)),
-        # local spec: separate norm; TE spec: fused into linear_qkv
-        Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Kind.REPLICATED, vec(hd)),
         Rule(_L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",),
-             Kind.REPLICATED, vec(hd)),
+             Kind.REPLICATED, _vec(_hidden)),
         Rule(_L + "self_attention.linear_qkv.weight",
              (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
              Kind.QKV, lambda a: ((q(a), a.hidden_size), (kv(a), a.hidden_size), (kv(a), a.hidden_size))),
         Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Kind.ROW,
              lambda a: ((a.hidden_size, q(a)),)),
-        Rule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED, vec(hd)),
-        Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), Kind.REPLICATED,
-             lambda a: ((a.num_experts, a.hidden_size),), layers="moe"),
-        # SequentialMLP (portable spec) and TEGroupedMLP (GPU spec) name the same expert weights
-        Rule(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", exp_fc1, Kind.EXPERT_FC1,
-             fc1_shape(moe_i), layers="moe"),
-        Rule(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", exp_fc2, Kind.EXPERT_FC2,
-             fc2_shape(moe_i), layers="moe"),
-        Rule(_L + "mlp.experts.linear_fc1.weight{expert}", exp_fc1, Kind.EXPERT_FC1, fc1_shape(moe_i), layers="moe"),
-        Rule(_L + "mlp.experts.linear_fc2.weight{expert}", exp_fc2, Kind.EXPERT_FC2, fc2_shape(moe_i), layers="moe"),
     ]
     if qk_norm:
         rules += [
@@ -148,34 +164,66 @@ def decoder_rules(*, qk_norm: bool, qkv_bias: bool, dense_mlp: bool, shared_expe
             _L + "self_attention.linear_qkv.bias",
             (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
             Kind.QKV, lambda a: ((q(a),), (kv(a),), (kv(a),))))
-    if expert_bias:
-        # Megatron: a float32 buffer of the router (moe_router_enable_expert_bias); transformers: a
-        # buffer of the gate. Neither is trained by the policy gradient (model/spec.py).
+    return rules
+
+
+def routed_expert_rules(*, selection_bias: bool) -> list[Rule]:
+    """A MoE layer's router and its routed experts (per-expert gate/up/down in HF; Megatron's
+    SequentialMLP of the portable spec and TEGroupedMLP of the GPU spec name them differently);
+    `selection_bias`: a per-expert bias of the router used for the choice only (a buffer on both
+    sides, never trained by the policy gradient: model/spec.py)."""
+    exp_fc1 = (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight")
+    exp_fc2 = (_H + "mlp.experts.{expert}.down_proj.weight",)
+
+    def width(a):
+        return a.moe_intermediate_size
+
+    rules = [
+        Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), Kind.REPLICATED,
+             lambda a: ((a.num_experts, a.hidden_size),), layers="moe"),
+        Rule(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", exp_fc1, Kind.EXPERT_FC1,
+             _fc1_shape(width), layers="moe"),
+        Rule(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", exp_fc2, Kind.EXPERT_FC2,
+             _fc2_shape(width), layers="moe"),
+        Rule(_L + "mlp.experts.linear_fc1.weight{expert}", exp_fc1, Kind.EXPERT_FC1, _fc1_shape(width), layers="moe"),
+        Rule(_L + "mlp.experts.linear_fc2.weight{expert}", exp_fc2, Kind.EXPERT_FC2, _fc2_shape(width), layers="moe"),
+    ]
+    if selection_bias:
         rules.append(Rule(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",),
                           Kind.REPLICATED, lambda a: ((a.num_experts,),), layers="moe", buffer=True))
-    if shared_experts:
-        sh = lambda a: a.shared_expert_intermediate_size  # noqa: E731
-        rules += [
-            Rule(_L + "mlp.shared_experts.linear_fc1.weight",
-                 (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
-                 Kind.DENSE_FC1, fc1_shape(sh), layers="moe"),
-            Rule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_experts.down_proj.weight",),
-                 Kind.ROW, fc2_shape(sh), layers="moe"),
-        ]
-    if dense_mlp:
-        di = lambda a: a.dense_intermediate_size  # noqa: E731
-        rules += [
-            # TE spec: a dense layer's pre-MLP norm is fused into its linear_fc1 (TE's
-            # LayerNormColumnParallelLinear; gpt_layer_specs.py get_mlp_module_spec_for_backend);
-            # the local spec keeps pre_mlp_layernorm (the rule above)
-            Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED,
-                 vec(hd), layers="dense"),
-            Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-                 Kind.DENSE_FC1, fc1_shape(di), layers="dense"),
-            Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Kind.ROW, fc2_shape(di),
-                 layers="dense"),
-        ]
-    return tuple(rules)
+    return rules
+
+
+def shared_expert_rules() -> list[Rule]:
+    """The always-on shared expert(s) of every MoE layer, one gated MLP of
+    `shared_expert_intermediate_size`."""
+    def width(a):
+        return a.shared_expert_intermediate_size
+
+    return [
+        Rule(_L + "mlp.shared_experts.linear_fc1.weight",
+             (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
+             Kind.DENSE_FC1, _fc1_shape(width), layers="moe"),
+        Rule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_experts.down_proj.weight",),
+             Kind.ROW, _fc2_shape(width), layers="moe"),
+    ]
+
+
+def dense_mlp_rules() -> list[Rule]:
+    """The gated MLP of the dense layers (`dense_intermediate_size`); the TE spec fuses their
+    pre-MLP norm into linear_fc1 (TE's LayerNormColumnParallelLinear; gpt_layer_specs.py
+    get_mlp_module_spec_for_backend), the portable spec keeps pre_mlp_layernorm (layer_norm_rules)."""
+    def width(a):
+        return a.dense_intermediate_size
+
+    return [
+        Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED,
+             _vec(_hidden), layers="dense"),
+        Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+             Kind.DENSE_FC1, _fc1_shape(width), layers="dense"),
+        Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Kind.ROW, _fc2_shape(width),
+             layers="dense"),
+    ]
 
 
 def hf_rules(rules: Sequence[Rule]) -> tuple[Rule, ...]:

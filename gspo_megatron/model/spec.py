@@ -38,8 +38,6 @@ def transformer_config(
     experts' SwiGLU ("moe_act") where Megatron allows it — with grouped-GEMM experts (the TE spec,
     GPU); TransformerConfig refuses moe_act otherwise (transformer_config.py, __post_init__).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     if dispatcher is None:
         # The alltoall dispatcher's uneven all-gather over the expert-TP group is unsupported by
         # gloo; the allgather dispatcher is exact there too.
@@ -58,7 +56,8 @@ def transformer_config(
         # Megatron's pattern of MoE (1) and dense (0) layers; it also makes checkpoints key each layer
         # apart (transformer_block.py:830-834, non_homogeneous_layers)
         family_options["moe_layer_freq"] = [int(arch.is_moe_layer(i)) for i in range(arch.num_layers)]
-    config = TransformerConfig(
+    config_class = arch.family.megatron_config_class(arch)  # TransformerConfig, or a subclass (MLA's)
+    config = config_class(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,

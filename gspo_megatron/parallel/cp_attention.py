@@ -141,8 +141,12 @@ class CpuCoreAttention(MegatronModule):
 
     forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
     packed_seq_params=None):
-      sbhd: query [s, b, np, hn], key/value [s, b, ng, hn] -> [s, b, np*hn]
-      thd:  query [t, np, hn],    key/value [t, ng, hn]    -> [t, np*hn]
+      sbhd: query [s, b, np, hn], key [s, b, ng, hn], value [s, b, ng, hv] -> [s, b, np*hv]
+      thd:  query [t, np, hn],    key [t, ng, hn],    value [t, ng, hv]    -> [t, np*hv]
+
+    The value head dim `hv` may differ from the query/key one `hn` (multi-head latent attention:
+    q/k carry a rotary part that v has not); the scale is then Megatron's, given by the caller
+    (softmax_scale) or 1/sqrt(kv_channels).
     """
 
     #: THD: score elements (batch x heads x local queries x keys) per attention call (_forward_thd)
@@ -228,19 +232,19 @@ class CpuCoreAttention(MegatronModule):
                 f"expected {np_} query heads and {ng} key/value heads per TP partition, got "
                 f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
             )
-        if key.shape != value.shape:
-            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must differ in the head dim only")
 
     def _gather_kv(self, key: Tensor, value: Tensor, group, cp: int) -> tuple[Tensor, Tensor]:
         if cp == 1:
             return key, value
         hn = key.size(-1)
         kv = all_gather_seq_over_cp(torch.cat([key, value], dim=-1), group)  # one collective
-        return kv[..., :hn], kv[..., hn:]
+        return kv[..., :hn], kv[..., hn:]  # the value's head dim may differ (hv)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
-        """q [B, np, sq, hn], k/v [B, ng, sk, hn], allowed bool broadcastable to [B, np, sq, sk]
-        -> [B, np, sq, hn]."""
+        """q [B, np, sq, hn], k [B, ng, sk, hn], v [B, ng, sk, hv], allowed bool broadcastable to
+        [B, np, sq, sk] -> [B, np, sq, hv]."""
         rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         if not (self.training and self.attention_dropout.p > 0):
@@ -311,11 +315,11 @@ class CpuCoreAttention(MegatronModule):
         k_pos = torch.cat([zigzag_positions(full, cp, j, dev) for j in range(cp)])
         allowed = k_pos[None, :] <= q_pos[:, None]  # [s, S]
 
-        k_all, v_all = self._gather_kv(key, value, group, cp)  # [S, b, ng, hn], CP-rank order
+        k_all, v_all = self._gather_kv(key, value, group, cp)  # [S, b, ng, hn|hv], CP-rank order
         out = self._attend(
             query.permute(1, 2, 0, 3), k_all.permute(1, 2, 0, 3), v_all.permute(1, 2, 0, 3), allowed
-        )  # [b, np, s, hn]
-        out = out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+        )  # [b, np, s, hv]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, np_ * value.size(-1))
         return out.to(query.dtype)
 
     def _forward_thd(self, query, key, value, psp: PackedSeqParams, group, cp, cp_rank) -> Tensor:
@@ -326,25 +330,26 @@ class CpuCoreAttention(MegatronModule):
             )
         self._check_heads(query, key, value, head_dim=1)
         t, np_, hn = query.shape
+        hv = value.size(-1)
         if key.size(0) != t:
             raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} differ in t")
         plan = _thd_plan(psp, t, cp, cp_rank, query.device, np_ * cp, self.BATCH_ELEMENTS)
-        k_all, v_all = self._gather_kv(key, value, group, cp)  # [T, ng, hn], CP-rank order
+        k_all, v_all = self._gather_kv(key, value, group, cp)  # [T, ng, hn|hv], CP-rank order
         q_h, k_h, v_h = query.permute(1, 0, 2), k_all.permute(1, 0, 2), v_all.permute(1, 0, 2)
         outs = []
         for qi, ki, allowed, keep in plan.batches:
             B, lq = qi.shape
             q = q_h[:, qi.reshape(-1)].view(np_, B, lq, hn).transpose(0, 1)
             k = k_h[:, ki.reshape(-1)].view(-1, B, ki.shape[1], hn).transpose(0, 1)
-            v = v_h[:, ki.reshape(-1)].view(-1, B, ki.shape[1], hn).transpose(0, 1)
-            o = self._attend(q, k, v, allowed)  # [B, np, Lq, hn]
-            outs.append(o.transpose(0, 1).reshape(np_, B * lq, hn).index_select(1, keep))
+            v = v_h[:, ki.reshape(-1)].view(-1, B, ki.shape[1], hv).transpose(0, 1)
+            o = self._attend(q, k, v, allowed)  # [B, np, Lq, hv]
+            outs.append(o.transpose(0, 1).reshape(np_, B * lq, hv).index_select(1, keep))
         if not outs:
-            return query.new_zeros(t, np_ * hn)
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [np, t, hn] in batch order
+            return query.new_zeros(t, np_ * hv)
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # [np, t, hv] in batch order
         if plan.unsort is not None:
             out = out.index_select(1, plan.unsort)
-        return out.permute(1, 0, 2).reshape(t, np_ * hn).to(query.dtype)
+        return out.permute(1, 0, 2).reshape(t, np_ * hv).to(query.dtype)
 
 
 class _ThdPlan:

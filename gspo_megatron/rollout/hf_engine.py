@@ -207,14 +207,16 @@ class HFEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.seed = seed
         self.return_routing = return_routing
-        # (layer index, router) of every MoE layer; dense layers have no mlp.gate
-        layers = list(getattr(getattr(self.model, "model", None), "layers", []))
-        self._gates = [(i, layer.mlp.gate) for i, layer in enumerate(layers)
-                       if hasattr(getattr(layer, "mlp", None), "gate")] if return_routing else []
-        self._num_layers = len(layers)
-        if return_routing and (not self._gates or self._num_layers != self.model.config.num_hidden_layers):
-            raise ValueError("return_routing needs a MoE model (layers with a router, mlp.gate): "
-                             f"{len(self._gates)} of {self.model.config.num_hidden_layers} layers route")
+        # (layer index, router, its output's top-k indices) of every MoE layer, as the model's
+        # family finds them (ModelFamily.routers); dense layers have none
+        self._gates = []
+        if return_routing:
+            from gspo_megatron.model.registry import family_of_type
+
+            self._gates = family_of_type(self.model.config.model_type).routers(self.model)
+            if not self._gates:
+                raise ValueError(f"return_routing needs a MoE model: no layer of the "
+                                 f"{self.model.config.num_hidden_layers} routes")
         params = inspect.signature(self.model.forward).parameters
         self._takes_cache = "cache" in params and "logits_to_keep" in params  # _shared_prefill
         self._calls = 0
@@ -365,11 +367,10 @@ class HFEngine(RolloutEngine):
             output_logits=True,
         )
         # every forward of generate (the prefill, then one decode step per new token but the last)
-        # records each layer's top-k (the first family's transformers router returns (logits,
-        # scores, indices); a family whose gate does not has no `return_routing` here)
+        # records each layer's top-k (read from the router's output as its family says)
         routed: list[list[torch.Tensor]] = [[] for _ in self._gates]
-        hooks = [g.register_forward_hook(lambda m, i, out, li=li: routed[li].append(out[2].detach().cpu()))
-                 for li, (_, g) in enumerate(self._gates)]
+        hooks = [g.register_forward_hook(lambda m, i, out, li=li, topk=topk: routed[li].append(topk(out).detach().cpu()))
+                 for li, (_, g, topk) in enumerate(self._gates)]
         try:
             with torch.no_grad():
                 input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
@@ -448,8 +449,9 @@ class HFEngine(RolloutEngine):
             steps = [c.view(rows, 1, -1) for c in calls[1:]]
             per_moe.append(torch.cat([prefill, *steps], 1))
         first = per_moe[0]
-        out = torch.zeros(first.shape[0], first.shape[1], self._num_layers, first.shape[2], dtype=torch.int32)
-        for (layer, _), t in zip(self._gates, per_moe):
+        out = torch.zeros(first.shape[0], first.shape[1], self.model.config.num_hidden_layers, first.shape[2],
+                          dtype=torch.int32)
+        for (layer, _, _), t in zip(self._gates, per_moe):
             out[:, :, layer] = t.to(torch.int32)
         return out
 

@@ -183,16 +183,18 @@ def _model_config(model_path: str) -> dict | None:
 
 def default_cpu_kv_cache_mb(hf_config: dict | None, max_model_len: int | None, dtype: str) -> tuple[int, str]:
     """A bounded CPU KV cache in MiB and why: CPU_KV_CACHE_SEQS sequences of max_model_len (default
-    the model's max_position_embeddings) tokens, K and V of every layer's kv heads in `dtype`, at
-    least CPU_KV_CACHE_MIN_MB; a fixed CPU_KV_CACHE_FALLBACK_MB when the architecture is unknown."""
+    the model's max_position_embeddings) tokens at the KV bytes per token its family gives
+    (ModelFamily.kv_cache_bytes_per_token: the family knows its attention), at least
+    CPU_KV_CACHE_MIN_MB; a fixed CPU_KV_CACHE_FALLBACK_MB when the config is not one a family reads."""
+    from gspo_megatron.errors import ModelConfigError
+    from gspo_megatron.model.registry import arch_from_hf_dict
+
     try:
-        c = hf_config or {}
-        layers, kv_heads = int(c["num_hidden_layers"]), int(c.get("num_key_value_heads") or c["num_attention_heads"])
-        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // int(c["num_attention_heads"]))
-        tokens = int(max_model_len or c["max_position_embeddings"])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        arch = arch_from_hf_dict(hf_config or {}, "the served model's config.json")
+    except ModelConfigError:
         return CPU_KV_CACHE_FALLBACK_MB, "a fixed default: the model's config.json does not give its KV size"
-    per_token = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    tokens = int(max_model_len or arch.max_position_embeddings)
+    per_token = arch.family.kv_cache_bytes_per_token(arch, _DTYPE_BYTES.get(dtype, 4))
     mb = max(CPU_KV_CACHE_MIN_MB, math.ceil(CPU_KV_CACHE_SEQS * tokens * per_token / (1 << 20)))
     return mb, f"{CPU_KV_CACHE_SEQS} sequences of {tokens} tokens at {per_token} B per token"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gspo_megatron.model import mapping
+from gspo_megatron.model import family, mapping
 from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.families.glm4_moe import config as _config
 
@@ -24,8 +24,28 @@ class Glm4MoeFamily:
         return _config.read_config(hf, source)
 
     def rules(self, arch: MoeArch) -> tuple:
-        return mapping.decoder_rules(qk_norm=arch.qk_norm, qkv_bias=arch.qkv_bias, dense_mlp=bool(arch.dense_layers),
-                                     shared_experts=arch.shared_expert_intermediate_size > 0, expert_bias=True)
+        # GQA (QKV biases, q/k norms as configured), MoE layers routed with a selection bias and a
+        # shared expert, the first layers dense
+        return (*mapping.embedding_rules(), *mapping.layer_norm_rules(),
+                *mapping.gqa_attention_rules(qk_norm=arch.qk_norm, qkv_bias=arch.qkv_bias),
+                *mapping.routed_expert_rules(selection_bias=True),
+                *(mapping.shared_expert_rules() if arch.shared_expert_intermediate_size else ()),
+                *(mapping.dense_mlp_rules() if arch.dense_layers else ()))
+
+    def attention_params(self, arch: MoeArch, tp: int = 1) -> tuple[int, int]:
+        return family.gqa_attention_params(arch, tp)
+
+    def attention_activation_elements(self, arch: MoeArch, tp: int, selective: bool) -> float:
+        return family.gqa_attention_activation_elements(arch, tp, selective)
+
+    def kv_cache_bytes_per_token(self, arch: MoeArch, dtype_bytes: int) -> int:
+        return family.gqa_kv_cache_bytes_per_token(arch, dtype_bytes)
+
+    def routers(self, model) -> list:
+        return family.transformers_gate_routers(model)
+
+    def megatron_config_class(self, arch: MoeArch) -> type:
+        return family.transformer_config_class(arch)
 
     def megatron_options(self, arch: MoeArch) -> dict[str, Any]:
         opts = dict(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gspo_megatron.model import mapping
+from gspo_megatron.model import family, mapping
 from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.families.qwen3_moe import config as _config
 
@@ -18,14 +18,32 @@ class Qwen3MoeFamily:
     hf_architecture = _config.HF_ARCHITECTURE
     inline_keys = _config.INLINE_KEYS
     required_inline_keys = _config.REQUIRED_INLINE_KEYS
-    _rules = mapping.decoder_rules(qk_norm=True, qkv_bias=False, dense_mlp=False, shared_experts=False,
-                                   expert_bias=False)
+    # every layer: GQA with per-head q/k norms, no biases, then a softmax-routed MoE (no shared
+    # expert, no selection bias)
+    _rules = (*mapping.embedding_rules(), *mapping.layer_norm_rules(),
+              *mapping.gqa_attention_rules(qk_norm=True, qkv_bias=False),
+              *mapping.routed_expert_rules(selection_bias=False))
 
     def read_config(self, hf: dict[str, Any], source: str = "config") -> MoeArch:
         return _config.read_config(hf, source)
 
     def rules(self, arch: MoeArch) -> tuple:
         return self._rules
+
+    def attention_params(self, arch: MoeArch, tp: int = 1) -> tuple[int, int]:
+        return family.gqa_attention_params(arch, tp)
+
+    def attention_activation_elements(self, arch: MoeArch, tp: int, selective: bool) -> float:
+        return family.gqa_attention_activation_elements(arch, tp, selective)
+
+    def kv_cache_bytes_per_token(self, arch: MoeArch, dtype_bytes: int) -> int:
+        return family.gqa_kv_cache_bytes_per_token(arch, dtype_bytes)
+
+    def routers(self, model) -> list:
+        return family.transformers_gate_routers(model)
+
+    def megatron_config_class(self, arch: MoeArch) -> type:
+        return family.transformer_config_class(arch)
 
     def megatron_options(self, arch: MoeArch) -> dict[str, Any]:
         return dict(
