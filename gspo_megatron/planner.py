@@ -132,8 +132,7 @@ def planner_dims(arch: MoeArch) -> dict:
     return {
         "arch": arch, "model_type": arch.model_type,
         "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size, "num_hidden_layers": arch.num_layers,
-        "num_attention_heads": arch.num_attention_heads, "num_key_value_heads": arch.num_key_value_heads,
-        "head_dim": arch.head_dim, "num_experts": arch.num_experts, "num_experts_per_tok": arch.moe_topk,
+        "num_experts": arch.num_experts, "num_experts_per_tok": arch.moe_topk,
         "moe_intermediate_size": arch.moe_intermediate_size, "intermediate_size": arch.dense_intermediate_size,
         "shared_expert_intermediate_size": arch.shared_expert_intermediate_size,
         "dense_layers": list(arch.dense_layers), "tie_word_embeddings": arch.tie_word_embeddings,
@@ -315,9 +314,9 @@ def plan(config: Config, world_size: int) -> dict:
         },
         "model": {
             **{k: d[k] for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                                 "num_attention_heads", "num_key_value_heads", "head_dim",
                                  "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                  "shared_expert_intermediate_size", "dense_layers", "tie_word_embeddings")},
+            "attention": d["arch"].family.attention_summary(d["arch"]),  # the family's words
             "moe_layers": n_moe,
             "padded_vocab_size": Vp,
             "dtype": config.model.dtype,
@@ -417,7 +416,7 @@ def format_plan(pl: dict) -> str:
         f"{lay['pp']}; experts per stage: etp {lay['etp']} x ep {lay['ep']} x edp {lay['edp']}; "
         f"sequence_parallel {'on' if lay['sequence_parallel'] else 'off'}; order {pl['order']}",
         f"model: {m['num_hidden_layers']} layers ({m['moe_layers']} MoE), hidden {m['hidden_size']}"
-        f", heads {m['num_attention_heads']}/{m['num_key_value_heads']} kv x {m['head_dim']}, "
+        f", attention {m['attention']}, "
         f"experts {m['num_experts']} top-{m['num_experts_per_tok']} (ffn "
         f"{m['moe_intermediate_size']}), vocab {m['vocab_size']} (padded {m['padded_vocab_size']}"
         f" at tp {lay['tp']}), {m['dtype']}",

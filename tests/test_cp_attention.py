@@ -364,15 +364,18 @@ def _cp2_rank(rank, world_size):
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(full), cp_group=ctx.cp_group)
         out["thd_dynamic_group"] = _run_local(m, q[idx], k[idx], v[idx], g[idx], packed_seq_params=psp)
 
-        # a value head dim unlike q/k's, sbhd and thd: K and V gathered over CP in one collective
+        # a value head dim unlike q/k's, sbhd and thd: K and V gathered over CP in one collective;
+        # built as multi-latent attention builds its core attention (k_channels, v_channels)
+        mv = CpuCoreAttention(cfg, 1, AttnMaskType.causal, "self", k_channels=HN, v_channels=HV, pg_collection=pgc)
+        out["hv_channels"] = (mv.softmax_scale, mv.hidden_size_per_partition)
         q, k, v, g = _qkvg_v((8, 2), seed=30)
         idx = zigzag_index(8, 2, rank)
-        out["hv_sbhd"] = _run_local(m, q[idx], k[idx], v[idx], g[idx])
+        out["hv_sbhd"] = _run_local(mv, q[idx], k[idx], v[idx], g[idx])
         full = THD_CP_CASES["unpadded"][0]
         q, k, v, g = _qkvg_v((sum(full),), seed=31)
         idx = thd_index(full, 2, rank)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu(full), cu_seqlens_kv=_cu(full))
-        out["hv_thd"] = _run_local(mp, q[idx], k[idx], v[idx], g[idx], packed_seq_params=psp)
+        out["hv_thd"] = _run_local(mv, q[idx], k[idx], v[idx], g[idx], packed_seq_params=psp)
 
         # refusals happen before any collective, on every rank alike
         bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=_cu([6, 6]))
@@ -441,6 +444,7 @@ def test_cp2_a_value_head_dim_unlike_qk_equals_reference(cp2, fmt):
         want = ref_with_grads(lambda q, k, v: ref_attention(q, k, v, full, 1 / math.sqrt(HN)), q, k, v, g)
         index = [thd_index(full, 2, r) for r in range(2)]
     for rank in range(2):
+        assert cp2[rank]["hv_channels"] == (1 / math.sqrt(HN), NP * HV)
         got = cp2[rank][f"hv_{fmt}"]
         assert got[0].shape[-1] == NP * HV
         for what, a, ref in zip(("out", "dq", "dk", "dv"), got, want):

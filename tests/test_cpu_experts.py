@@ -65,7 +65,9 @@ def _rank(rank, world_size):
                 out[f"{name}_{dtype}"] = (_run(ref, x, COUNTS, probs, g), _run(new, x, COUNTS, probs, g),
                                           new.grouped_path(x))
         cfg = _config()
-        spec = layer_block_spec(cfg, use_te=False)
+        from gspo_megatron.model.registry import DEFAULT_MODEL_TYPE, family_of_type
+
+        spec = layer_block_spec(family_of_type(DEFAULT_MODEL_TYPE), cfg, use_te=False)
         out["spec_experts"] = spec.layer_specs[0].submodules.mlp.submodules.experts.module
         out["state_keys"] = (sorted(SequentialMLP(E, cfg, sub.experts.submodules, pg_collection=pgc).state_dict()),
                              sorted(CpuGroupedExperts(E, cfg, sub.experts.submodules, pg_collection=pgc).state_dict()))

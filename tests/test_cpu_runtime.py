@@ -80,7 +80,7 @@ def test_selection_follows_te_and_apex_not_only_the_device():
     sel = lambda *a: set(cpu_runtime.selected(*a))  # noqa: E731
     assert {a.when for a in cpu_runtime.ASSUMPTIONS} <= set(cpu_runtime.WHEN)
     no_te, torch_adam = _keys("no-te"), _keys("torch-adam")
-    assert no_te == {"te-general-gemm", "te-fp8-recompute-names"}
+    assert no_te == {"te-general-gemm", "te-fp8-recompute-names", "te-mla-flag"}
     assert torch_adam == {"torch-adam-distopt-load"}
     assert sel("cuda", False, False) == no_te | torch_adam  # GPU, no TE, no apex
     assert sel("cuda", False, True) == no_te  # GPU with apex only: FusedAdam keeps its step in the groups
@@ -133,6 +133,37 @@ def test_te_installed_cpu_run_takes_torch_optimizer_and_kernels(monkeypatch):
         assert not hasattr(distrib_optimizer.DistributedOptimizer.load_state_dict, "__wrapped__")
     finally:
         cpu_runtime.deactivate()
+
+
+@pins("te-mla-flag")
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_mla_believes_te_is_there_without_it_and_the_runtime_says_it_is_not(device):
+    """megatron-core's MLA module finds Transformer Engine 'importable' when only Megatron's own
+    stand-in (MagicMock classes) is there, and then calls isinstance with a non-type (read in the
+    installed source); the runtime binds HAVE_TE to False on every device without TE."""
+    import inspect
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    from gspo_megatron.parallel import cpu_runtime
+
+    try:
+        import transformer_engine  # noqa: F401
+        pytest.skip("Transformer Engine installed: the flag is right")
+    except ImportError:
+        pass
+    was = cpu_runtime.is_active()
+    cpu_runtime.deactivate()
+    try:
+        assert mla.HAVE_TE is True and not isinstance(mla.TELinear, type)
+        assert "isinstance(self.linear_proj, TELinear)" in inspect.getsource(mla)
+        cpu_runtime.activate(device)
+        assert mla.HAVE_TE is False
+    finally:
+        cpu_runtime.deactivate()
+        if was:
+            cpu_runtime.activate("cpu")
+    assert was or mla.HAVE_TE is True
 
 
 @pins("te-general-gemm")
@@ -527,6 +558,50 @@ def test_rope_cp_slice_needs_cuda_and_the_replacement_slices_the_same():
         for r in range(cp):
             got = cpu_runtime._get_pos_emb_on_this_cp_rank(emb, 0, _Group(cp, r))
             assert got.flatten().tolist() == zigzag_positions(16, cp, r).float().tolist()
+
+
+def test_yarn_rotary_embedding_runs_on_cpu_with_transformers_frequencies():
+    """Megatron's YaRN RoPE (MLA's, DeepSeek-V3's) puts its tables on torch.cuda.current_device()
+    at construction; under the runtime it builds on CPU, its frequencies are transformers' YaRN
+    ones (modeling_rope_utils._compute_yarn_parameters, the independent reference), and a CP rank
+    gets its zigzag rows (the module binds get_pos_emb_on_this_cp_rank by name)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from gspo_megatron.parallel import cpu_runtime
+    from gspo_megatron.parallel.seq_reduce import zigzag_positions
+
+    yarn = dict(rope_theta=10000.0, factor=40.0, original_max_position_embeddings=64, beta_fast=32.0,
+                beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+    def build():
+        return YarnRotaryEmbedding(16, rotary_base=yarn["rope_theta"], scaling_factor=yarn["factor"],
+                                   original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
+                                   mscale=1.0, mscale_all_dim=1.0)
+
+    was = cpu_runtime.is_active()
+    cpu_runtime.deactivate()
+    try:
+        with pytest.raises((RuntimeError, AssertionError)):
+            build()
+    finally:
+        cpu_runtime.activate("cpu")
+    try:
+        rope = build()
+        emb, _ = rope(16)
+        hf = DeepseekV3Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=32,
+                              v_head_dim=32, kv_lora_rank=32, q_lora_rank=48, max_position_embeddings=2560,
+                              rope_parameters={"rope_type": "yarn", **yarn})
+        inv_freq, _ = _compute_yarn_parameters(hf, "cpu")
+        assert emb.device.type == "cpu" and emb.shape == (16, 1, 1, 16)
+        torch.testing.assert_close(emb[:, 0, 0, :8], torch.outer(torch.arange(16.0), inv_freq))
+        for r in range(2):
+            mine, _ = rope.forward.__wrapped__(rope, 16, cp_group=_Group(2, r))
+            torch.testing.assert_close(mine, emb[zigzag_positions(16, 2, r)])
+    finally:
+        if not was:
+            cpu_runtime.deactivate()
 
 
 # ---------------------------------------------------------------------------------------------

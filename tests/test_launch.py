@@ -647,7 +647,7 @@ def test_per_rank_params_sum_to_total():
     d = planner.planner_dims(resolve.arch_of(cfg))
     tp, ep = 4, 32
     H, L, E = d["hidden_size"], d["num_hidden_layers"], d["num_experts"]
-    replicated = L * (2 * H + 2 * d["head_dim"] + E * H) + H
+    replicated = L * (2 * H + 2 * d["arch"].head_dim + E * H) + H
     total = 0
     for st in pl["stages"]:
         total += st["dense_params"] * tp + st["expert_params"] * ep

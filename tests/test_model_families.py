@@ -165,8 +165,8 @@ def test_shared_code_asks_the_family_for_attention_kv_cache_and_routers(monkeypa
     arch = registry.arch_from_hf_dict(hf)
     assert arch.family is si.FAMILY
     counts = arch.count_params()["breakdown"]
-    assert counts["attention"] == 3 * si.ATTENTION[0] and counts["norms"] == 3 * (2 * 64 + si.ATTENTION[1])
-    assert arch.layer_params(0, tp=2)["attention"] == si.ATTENTION[0] // 2
+    assert counts["attention"] == 3 * sum(si.ATTENTION) and counts["norms"] == 3 * 2 * 64
+    assert arch.layer_params(0, tp=2)["attention"] == si.ATTENTION[0] // 2 + si.ATTENTION[1]
     # the planner's activation memory: the family's attention elements per token
     from gspo_megatron import planner
     from gspo_megatron.model.family import gqa_attention_activation_elements

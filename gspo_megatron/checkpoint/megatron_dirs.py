@@ -256,13 +256,15 @@ def write_run_config(ckpt_dir: str, arch: MoeArch, dtype: str = "bfloat16") -> N
 # _extra_state entries
 
 
-_PER_LAYER_EXTRA = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.q_layernorm",
-                    "self_attention.k_layernorm", "pre_mlp_layernorm")
-_PER_EXPERT_EXTRA = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
-
-
-_DENSE_MLP_EXTRA = ("mlp.linear_fc1", "mlp.linear_fc2")
-_SHARED_EXPERT_EXTRA = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+def _extra_state_modules(arch: MoeArch, layer: int) -> tuple[list[str], list[str]]:
+    """The TE modules of decoder layer `layer` that keep an `_extra_state`: (per layer, per
+    expert), as the family's rules declare them (mapping.Rule.extra_state)."""
+    per_layer: dict[str, None] = {}
+    per_expert: dict[str, None] = {}
+    for r in arch.family.rules(arch):
+        if r.extra_state_in_layer(arch, layer):
+            (per_expert if r.kind.is_expert else per_layer).setdefault(r.extra_state)
+    return list(per_layer), list(per_expert)
 
 
 def extra_state_objects(arch: MoeArch) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
@@ -271,18 +273,16 @@ def extra_state_objects(arch: MoeArch) -> list[tuple[str, tuple[int, ...], tuple
     (layout.per_layer_keys: shape (1,), experts [experts]); a model-level norm has shape (1,)."""
     L, E = arch.num_layers, arch.num_experts
     out: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-    if not per_layer_keys(arch):
-        out += [(f"decoder.layers.{m}._extra_state", (L,), (i,)) for m in _PER_LAYER_EXTRA for i in range(L)]
-        out += [(f"decoder.layers.{m}._extra_state", (L, E), (i, e))
-                for m in _PER_EXPERT_EXTRA for i in range(L) for e in range(E)]
+    if not per_layer_keys(arch):  # every layer alike: layer 0's modules, stacked
+        mods, experts = _extra_state_modules(arch, 0)
+        out += [(f"decoder.layers.{m}._extra_state", (L,), (i,)) for m in mods for i in range(L)]
+        out += [(f"decoder.layers.{m}._extra_state", (L, E), (i, e)) for m in experts for i in range(L)
+                for e in range(E)]
     else:
         for i in range(L):
             p = f"decoder.layers.{i}."
-            if arch.is_moe_layer(i):
-                mods = _PER_LAYER_EXTRA + (_SHARED_EXPERT_EXTRA if arch.shared_expert_intermediate_size else ())
-                out += [(f"{p}{m}._extra_state", (E,), (e,)) for m in _PER_EXPERT_EXTRA for e in range(E)]
-            else:  # TE fuses the pre-MLP norm into linear_fc1: no module of its own
-                mods = tuple(m for m in _PER_LAYER_EXTRA if m != "pre_mlp_layernorm") + _DENSE_MLP_EXTRA
+            mods, experts = _extra_state_modules(arch, i)
+            out += [(f"{p}{m}._extra_state", (E,), (e,)) for m in experts for e in range(E)]
             out += [(f"{p}{m}._extra_state", (1,), (0,)) for m in mods]
     out.append(("decoder.final_layernorm._extra_state", (1,), (0,)))
     return out

@@ -61,6 +61,10 @@ class MoeArch:
     # Multi-token-prediction layers the config declares (tensors under model.layers.{num_layers + i});
     # not part of the policy: the loader skips them with a warning, exports declare none.
     mtp_layers: int = 0
+    # What only this family has (a frozen, hashable record its folder defines: another attention's
+    # ranks and head dims, scaled RoPE, group-limited routing); read by the family's own code only,
+    # never by shared code, so a new family adds no field here.
+    family_fields: object = None
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -111,8 +115,8 @@ class MoeArch:
     def layer_params(self, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) -> dict[str, int]:
         """One decoder layer's parameters on one rank (tp = ep = etp = 1: the whole layer)."""
         H = self.hidden_size
-        attn, attn_norms = self.family.attention_params(self, tp)  # the family's attention
-        out = {"attention": attn, "norms": 2 * H + attn_norms, "router": 0, "experts": 0, "shared_experts": 0,
+        split, whole = self.family.attention_params(self, tp)  # the family's attention: over TP, on every rank
+        out = {"attention": split + whole, "norms": 2 * H, "router": 0, "experts": 0, "shared_experts": 0,
                "dense_mlp": 0, "expert_active": 0}
         if self.is_moe_layer(layer):
             E, I = self.num_experts, self.moe_intermediate_size

@@ -41,13 +41,17 @@ class ModelFamily(Protocol):
         """mapping.Rule's for this architecture: model/mapping.py's rule blocks and the family's own."""
 
     def attention_params(self, arch: MoeArch, tp: int = 1) -> tuple[int, int]:
-        """One layer's attention parameters on one TP rank (the split projections) and its
-        attention-internal norms (replicated): the planner's counts (MoeArch.layer_params)."""
+        """One layer's attention parameters on one TP rank: (those split over TP, those every TP
+        rank holds whole: attention-internal norms, replicated projections): the planner's counts
+        (MoeArch.layer_params)."""
 
     def attention_activation_elements(self, arch: MoeArch, tp: int, selective: bool) -> float:
         """Elements per token one layer's attention stores for the backward pass on one TP rank
         (its input norm aside), core attention recomputed when `selective`: the planner's
         activation memory (planner.py)."""
+
+    def attention_summary(self, arch: MoeArch) -> str:
+        """The attention in a few words, for the planner's report ("GQA 32 q / 4 kv heads x 128")."""
 
     def kv_cache_bytes_per_token(self, arch: MoeArch, dtype_bytes: int) -> int:
         """Bytes of KV cache one token takes in a serving engine, all layers: what an engine
@@ -64,6 +68,20 @@ class ModelFamily(Protocol):
 
     def megatron_options(self, arch: MoeArch) -> dict[str, Any]:
         """TransformerConfig fields this family's features map to (model/spec.py adds the rest)."""
+
+    def install_megatron_patches(self, arch: MoeArch) -> None:
+        """Changes this family's models need in the pinned megatron-core where it computes
+        something unlike the family's reference (transformers), each pinned by a test that reads
+        the installed source; idempotent, before a model of `arch` is built (model/spec.py
+        build_model_chunks). Most families need none (`no_megatron_patches`)."""
+
+    def layer_spec(self, config, is_moe: bool, use_te: bool):
+        """One decoder layer's Megatron ModuleSpec (MoE or dense): the Transformer Engine spec when
+        `use_te`, else the local spec, into which model/spec.py's `cpu_layer_spec` puts the CPU
+        runtime's modules (norms, core attention, experts) by class."""
+
+    def gpt_model_options(self, arch: MoeArch) -> dict[str, Any]:
+        """GPTModel arguments of this family's position embedding (type, base, rotary fraction)."""
 
     def hf_config(self, hf: dict[str, Any]) -> dict[str, Any]:
         """A config.json for `hf` (an inline or read config dict): model_type and architectures set."""
@@ -163,6 +181,25 @@ def transformer_config_class(arch: MoeArch) -> type:
     return TransformerConfig
 
 
+def no_megatron_patches(arch: MoeArch) -> None:
+    """ModelFamily.install_megatron_patches of a family Megatron-Core computes as its reference does."""
+
+
+def standard_layer_spec(config, is_moe: bool, use_te: bool):
+    """ModelFamily.layer_spec of a decoder Megatron's GPT layer specs build as they are (self-
+    attention with optional q/k norms and QKV bias, routed experts, optional shared experts)."""
+    from gspo_megatron.model.spec import megatron_layer_spec
+
+    return megatron_layer_spec(config, is_moe, use_te)
+
+
+def rope_model_options(arch: MoeArch) -> dict[str, Any]:
+    """ModelFamily.gpt_model_options of plain RoPE on the first `rotary_percent` of each head."""
+    base = arch.rope_theta
+    return dict(position_embedding_type="rope", rotary_base=int(base) if float(base).is_integer() else base,
+                rotary_percent=arch.rotary_percent)
+
+
 def gqa_attention_params(arch: MoeArch, tp: int = 1) -> tuple[int, int]:
     """ModelFamily.attention_params of grouped-query attention: q/k/v and output projections (and
     their biases, `qkv_bias`) split over TP; per-head q/k norms (`qk_norm`) replicated."""
@@ -172,6 +209,11 @@ def gqa_attention_params(arch: MoeArch, tp: int = 1) -> tuple[int, int]:
     if arch.qkv_bias:
         weights += (nq + 2 * nkv) * D
     return weights // tp, (2 * D if arch.qk_norm else 0)
+
+
+def gqa_attention_summary(arch: MoeArch) -> str:
+    """ModelFamily.attention_summary of grouped-query attention."""
+    return f"GQA {arch.num_attention_heads} q / {arch.num_key_value_heads} kv heads x {arch.head_dim}"
 
 
 def gqa_attention_activation_elements(arch: MoeArch, tp: int, selective: bool) -> float:

@@ -33,6 +33,7 @@ class Kind(enum.Enum):
     EXPERT_FC1 = "expert_fc1"  # [gate; up] of one expert, split across expert-TP as [gate_i; up_i]
     EXPERT_FC2 = "expert_fc2"  # down projection of one expert, split on dim 1 across expert-TP
     DENSE_FC1 = "dense_fc1"  # [gate; up] of a dense or shared-expert MLP, split across TP as [gate_i; up_i]
+    COLUMN = "column"  # one projection, rows split on dim 0 across TP (a column-parallel linear)
 
     @property
     def is_expert(self) -> bool:
@@ -50,6 +51,12 @@ class Rule:
     layers: str = "all"
     # Megatron keeps it as a buffer, not a parameter (the router's expert bias).
     buffer: bool = False
+    # The Transformer Engine module (path in the layer) whose `_extra_state` Megatron's checkpoints
+    # store beside this tensor, one per expert for expert kinds (checkpoint/megatron_dirs.py writes
+    # them, empty, into converted checkpoints), and the layers whose TE spec has it when fewer than
+    # `layers` (the pre-MLP norm: fused into linear_fc1 in a dense layer).
+    extra_state: str = ""
+    extra_state_layers: str = ""
     _regex: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -75,12 +82,20 @@ class Rule:
         return self.mcore == OUTPUT_LAYER
 
     def in_layer(self, arch: MoeArch, layer: int) -> bool:
-        if self.layers == "all":
-            return True
-        return arch.is_moe_layer(layer) == (self.layers == "moe")
+        return in_scope(self.layers, arch, layer)
+
+    def extra_state_in_layer(self, arch: MoeArch, layer: int) -> bool:
+        return bool(self.extra_state) and in_scope(self.extra_state_layers or self.layers, arch, layer)
 
     def layer_indices(self, arch: MoeArch) -> list[int]:
         return [i for i in range(arch.num_layers) if self.in_layer(arch, i)]
+
+
+def in_scope(layers: str, arch: MoeArch, layer: int) -> bool:
+    """Whether decoder layer `layer` is in a rule's scope: "all", "moe" or "dense" layers."""
+    if layers == "all":
+        return True
+    return arch.is_moe_layer(layer) == (layers == "moe")
 
 
 _L = "decoder.layers.{layer}."
@@ -129,7 +144,7 @@ def layer_norm_rules() -> list[Rule]:
     return [
         Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), Kind.REPLICATED, _vec(_hidden)),
         Rule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED,
-             _vec(_hidden)),
+             _vec(_hidden), extra_state="pre_mlp_layernorm", extra_state_layers="moe"),
     ]
 
 
@@ -148,16 +163,17 @@ def gqa_attention_rules(*, qk_norm: bool, qkv_bias: bool) -> list[Rule]:
              Kind.REPLICATED, _vec(_hidden)),
         Rule(_L + "self_attention.linear_qkv.weight",
              (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
-             Kind.QKV, lambda a: ((q(a), a.hidden_size), (kv(a), a.hidden_size), (kv(a), a.hidden_size))),
+             Kind.QKV, lambda a: ((q(a), a.hidden_size), (kv(a), a.hidden_size), (kv(a), a.hidden_size)),
+             extra_state="self_attention.linear_qkv"),
         Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), Kind.ROW,
-             lambda a: ((a.hidden_size, q(a)),)),
+             lambda a: ((a.hidden_size, q(a)),), extra_state="self_attention.linear_proj"),
     ]
     if qk_norm:
         rules += [
             Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), Kind.REPLICATED,
-                 lambda a: ((a.head_dim,),)),
+                 lambda a: ((a.head_dim,),), extra_state="self_attention.q_layernorm"),
             Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), Kind.REPLICATED,
-                 lambda a: ((a.head_dim,),)),
+                 lambda a: ((a.head_dim,),), extra_state="self_attention.k_layernorm"),
         ]
     if qkv_bias:
         rules.append(Rule(
@@ -185,8 +201,10 @@ def routed_expert_rules(*, selection_bias: bool) -> list[Rule]:
              _fc1_shape(width), layers="moe"),
         Rule(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", exp_fc2, Kind.EXPERT_FC2,
              _fc2_shape(width), layers="moe"),
-        Rule(_L + "mlp.experts.linear_fc1.weight{expert}", exp_fc1, Kind.EXPERT_FC1, _fc1_shape(width), layers="moe"),
-        Rule(_L + "mlp.experts.linear_fc2.weight{expert}", exp_fc2, Kind.EXPERT_FC2, _fc2_shape(width), layers="moe"),
+        Rule(_L + "mlp.experts.linear_fc1.weight{expert}", exp_fc1, Kind.EXPERT_FC1, _fc1_shape(width), layers="moe",
+             extra_state="mlp.experts.experts.linear_fc1"),
+        Rule(_L + "mlp.experts.linear_fc2.weight{expert}", exp_fc2, Kind.EXPERT_FC2, _fc2_shape(width), layers="moe",
+             extra_state="mlp.experts.experts.linear_fc2"),
     ]
     if selection_bias:
         rules.append(Rule(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",),
@@ -203,9 +221,9 @@ def shared_expert_rules() -> list[Rule]:
     return [
         Rule(_L + "mlp.shared_experts.linear_fc1.weight",
              (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
-             Kind.DENSE_FC1, _fc1_shape(width), layers="moe"),
+             Kind.DENSE_FC1, _fc1_shape(width), layers="moe", extra_state="mlp.shared_experts.linear_fc1"),
         Rule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_experts.down_proj.weight",),
-             Kind.ROW, _fc2_shape(width), layers="moe"),
+             Kind.ROW, _fc2_shape(width), layers="moe", extra_state="mlp.shared_experts.linear_fc2"),
     ]
 
 
@@ -220,9 +238,9 @@ def dense_mlp_rules() -> list[Rule]:
         Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",), Kind.REPLICATED,
              _vec(_hidden), layers="dense"),
         Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-             Kind.DENSE_FC1, _fc1_shape(width), layers="dense"),
+             Kind.DENSE_FC1, _fc1_shape(width), layers="dense", extra_state="mlp.linear_fc1"),
         Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), Kind.ROW, _fc2_shape(width),
-             layers="dense"),
+             layers="dense", extra_state="mlp.linear_fc2"),
     ]
 
 
@@ -354,7 +372,7 @@ def full_to_hf(rule: Rule, full: torch.Tensor, arch: MoeArch) -> tuple[torch.Ten
 
 def split_dim(kind: Kind) -> int | None:
     return {Kind.VOCAB: 0, Kind.QKV: 0, Kind.ROW: 1, Kind.EXPERT_FC1: 0, Kind.EXPERT_FC2: 1,
-            Kind.DENSE_FC1: 0}.get(kind)
+            Kind.DENSE_FC1: 0, Kind.COLUMN: 0}.get(kind)
 
 
 def shard(rule: Rule, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:

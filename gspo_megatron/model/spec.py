@@ -120,19 +120,69 @@ def check_routing_replay(config) -> None:
             "silently off; turn the router fusion off")
 
 
-def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank: int | None = None):
-    """TransformerBlockSubmodules for this rank's layers (MoE or dense by config.moe_layer_freq).
-
-    GPU: Megatron's Transformer Engine layer spec (grouped-GEMM experts, fused norm+QKV; a dense
-    layer's pre-MLP norm fused into its linear_fc1), dense or MoE per layer as
-    gpt_layer_specs.py get_gpt_decoder_block_spec picks them from moe_layer_freq.
-    CPU: Megatron's local spec with every RMSNorm swapped for `SPRMSNorm` (the local spec's torch
-    norm refuses sequence parallel, which MoE+TP training requires), the core attention for
-    `CpuCoreAttention` (parallel/cp_attention.py: context parallelism and packed THD sequences) and
-    the experts for `CpuGroupedExperts` (parallel/cpu_experts.py: SequentialMLP's parameters, its
-    expert loop as two grouped GEMMs).
-    """
+def megatron_layer_spec(config, is_moe: bool, use_te: bool, **megatron_kwargs):
+    """One decoder layer's ModuleSpec from Megatron-Core's GPT layer-spec builders: the Transformer
+    Engine spec (GPU: grouped-GEMM experts, fused norm + linear) or the local (portable) spec, MoE
+    or dense, q/k norms as `config.qk_layernorm`; `megatron_kwargs` go to the builder (e.g.
+    multi_latent_attention=True). What a family's `layer_spec` starts from; `layer_block_spec`
+    puts the CPU runtime's modules into a local spec (`cpu_layer_spec`)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    experts = config.num_moe_experts if is_moe else None
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=is_moe, qk_layernorm=config.qk_layernorm, **megatron_kwargs)
+    return specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=config.qk_layernorm,
+                                          normalization="RMSNorm", **megatron_kwargs)
+
+
+def cpu_layer_spec(spec):
+    """A copy of a local-spec layer with the CPU runtime's modules wherever the local spec has one
+    that cannot train there, at any depth (attention of any kind, its norms, the experts):
+
+    * every RMSNorm (the local spec's torch norm refuses sequence parallel, which MoE + TP training
+      requires) -> `SPRMSNorm` (model/norm.py);
+    * core attention (Megatron's local DotProductAttention refuses context parallelism and packed
+      THD sequences) -> `CpuCoreAttention` (parallel/cp_attention.py; on GPU TE's attention does);
+    * SequentialMLP experts -> `CpuGroupedExperts` (parallel/cpu_experts.py: its parameters, its
+      expert loop as two grouped GEMMs).
+
+    By class, not by attribute name, so a family's own attention (q/kv norms under other names)
+    gets the same runtime without saying so."""
+    import copy
+    import dataclasses
+
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from gspo_megatron.model.norm import SPRMSNorm
+    from gspo_megatron.parallel.cp_attention import CpuCoreAttention
+    from gspo_megatron.parallel.cpu_experts import CpuGroupedExperts
+
+    swaps = {LocalSpecProvider().layer_norm(rms_norm=True): SPRMSNorm, DotProductAttention: CpuCoreAttention,
+             SequentialMLP: CpuGroupedExperts}
+
+    def walk(node):
+        if isinstance(node, type):
+            return swaps.get(node, node)
+        if isinstance(node, ModuleSpec):
+            node.module = swaps.get(node.module, node.module)
+            node.submodules = walk(node.submodules)
+            return node
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                setattr(node, f.name, walk(getattr(node, f.name)))
+        return node
+
+    return walk(copy.deepcopy(spec))
+
+
+def layer_block_spec(family, config, use_te: bool, vp_stage: int | None = None, pp_rank: int | None = None):
+    """TransformerBlockSubmodules for this rank's layers (MoE or dense by config.moe_layer_freq),
+    each `family`'s layer spec (`ModelFamily.layer_spec`: Megatron's Transformer Engine spec on
+    GPU, its local spec on CPU with the CPU runtime's modules put in by `cpu_layer_spec`)."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
@@ -144,38 +194,15 @@ def layer_block_spec(config, use_te: bool, vp_stage: int | None = None, pp_rank:
     freq = config.moe_layer_freq
     pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
     moe = [bool(pattern[offset + i]) for i in range(n)]
-    qk = config.qk_layernorm
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
-        te = {m: specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts if m else None, moe_grouped_gemm=m, qk_layernorm=qk)
-            for m in set(moe)}
+        te = {m: family.layer_spec(config, m, True) for m in set(moe)}
         return TransformerBlockSubmodules(layer_specs=[te[m] for m in moe], layer_norm=TENorm)
 
     from gspo_megatron.model.norm import SPRMSNorm
-    from gspo_megatron.parallel.cp_attention import CpuCoreAttention
-    from gspo_megatron.parallel.cpu_experts import CpuGroupedExperts
 
-    def local(is_moe: bool):
-        layer = specs.get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts if is_moe else None, qk_layernorm=qk, normalization="RMSNorm"
-        )
-        sub = layer.submodules
-        # Megatron's local DotProductAttention refuses CP and packed THD sequences; the CPU runtime's
-        # attention does both (a test vehicle; on GPU TE's attention does).
-        sub.self_attention.submodules.core_attention = CpuCoreAttention
-        if is_moe:
-            # SequentialMLP's parameters with its expert loop as two grouped GEMMs (parallel/cpu_experts.py)
-            sub.mlp.submodules.experts.module = CpuGroupedExperts
-        sub.input_layernorm = SPRMSNorm
-        sub.pre_mlp_layernorm = SPRMSNorm
-        if qk:
-            sub.self_attention.submodules.q_layernorm = SPRMSNorm
-            sub.self_attention.submodules.k_layernorm = SPRMSNorm
-        return layer
-
-    built = {m: local(m) for m in set(moe)}
+    built = {m: cpu_layer_spec(family.layer_spec(config, m, False)) for m in set(moe)}
     return TransformerBlockSubmodules(layer_specs=[built[m] for m in moe], layer_norm=SPRMSNorm)
 
 
@@ -191,7 +218,7 @@ def build_gpt_model(arch: MoeArch, config, *, pre_process: bool, post_process: b
     """One pipeline stage of the GPTModel (Megatron's global parallel state must exist)."""
     from megatron.core.models.gpt import GPTModel
 
-    spec = layer_block_spec(config, use_te)
+    spec = layer_block_spec(arch.family, config, use_te)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -200,9 +227,7 @@ def build_gpt_model(arch: MoeArch, config, *, pre_process: bool, post_process: b
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
-        rotary_percent=arch.rotary_percent,
+        **arch.family.gpt_model_options(arch),  # position embedding: the family's (RoPE, YaRN, ...)
     )
 
 
@@ -229,6 +254,7 @@ def build_model_chunks(arch: MoeArch, ctx, *, dtype: torch.dtype = torch.float32
     from gspo_megatron.model import rope
 
     rope.install()  # packed RoPE's cos/sin once per microbatch where TE's fused kernel is not used
+    arch.family.install_megatron_patches(arch)  # where Megatron computes unlike the family's reference
     use_te = ctx.device.type == "cuda" and te_available()
     if arch.tie_word_embeddings and ctx.parallel.pp > 1 and ctx.device.type == "cpu":
         # Megatron moves the last stage's copy of the shared embedding with `.cuda()`.

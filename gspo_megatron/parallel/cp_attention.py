@@ -160,9 +160,15 @@ class CpuCoreAttention(MegatronModule):
         attention_type: str,
         attention_dropout: Optional[float] = None,
         softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
+        # k_channels / v_channels: the q/k and the value head dims when they differ from
+        # config.kv_channels (multi-latent attention passes both: multi_latent_attention.py, its
+        # core_attention build_module), as TEDotProductAttention takes them; the attention itself
+        # reads the head dims from q, k and v.
         super().__init__(config=config)
         self.config: TransformerConfig = config
         _check_mask_type(attn_mask_type)
@@ -189,9 +195,10 @@ class CpuCoreAttention(MegatronModule):
         self.cp_group = getattr(pg_collection, "cp", None)
 
         tp = pg_collection.tp.size()
-        projection_size = config.kv_channels * config.num_attention_heads
-        self.hidden_size_per_partition = divide(projection_size, tp)
-        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.k_channels = config.kv_channels if k_channels is None else k_channels
+        self.v_channels = config.kv_channels if v_channels is None else v_channels
+        self.hidden_size_per_partition = divide(self.v_channels * config.num_attention_heads, tp)  # output
+        self.hidden_size_per_attention_head = self.k_channels
         self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_query_groups_per_partition = divide(config.num_query_groups, tp)
 

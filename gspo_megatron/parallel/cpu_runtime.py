@@ -67,6 +67,7 @@ PROXIED_MODULES: dict[str, str] = {
     "megatron.core.transformer.utils": 'attention masks built with device="cuda"',
     "megatron.core.models.gpt.gpt_model": "buffers on torch.cuda.current_device()",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "inv_freq on torch.cuda.current_device()",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "YaRN inv_freq on torch.cuda.current_device() (construction and get_emb)",
     "megatron.core.distributed.param_and_grad_buffer": "grad buffers on torch.cuda.current_device(); communication streams",
     "megatron.core.distributed.distributed_data_parallel": "torch.cuda.Stream for overlapped grad reduction",
     "megatron.core.optimizer.clip_grads": 'norm buffers on device="cuda"',
@@ -116,7 +117,7 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
     Assumption(
         "rope-cp-slice",
         "megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank (also bound by "
-        "name in rotary_pos_embedding): the RoPE table slice of a CP rank for [b, s] inputs",
+        "name in rotary_pos_embedding and yarn_rotary_pos_embedding): the RoPE table slice of a CP rank for [b, s] inputs",
         "builds its two chunk indices with torch.tensor(..., pin_memory=True).cuda(non_blocking=True) "
         "(rope_utils.py:62-64): no pinned memory and no CUDA on CPU",
         "the same zigzag slice (chunks r and 2*cp-1-r of 2*cp) with the indices on the table's device",
@@ -126,6 +127,15 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         "megatron.core.transformer.moe.moe_utils.te_general_gemm",
         "name only bound when Transformer Engine imports: NameError in the router without TE",
         "bind it to None so the router takes its torch.mm path",
+        when="no-te",
+    ),
+    Assumption(
+        "te-mla-flag",
+        "megatron.core.transformer.multi_latent_attention.HAVE_TE",
+        "true whenever megatron.core.extensions.transformer_engine imports, which it does without "
+        "Transformer Engine (its TE classes are then MagicMocks): MLASelfAttention's "
+        "isinstance(self.linear_proj, TELinear) raises TypeError",
+        "bind it to False, as the module's own ImportError branch would",
         when="no-te",
     ),
     Assumption(
@@ -587,6 +597,10 @@ def activate(device: str | torch.device | None = None) -> bool:
         from megatron.core.transformer.moe import moe_utils
 
         _set(moe_utils, "te_general_gemm", None)
+    if "te-mla-flag" in keys:
+        from megatron.core.transformer import multi_latent_attention
+
+        _set(multi_latent_attention, "HAVE_TE", False)
     if "te-fp8-recompute-names" in keys:
         from megatron.core.tensor_parallel import random as mrandom
 
@@ -640,10 +654,10 @@ def _activate_cpu() -> None:
     _set(moe_utils, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     _set(token_dispatcher, "maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
 
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
 
-    _set(rope_utils, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank)
-    _set(rotary_pos_embedding, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank)
+    for mod in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):  # each imported it by name
+        _set(mod, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank)
 
     from megatron.core.optimizer import clip_grads, optimizer as moptimizer
 

@@ -38,6 +38,9 @@ class Glm4MoeFamily:
     def attention_activation_elements(self, arch: MoeArch, tp: int, selective: bool) -> float:
         return family.gqa_attention_activation_elements(arch, tp, selective)
 
+    def attention_summary(self, arch: MoeArch) -> str:
+        return family.gqa_attention_summary(arch)
+
     def kv_cache_bytes_per_token(self, arch: MoeArch, dtype_bytes: int) -> int:
         return family.gqa_kv_cache_bytes_per_token(arch, dtype_bytes)
 
@@ -46,6 +49,15 @@ class Glm4MoeFamily:
 
     def megatron_config_class(self, arch: MoeArch) -> type:
         return family.transformer_config_class(arch)
+
+    def install_megatron_patches(self, arch: MoeArch) -> None:
+        family.no_megatron_patches(arch)
+
+    def layer_spec(self, config, is_moe: bool, use_te: bool):
+        return family.standard_layer_spec(config, is_moe, use_te)
+
+    def gpt_model_options(self, arch: MoeArch) -> dict[str, Any]:
+        return family.rope_model_options(arch)
 
     def megatron_options(self, arch: MoeArch) -> dict[str, Any]:
         opts = dict(
