@@ -20,7 +20,7 @@ def tiny_hf_config(**over):
 
 # The families the Megatron-side tests run (tests/test_model_families.py checks this list against the
 # registry): each family's tiny test model has every feature it maps to Megatron options.
-FAMILIES = ("qwen3_moe", "glm4_moe")
+FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def tiny_glm_config(**over):
@@ -40,6 +40,29 @@ def tiny_glm_config(**over):
     return Glm4MoeConfig(**kw)
 
 
+def tiny_deepseek_v3_config(**over):
+    """DeepSeek-V3's features on a tiny model: multi-latent attention (q and kv latents with their
+    norms, a RoPE part, a value head dim unlike q/k's), YaRN RoPE with both mscales, the first two
+    layers dense, a shared expert, sigmoid routing (with a non-zero expert bias, set by
+    make_tiny_hf) in 4 groups of which 2 are kept (top-2 of 8: top-k / topk_group = 1, where
+    Megatron's group score differs from transformers'), a scaling factor."""
+    from transformers import DeepseekV3Config
+
+    kw = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=2, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+        norm_topk_prob=True, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, num_nextn_predict_layers=0, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+    )
+    kw.update(over)
+    return DeepseekV3Config(**kw)
+
+
 def make_tiny_hf(path, seed: int = 0, dtype=torch.float32, max_shard_size="200KB", family: str = "qwen3_moe",
                  **over):
     """Random tiny model of `family` written as a sharded safetensors checkpoint; returns the model."""
@@ -50,6 +73,8 @@ def make_tiny_hf(path, seed: int = 0, dtype=torch.float32, max_shard_size="200KB
         model = transformers.Qwen3MoeForCausalLM(tiny_hf_config(**over)).eval()
     elif family == "glm4_moe":
         model = transformers.Glm4MoeForCausalLM(tiny_glm_config(**over)).eval()
+    elif family == "deepseek_v3":
+        model = transformers.DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**over)).eval()
     else:
         raise ValueError(family)
     with torch.no_grad():

@@ -193,14 +193,21 @@ def test_no_module_outside_a_family_imports_it():
 
 
 def test_only_the_family_folders_and_the_registry_spell_a_family():
-    """`grep -rn "qwen3_moe|Qwen3Moe|glm4_moe|Glm4Moe" gspo_megatron converters --include=*.py`
-    hits only the families' folders and the registry."""
+    """`grep -rn "qwen3_moe|Qwen3Moe|glm4_moe|Glm4Moe|deepseek_v3|DeepseekV3|..." gspo_megatron
+    converters --include=*.py` (every registered family's model type and transformers class) hits
+    only the families' folders and the registry; so do the HF config fields only one family has
+    (issue 53: DeepSeek-V3's latent ranks and expert groups)."""
     import re
 
-    from gspo_megatron.model.registry import FAMILY_MODULES
+    from gspo_megatron.model.registry import FAMILY_MODULES, family_of_type
 
-    assert set(FAMILY_MODULES) == {"qwen3_moe", "glm4_moe"}
-    needle = re.compile(r"qwen3_moe|Qwen3Moe|glm4_moe|Glm4Moe")
+    assert {"qwen3_moe", "glm4_moe", "deepseek_v3"} <= set(FAMILY_MODULES)
+    names = set()  # anywhere in a word: Qwen3MoeConfig, glm4_moe_lite
+    for t in FAMILY_MODULES:
+        names |= {t, family_of_type(t).hf_architecture.removesuffix("ForCausalLM")}
+    fields = {"kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group",
+              "topk_group"}  # whole words (run_group is not n_group)
+    needle = re.compile("|".join(sorted(map(re.escape, names))) + r"|\b(" + "|".join(sorted(fields)) + r")\b")
     hits = []
     for mod, (path, _) in sorted(project_modules().items()):
         if _family_of_module(mod) is not None or mod == REGISTRY:
@@ -222,7 +229,9 @@ def test_config_imports_only_the_errors_module_and_names_no_hf_field():
     from gspo_megatron.model.registry import family_of_type
 
     hf_fields = set()
-    for t in ("qwen3_moe", "glm4_moe"):
+    from gspo_megatron.model.registry import FAMILY_MODULES
+
+    for t in FAMILY_MODULES:
         hf_fields |= set(family_of_type(t).inline_keys)
     hf_fields -= {"model_type", "architectures", "dtype"}  # words every config uses
     with open(modules["gspo_megatron.config"][0], encoding="utf-8") as f:

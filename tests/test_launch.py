@@ -516,6 +516,11 @@ def dry_run_json(name: str, *args: str) -> dict:
         # embeddings out of the active count; the policy has no MTP layer and counts both embeddings
         ("glm45_air", ["--world-size", "32"], 106e9, 12e9 + 2 * 151552 * 4096),
         ("glm45", ["--world-size", "128"], 355e9 - 3.8e9, 32e9 + 2 * 151552 * 5120),
+        # DeepSeek's 671B / 37B leave the MTP layer out (the checkpoint's 685B count it)
+        ("deepseek_v3", ["--world-size", "512"], 671e9, 37e9),
+        # Moonshot publishes "1T / 32B"; the checkpoint's tensors sum to 1.026T (equal to
+        # transformers' count: test_param_counts_equal_transformers_model)
+        ("kimi_k2", ["--world-size", "768"], 1.026e12, 32e9),
     ],
 )
 def test_dry_run_param_counts_match_published(name, args, total, active):
@@ -539,6 +544,8 @@ GPU_BUDGET_GIB = 72.0
     ("qwen3_235b_a22b", 128, []),  # 16 nodes
     ("glm45_air", 32, []),  # 4 nodes
     ("glm45", 128, []),  # 16 nodes
+    ("deepseek_v3", 512, []),  # 64 nodes
+    ("kimi_k2", 768, []),  # 96 nodes
 ])
 def test_gpu_presets_fit_80gb_gpus_at_their_documented_world_size(name, world, overrides):
     """Before: the 30B preset, documented for 8 or 16 GPUs, planned 93.7 GiB at 8 and 72.3 at 16."""
@@ -574,7 +581,9 @@ def test_param_counts_equal_transformers_model():
         counts = planner.count_params(planner.planner_dims(arch))
         assert counts["total"] == n, (os.path.basename(path), counts["total"], n)
         assert planner.plan(cfg, planner.default_world_size(cfg))["total_params"] == n
-    assert seen == {"qwen3_moe", "glm4_moe"}, seen  # every family has a preset
+    from gspo_megatron.model.registry import FAMILY_MODULES
+
+    assert seen == set(FAMILY_MODULES), seen  # every family has a preset
 
 
 def test_plan_30b_layout():

@@ -16,6 +16,7 @@ from gspo_megatron.errors import ModelConfigError
 FAMILY_MODULES = {
     "qwen3_moe": "gspo_megatron.model.families.qwen3_moe",
     "glm4_moe": "gspo_megatron.model.families.glm4_moe",
+    "deepseek_v3": "gspo_megatron.model.families.deepseek_v3",
 }
 # An inline model.hf_config without a model_type is the first family's (configs written before
 # families existed carry none).
