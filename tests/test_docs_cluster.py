@@ -330,6 +330,8 @@ def run_planner(c: Cmd, fake_bin: str, tmp: str) -> str:
         world = args.world_size
     elif args.nnodes or args.nproc_per_node:
         world = (args.nnodes or 1) * (args.nproc_per_node or 1)
+    elif cfg.parallel.world_size is not None:  # the size the preset is written for (planner.main's order)
+        world = cfg.parallel.world_size
     else:
         world = planner.default_world_size(cfg)
     pl = planner.plan(cfg, world)
