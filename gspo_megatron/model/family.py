@@ -240,6 +240,41 @@ def _third(out):
     return out[2]
 
 
+class StandardDecoder:
+    """The ModelFamily methods of a decoder Megatron's GPT layer specs build as they are: grouped-
+    query attention (its counts, activation elements, KV cache), transformers' gate routers, plain
+    RoPE, Megatron's TransformerConfig, no Megatron patches. A family inherits them and writes what
+    is its own (Qwen3-MoE, GLM-4.5); a family with another attention writes them all
+    (DeepSeek-V3)."""
+
+    def attention_params(self, arch: MoeArch, tp: int = 1) -> tuple[int, int]:
+        return gqa_attention_params(arch, tp)
+
+    def attention_activation_elements(self, arch: MoeArch, tp: int, selective: bool) -> float:
+        return gqa_attention_activation_elements(arch, tp, selective)
+
+    def attention_summary(self, arch: MoeArch) -> str:
+        return gqa_attention_summary(arch)
+
+    def kv_cache_bytes_per_token(self, arch: MoeArch, dtype_bytes: int) -> int:
+        return gqa_kv_cache_bytes_per_token(arch, dtype_bytes)
+
+    def routers(self, model) -> list:
+        return transformers_gate_routers(model)
+
+    def megatron_config_class(self, arch: MoeArch) -> type:
+        return transformer_config_class(arch)
+
+    def install_megatron_patches(self, arch: MoeArch) -> None:
+        no_megatron_patches(arch)
+
+    def layer_spec(self, config, is_moe: bool, use_te: bool):
+        return standard_layer_spec(config, is_moe, use_te)
+
+    def gpt_model_options(self, arch: MoeArch) -> dict[str, Any]:
+        return rope_model_options(arch)
+
+
 def check_attention(arch: MoeArch, source: str) -> None:
     if arch.num_attention_heads % arch.num_key_value_heads:
         raise ModelConfigError(f"{source}: num_attention_heads not a multiple of num_key_value_heads")

@@ -13,7 +13,7 @@ from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.families.glm4_moe import config as _config
 
 
-class Glm4MoeFamily:
+class Glm4MoeFamily(family.StandardDecoder):
     model_type = _config.MODEL_TYPE
     display_name = "GLM-4.5 MoE"
     hf_architecture = _config.HF_ARCHITECTURE
@@ -31,33 +31,6 @@ class Glm4MoeFamily:
                 *mapping.routed_expert_rules(selection_bias=True),
                 *(mapping.shared_expert_rules() if arch.shared_expert_intermediate_size else ()),
                 *(mapping.dense_mlp_rules() if arch.dense_layers else ()))
-
-    def attention_params(self, arch: MoeArch, tp: int = 1) -> tuple[int, int]:
-        return family.gqa_attention_params(arch, tp)
-
-    def attention_activation_elements(self, arch: MoeArch, tp: int, selective: bool) -> float:
-        return family.gqa_attention_activation_elements(arch, tp, selective)
-
-    def attention_summary(self, arch: MoeArch) -> str:
-        return family.gqa_attention_summary(arch)
-
-    def kv_cache_bytes_per_token(self, arch: MoeArch, dtype_bytes: int) -> int:
-        return family.gqa_kv_cache_bytes_per_token(arch, dtype_bytes)
-
-    def routers(self, model) -> list:
-        return family.transformers_gate_routers(model)
-
-    def megatron_config_class(self, arch: MoeArch) -> type:
-        return family.transformer_config_class(arch)
-
-    def install_megatron_patches(self, arch: MoeArch) -> None:
-        family.no_megatron_patches(arch)
-
-    def layer_spec(self, config, is_moe: bool, use_te: bool):
-        return family.standard_layer_spec(config, is_moe, use_te)
-
-    def gpt_model_options(self, arch: MoeArch) -> dict[str, Any]:
-        return family.rope_model_options(arch)
 
     def megatron_options(self, arch: MoeArch) -> dict[str, Any]:
         opts = dict(

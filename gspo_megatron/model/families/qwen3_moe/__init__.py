@@ -12,7 +12,7 @@ from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.families.qwen3_moe import config as _config
 
 
-class Qwen3MoeFamily:
+class Qwen3MoeFamily(family.StandardDecoder):
     model_type = _config.MODEL_TYPE
     display_name = "Qwen3-MoE"
     hf_architecture = _config.HF_ARCHITECTURE
@@ -29,33 +29,6 @@ class Qwen3MoeFamily:
 
     def rules(self, arch: MoeArch) -> tuple:
         return self._rules
-
-    def attention_params(self, arch: MoeArch, tp: int = 1) -> tuple[int, int]:
-        return family.gqa_attention_params(arch, tp)
-
-    def attention_activation_elements(self, arch: MoeArch, tp: int, selective: bool) -> float:
-        return family.gqa_attention_activation_elements(arch, tp, selective)
-
-    def attention_summary(self, arch: MoeArch) -> str:
-        return family.gqa_attention_summary(arch)
-
-    def kv_cache_bytes_per_token(self, arch: MoeArch, dtype_bytes: int) -> int:
-        return family.gqa_kv_cache_bytes_per_token(arch, dtype_bytes)
-
-    def routers(self, model) -> list:
-        return family.transformers_gate_routers(model)
-
-    def megatron_config_class(self, arch: MoeArch) -> type:
-        return family.transformer_config_class(arch)
-
-    def install_megatron_patches(self, arch: MoeArch) -> None:
-        family.no_megatron_patches(arch)
-
-    def layer_spec(self, config, is_moe: bool, use_te: bool):
-        return family.standard_layer_spec(config, is_moe, use_te)
-
-    def gpt_model_options(self, arch: MoeArch) -> dict[str, Any]:
-        return family.rope_model_options(arch)
 
     def megatron_options(self, arch: MoeArch) -> dict[str, Any]:
         return dict(
