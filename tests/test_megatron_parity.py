@@ -117,7 +117,7 @@ LAYOUTS = [
 ]
 # Every family runs the layouts of the family suite (docs/design.md "Adding a model family"); the
 # first family also the combined ones.
-FAMILY_LAYOUTS = ("tp1", "tp2-sp", "ep2", "pp2", "cp2")
+FAMILY_LAYOUTS = ("tp1", "tp2-sp", "ep2", "pp2", "cp2", "tp2-etp2")
 CASES = [pytest.param(fam, *p.values, id=f"{fam}-{p.id}") for fam in FAMILIES for p in LAYOUTS
          if fam == FAMILIES[0] or p.id in FAMILY_LAYOUTS]
 
