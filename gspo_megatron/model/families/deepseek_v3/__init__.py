@@ -14,7 +14,7 @@ projection row-parallel. Megatron's local spec would make the down projections c
 (ColumnParallelLinear), and then the RoPE key's gradient is wrong at TP > 1: its output is gathered
 over TP (gather_from_tensor_model_parallel_region), whose backward keeps each rank's slice, but
 every rank uses the whole RoPE key for its own heads only, so the slice misses the other ranks'
-heads' share (multi_latent_attention.py:606-612; the duplicated branch gathers it over the
+heads' share (multi_latent_attention.py:603-622; the duplicated branch gathers it over the
 sequence, whose backward sums them). tests/test_megatron_parity.py[deepseek_v3-tp2-sp] fails
 with the column-parallel layout (relative gradient errors 4e-2 to 8e-2) and passes with this one.
 """
