@@ -760,37 +760,59 @@ def _finished_spans_function(source: str) -> str:
 # Model families: SGLang serves each family's class and loads the Hub names the exporter pushes
 # ----------------------------------------------------------------------------------------------
 
-FAMILY_MODEL_FILES = {"qwen3_moe": "sglang/srt/models/qwen3_moe.py", "glm4_moe": "sglang/srt/models/glm4_moe.py"}
+# family -> (its SGLang model file, the file and function that load its weights, what that loader
+# must do with the names the exporter pushes)
+_GQA_FOLDS = ["('qkv_proj', 'q_proj', 'q')", "('qkv_proj', 'k_proj', 'k')", "('qkv_proj', 'v_proj', 'v')",
+              "('gate_up_proj', 'gate_proj', 0)", "('gate_up_proj', 'up_proj', 1)",
+              "ckpt_gate_proj_name='gate_proj'", "ckpt_down_proj_name='down_proj'"]
+_MTP_SKIPPED = "int(name_list[2]) >= self.config.num_hidden_layers"
+DEEPSEEK_LOADER = "sglang/srt/models/deepseek_common/deepseek_weight_loader.py"
+FAMILY_SGLANG = {
+    "qwen3_moe": ("sglang/srt/models/qwen3_moe.py", None, "load_weights", _GQA_FOLDS),
+    "glm4_moe": ("sglang/srt/models/glm4_moe.py", None, "load_weights", _GQA_FOLDS + [_MTP_SKIPPED]),
+    # DeepseekV3ForCausalLM subclasses DeepseekV2ForCausalLM, whose load_weights calls
+    # do_load_weights of the shared DeepSeek loader: experts and dense MLPs folded as the others',
+    # q_a_proj and kv_a_proj_with_mqa fused into fused_qkv_a_proj_with_mqa, MTP layers skipped
+    "deepseek_v3": ("sglang/srt/models/deepseek_v2.py", DEEPSEEK_LOADER, "do_load_weights",
+                    _GQA_FOLDS[3:] + ["'fused_qkv_a_proj_with_mqa'", "'kv_a_proj_with_mqa'", _MTP_SKIPPED]),
+}
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILY_MODEL_FILES))
+@pytest.mark.parametrize("model_type", sorted(FAMILY_SGLANG))
 def test_sglang_serves_each_family_and_loads_its_pushed_names(sgl, model_type):
-    """Every family's `hf_architecture` is an EntryClass of SGLang's model file, whose
-    load_weights folds q/k/v_proj into qkv_proj and gate_proj/up_proj into gate_up_proj (the names
-    the exporter pushes, per layer and per expert). GLM-4.5 also: the router's expert bias is a
-    Parameter named `gate.e_score_correction_bias` of the MoE block (so the pushed
+    """Every family's `hf_architecture` is an EntryClass of SGLang's model file, whose weight
+    loader folds the names the exporter pushes (per layer and per expert): q/k/v_proj into
+    qkv_proj (GQA) or q_a_proj + kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa (DeepSeek-V3's
+    MLA), gate_proj/up_proj into gate_up_proj. The router's expert bias is a Parameter named
+    `gate.e_score_correction_bias` of the MoE block (GLM-4.5, DeepSeek-V3: the pushed
     `model.layers.N.mlp.gate.e_score_correction_bias` lands by name), and layers numbered past
     num_hidden_layers (MTP) are skipped when num_nextn_predict_layers > 0 (pushes declare 0)."""
     from gspo_megatron.model.registry import FAMILY_MODULES, family_of_type
 
-    assert set(FAMILY_MODEL_FILES) == set(FAMILY_MODULES)
+    assert set(FAMILY_SGLANG) == set(FAMILY_MODULES)
     family = family_of_type(model_type)
-    path = FAMILY_MODEL_FILES[model_type]
+    path, loader_path, loader, folds = FAMILY_SGLANG[model_type]
     src = _wheel_sources(sgl, (path,), f"{family.display_name} model")[path]
     tree = ast.parse(src)
     entry = next(n for n in tree.body if isinstance(n, ast.Assign)
                  and any(isinstance(t, ast.Name) and t.id == "EntryClass" for t in n.targets))
     assert family.hf_architecture in ast.unparse(entry.value), f"{path}: EntryClass {ast.unparse(entry.value)}"
-    load = _function(src, "load_weights", family.hf_architecture)
-    assert load is not None, f"{path}: no {family.hf_architecture}.load_weights"
+    if loader_path is None:
+        load = _function(src, loader, family.hf_architecture)
+        assert load is not None, f"{path}: no {family.hf_architecture}.{loader}"
+    else:
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == family.hf_architecture)
+        base = ast.unparse(cls.bases[0])
+        assert "self.do_load_weights(" in ast.unparse(_function(src, "load_weights", base)), f"{path}: {base}"
+        load = _function(_wheel_sources(sgl, (loader_path,), "DeepSeek weight loader")[loader_path], loader)
+        assert load is not None, f"{loader_path}: no {loader}"
     body = ast.unparse(load)
-    for pair in ("('qkv_proj', 'q_proj', 'q')", "('qkv_proj', 'k_proj', 'k')", "('qkv_proj', 'v_proj', 'v')",
-                 "('gate_up_proj', 'gate_proj', 0)", "('gate_up_proj', 'up_proj', 1)"):
-        assert pair in body, f"{path}: {family.hf_architecture}.load_weights lost {pair}"
-    assert "ckpt_gate_proj_name='gate_proj'" in body and "ckpt_down_proj_name='down_proj'" in body
-    if model_type == "glm4_moe":
-        gate = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Glm4MoeGate")
+    for snippet in folds:
+        assert snippet in body, f"{loader_path or path}: {loader} lost {snippet}"
+    if model_type in ("glm4_moe", "deepseek_v3"):
+        gate_cls, block_cls = {"glm4_moe": ("Glm4MoeGate", "Glm4MoeSparseMoeBlock"),
+                               "deepseek_v3": ("MoEGate", "DeepseekV2MoE")}[model_type]
+        gate = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == gate_cls)
         assert "self.e_score_correction_bias = nn.Parameter(" in ast.unparse(gate), ast.unparse(gate)[:500]
-        block = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Glm4MoeSparseMoeBlock")
-        assert "self.gate = Glm4MoeGate(" in ast.unparse(block)
-        assert "int(name_list[2]) >= self.config.num_hidden_layers" in body  # MTP layers skipped
+        block = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == block_cls)
+        assert f"self.gate = {gate_cls}(" in ast.unparse(block)
