@@ -164,6 +164,26 @@ def float_field(d: dict, source: str, key: str, default: float) -> float:
     return default if v is None else as_float(v, source, key)
 
 
+def sigmoid_moe_fields(d: dict, source: str, *, first_dense: int, moe_intermediate: int,
+                       scaling_default: float) -> dict:
+    """MoeArch fields of the MoE layout GLM-4.5 and DeepSeek-V3 share (their transformers configs
+    name it alike): the first `first_dense` layers dense with `intermediate_size`, then MoE layers
+    with `n_shared_experts` always-on experts of `moe_intermediate`, sigmoid routing with a
+    selection bias (`e_score_correction_bias`), renormalised top-k weights (the readers refuse
+    norm_topk_prob false), `routed_scaling_factor`, and the MTP layers the config declares."""
+    return dict(
+        norm_topk_prob=True,
+        dense_layers=tuple(range(first_dense)),
+        dense_intermediate_size=int_field(d, source, "intermediate_size"),
+        shared_expert_intermediate_size=int_field(d, source, "n_shared_experts", default=1, minimum=0)
+        * moe_intermediate,
+        router_score="sigmoid",
+        router_expert_bias=True,
+        routed_scaling_factor=float_field(d, source, "routed_scaling_factor", scaling_default),
+        mtp_layers=int_field(d, source, "num_nextn_predict_layers", "num_mtp_layers", default=0, minimum=0),
+    )
+
+
 def rope_theta(d: dict, source: str) -> float:
     """RoPE base of a config with plain RoPE (transformers 4.x `rope_theta`/`rope_scaling`, 5.x
     `rope_parameters`); scaled RoPE variants are refused."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from gspo_megatron.errors import ModelConfigError
 from gspo_megatron.model.arch import MoeArch
-from gspo_megatron.model.family import COMMON_INLINE_KEYS, as_float, float_field, int_field
+from gspo_megatron.model.family import COMMON_INLINE_KEYS, as_float, float_field, int_field, sigmoid_moe_fields
 
 MODEL_TYPE = "deepseek_v3"
 HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -187,15 +187,8 @@ def read_config(d: dict[str, Any], source: str = "config") -> MoeArch:
         rope_theta=theta,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        norm_topk_prob=True,
-        dense_layers=tuple(range(first_dense)),
-        dense_intermediate_size=num("intermediate_size"),
-        shared_expert_intermediate_size=num("n_shared_experts", default=1, minimum=0) * moe_i,
-        router_score="sigmoid",
-        router_expert_bias=True,
-        routed_scaling_factor=float_field(d, source, "routed_scaling_factor", 2.5),
         qkv_bias=False,
         qk_norm=False,  # GQA's per-head q/k norms: none (MLA's latent norms are the family's own)
-        mtp_layers=int_field(d, source, "num_nextn_predict_layers", "num_mtp_layers", default=0, minimum=0),
         family_fields=fields,
+        **sigmoid_moe_fields(d, source, first_dense=first_dense, moe_intermediate=moe_i, scaling_default=2.5),
     )

@@ -28,7 +28,7 @@ from typing import Any
 from gspo_megatron.errors import ModelConfigError
 from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.family import (COMMON_INLINE_KEYS, as_float, check_attention, float_field, int_field,
-                                        rope_theta)
+                                        rope_theta, sigmoid_moe_fields)
 
 MODEL_TYPE = "glm4_moe"
 HF_ARCHITECTURE = "Glm4MoeForCausalLM"
@@ -101,22 +101,11 @@ def read_config(d: dict[str, Any], source: str = "config") -> MoeArch:
         rope_theta=rope_theta(d, source),
         max_position_embeddings=num("max_position_embeddings", default=131072),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        norm_topk_prob=True,
-        dense_layers=tuple(range(first_dense)),
-        dense_intermediate_size=num("intermediate_size"),
-        shared_expert_intermediate_size=num("n_shared_experts", default=1, minimum=0) * moe_i,
-        router_score="sigmoid",
-        router_expert_bias=True,
-        routed_scaling_factor=float_field(d, source, "routed_scaling_factor", 1.0),
         rotary_percent=prf,
         qkv_bias=bool(d.get("attention_bias", False)),
         qk_norm=bool(d.get("use_qk_norm", False)),
-        mtp_layers=mtp_layers(d, source),
+        **sigmoid_moe_fields(d, source, first_dense=first_dense, moe_intermediate=moe_i, scaling_default=1.0),
     )
     check_attention(arch, source)
     return arch
 
-
-def mtp_layers(d: dict, source: str = "config") -> int:
-    """How many MTP layers the checkpoint's config declares (their tensors follow the decoder's)."""
-    return int_field(d, source, "num_nextn_predict_layers", "num_mtp_layers", default=0, minimum=0)
