@@ -749,11 +749,17 @@ def test_generate_response_fields_the_engine_reads(src, routes):
     assert response_failures(src, got[0], (("GenerateTokensChoice", "token_id", None),))  # can fail
 
 
+class _Calls(list):
+    """The recorded requests; `software_checks`: what the engine's server_software_checks() answered."""
+
+    software_checks: list = []
+
+
 class _FakeServer:
     """Stands in for ServerClient.request_once: records each request, answers like vLLM 0.32."""
 
     def __init__(self):
-        self.calls: list[tuple[str, str, dict, object]] = []
+        self.calls: _Calls = _Calls()
 
     def __call__(self, client, method, path, payload=None, *, timeout_s=None):
         split = urllib.parse.urlsplit(path)
@@ -795,6 +801,7 @@ def engine_calls(tmp_path_factory):
             eng.generate([[1, 2]], 1, SamplingParams(temperature=1.0, max_new_tokens=2))
             eng.update_weights([("model.embed_tokens.weight", torch.zeros(4, 4))], 1)
             eng.server_weight_versions()
+            fake.calls.software_checks = eng.server_software_checks()
             eng.interrupt()
             eng.resume()
         finally:
@@ -802,6 +809,15 @@ def engine_calls(tmp_path_factory):
     finally:
         mp.undo()
     return fake.calls
+
+
+def test_the_smoke_checks_server_rows_come_from_get_version(engine_calls):
+    """train/smoke.py asks the engine for its servers' versions (RolloutEngine.server_software_checks):
+    vLLM's are GET /version against VLLM_VERSION, one row per server (before, the smoke check
+    asked vLLM servers SGLang's /server_info)."""
+    assert engine_calls.software_checks == [("http://127.0.0.1:9", True, f"vLLM {VLLM_VERSION}")]
+    assert ("GET", "/version") in {(m, p) for m, p, _, _ in engine_calls}
+    assert not any(p == "/server_info" for _, p, _, _ in engine_calls)
 
 
 def test_engine_uses_only_declared_routes_and_fields(engine_calls):

@@ -128,6 +128,17 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weight_version(self) -> int: ...
 
+    # The servers behind the engine, for the pre-flight smoke check (train/smoke.py). An
+    # in-process engine has none: both answer empty.
+    def server_software_checks(self) -> list[tuple[str, bool | None, str]]:
+        """(url, ok, detail) of every server's engine version against the one the project speaks
+        (ok None: reported, not failed, as when rollout.*.check_version is off)."""
+        return []
+
+    def server_weight_versions(self) -> dict[str, str | None]:
+        """The weight version every server reports serving (None where it fails to answer)."""
+        return {}
+
     # Interrupting generation (partial rollouts, rollout/partial.py). An engine that supports it
     # sets supports_interrupt and implements both methods; they are called from another thread
     # than the one in generate().

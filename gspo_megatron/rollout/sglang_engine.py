@@ -1035,6 +1035,25 @@ class SGLangEngine(RolloutEngine):
             raise SGLangServerError(f"SGLang server {s.url}: POST {path} returned HTTP {status}: "
                                     f"{data[:300].decode('utf-8', 'replace')}", url=s.url, status=status)
 
+    def server_software_checks(self) -> list[tuple[str, bool | None, str]]:
+        """Every worker's GET /server_info version against SGLANG_VERSION. The engine already refused
+        a wrong version at start (check_version), unless the config turned the check off: then it
+        is reported here, not failed."""
+        from .sglang_api import SGLANG_VERSION, version_matches
+
+        rows = []
+        for s in self.workers:
+            try:
+                info = s.get("/server_info", timeout_s=30, retries=1)
+                got = info.get("version") if isinstance(info, dict) else None
+            except SGLangError as e:
+                rows.append((s.url, False, f"/server_info failed: {e}"))
+                continue
+            ok = got is not None and version_matches(got)[0]  # a local build label (+cu129) is the release
+            rows.append((s.url, True if ok else None, f"SGLang {got or '(version not reported)'}"
+                         + ("" if ok else f", the project speaks {SGLANG_VERSION}")))
+        return rows
+
     def server_weight_versions(self) -> dict[str, str | None]:
         """The weight version every worker serves, from GET /model_info (SGLang 0.5.23 has no
         /get_weight_version); None where it fails."""

@@ -295,6 +295,21 @@ class VLLMEngine(RolloutEngine):
                 raise VLLMVersionError(msg)
             warnings.warn(msg, stacklevel=2)
 
+    def server_software_checks(self) -> list[tuple[str, bool | None, str]]:
+        """Every server's GET /version against VLLM_VERSION (check_version's test, reported per server)."""
+        rows = []
+        for s in self.servers:
+            try:
+                info = s.get("/version", timeout_s=30, retries=1)
+            except EngineError as e:
+                rows.append((s.url, False, f"/version failed: {e}"))
+                continue
+            got = info.get("version") if isinstance(info, dict) else None
+            ok = got is not None and version_matches(got)[0]
+            rows.append((s.url, True if ok else None, f"vLLM {got or '(version not reported)'}"
+                         + ("" if ok else f", the project speaks {VLLM_VERSION}")))
+        return rows
+
     def server_weight_versions(self) -> dict[str, str | None]:
         out = {}
         for s in self.servers:

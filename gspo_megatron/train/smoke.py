@@ -56,33 +56,10 @@ def _table(checks: list[Check]) -> str:
 
 
 def _server_rows(engine) -> list[Check]:
-    servers = getattr(engine, "workers", None)
-    if servers is None:
+    rows = engine.server_software_checks()  # the engine's own servers; none in process
+    if not rows:
         return [Check("servers", None, f"{type(engine).__name__} (in-process: nothing to contact)")]
-    from gspo_megatron.rollout.sglang_api import SGLANG_VERSION, version_matches
-    from gspo_megatron.rollout.sglang_engine import SGLangError
-
-    rows = []
-    for s in servers:
-        try:
-            info = s.get("/server_info", timeout_s=30, retries=1)
-            got = info.get("version") if isinstance(info, dict) else None
-        except SGLangError as e:
-            rows.append(Check("servers", False, f"{s.url}: /server_info failed: {e}"))
-            continue
-        # the engine already refused a wrong version at start (check_version), unless the
-        # config turned the check off: then it is reported here, not failed
-        ok = got is not None and version_matches(got)[0]  # a local build label (+cu129) is the release
-        rows.append(Check("servers", True if ok else None,
-                          f"{s.url}: SGLang {got or '(version not reported)'}"
-                          + ("" if ok else f", the project speaks {SGLANG_VERSION}")))
-    return rows
-
-
-def _served_versions(engine) -> dict:
-    if hasattr(engine, "server_weight_versions"):
-        return engine.server_weight_versions()
-    return {"in-process": engine.weight_version}
+    return [Check("servers", ok, f"{url}: {detail}") for url, ok, detail in rows]
 
 
 def run_smoke(cfg, *, world_size: int, tol: float = DEFAULT_TOL, inputs=None) -> int:
@@ -102,14 +79,16 @@ def run_smoke(cfg, *, world_size: int, tol: float = DEFAULT_TOL, inputs=None) ->
 
         t = push_weights(parts, version)
         if ctx.rank == 0:
-            served = _served_versions(parts.engine)
+            served = parts.engine.server_weight_versions()
+            from_servers = bool(served)
+            served = served or {"in-process": parts.engine.weight_version}
             bad = {u: v for u, v in served.items() if str(v) != str(version)}
             checks.append(Check("weights", not bad, f"{cfg.rollout.backend}"
                                 f"{'/' + cfg.rollout.sglang.weight_sync if cfg.rollout.backend == 'sglang' else ''}"
                                 f" push in {t:.1f} s; "
                                 + (f"servers report {bad} instead of {version}" if bad
                                    else f"{len(served)} server(s) report version {version}"
-                                   if hasattr(parts.engine, "workers") else f"the engine reports version {version}")))
+                                   if from_servers else f"the engine reports version {version}")))
 
         samples = None
         if ctx.rank == 0 and all(c.ok is not False for c in checks):
