@@ -16,7 +16,8 @@ this script re-run with that venv's python. The interpreter itself is never writ
 
 What runs — the default configuration of the GPU presets on the tiny Qwen3-MoE of
 launch/configs/tiny_cpu.yaml (so it fits in minutes; `--config launch/configs/tiny_cpu_glm.yaml`:
-the GLM-4.5 family's tiny model, whose TE spec mixes dense and MoE layers): model.dtype=bfloat16 (fp32 master weights in
+the GLM-4.5 family's tiny model, whose TE spec mixes dense and MoE layers;
+`--config launch/configs/tiny_cpu_deepseek_v3.yaml`: DeepSeek-V3's, TE's MLA spec): model.dtype=bfloat16 (fp32 master weights in
 the optimizer), optimizer.use_distributed_optimizer=true, train.recompute=selective, the world
 process group on NCCL (parallel.device=cuda; gloo on CPU), Transformer Engine's layer spec when TE
 imports (then TE's FusedAdam, whose checkpoint path keeps `step` in the param groups):
@@ -470,7 +471,9 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=CONFIG,
                     help="the tiny config to run (default tiny_cpu.yaml; launch/configs/tiny_cpu_glm.yaml: the "
                          "GLM-4.5 family's path on the GPU - TE's per-layer dense/MoE spec, sigmoid routing with "
-                         "the expert bias, shared experts; its mcore-to-hf row converts the per-layer-keyed checkpoint back)")
+                         "the expert bias, shared experts; its mcore-to-hf row converts the per-layer-keyed checkpoint "
+                         "back; launch/configs/tiny_cpu_deepseek_v3.yaml: multi-latent attention in TE's MLA spec "
+                         "with TELinear down projections and TE's fused latent norms, YaRN, grouped routing)")
     ap.add_argument("--nproc", type=int, default=1, help="processes (GPUs); DP = nproc at TP1")
     ap.add_argument("--wheels", default=None, help="folder of carried wheels (`make gpu-wheels`); used when "
                                                    f"megatron-core {MEGATRON_VERSION} is missing")

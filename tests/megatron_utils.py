@@ -87,6 +87,44 @@ def make_tiny_hf(path, seed: int = 0, dtype=torch.float32, max_shard_size="200KB
     return model
 
 
+def add_mtp_layer(path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Give the tiny checkpoint at `path` one multi-token-prediction layer as DeepSeek-V3 and GLM-4.5
+    ship it (transformers builds none): tensors under model.layers.{num_hidden_layers}. in a shard
+    of their own, in the dtypes of the real ones (FP8 weights with their fp32 scales, bf16 norms,
+    an fp32 projection), listed in the index; config.json declares num_nextn_predict_layers=1.
+    Returns the tensors added."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    cfg_path = os.path.join(str(path), "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    p = f"model.layers.{L}."
+    t = {
+        p + "enorm.weight": torch.randn(H, generator=g).to(torch.bfloat16),
+        p + "hnorm.weight": torch.randn(H, generator=g).to(torch.bfloat16),
+        p + "eh_proj.weight": torch.randn(H, 2 * H, generator=g),
+        p + "shared_head.norm.weight": torch.randn(H, generator=g).to(torch.bfloat16),
+        p + "mlp.experts.0.down_proj.weight": torch.randn(H, 32, generator=g).to(torch.float8_e4m3fn),
+        p + "mlp.experts.0.down_proj.weight_scale_inv": torch.rand(1, 1, generator=g),
+    }
+    save_file(t, os.path.join(str(path), "model-mtp.safetensors"), metadata={"format": "pt"})
+    index_path = os.path.join(str(path), "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in t})
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return t
+
+
 def random_sequences(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -3,12 +3,12 @@
 What the tests show:
   * HF -> mcore -> HF is bit-exact for every tensor (fp32/bf16, tied/untied, vocab 300 which
     Megatron pads to 384 at TP1 and 512 at TP2; GLM-4.5 in Megatron's per-layer keys: a dense
-    first layer, shared experts, the router's expert bias), side files carried, transformers loads
-    the result;
+    first layer, shared experts, the router's expert bias; DeepSeek-V3's multi-latent attention and
+    YaRN), side files carried, transformers loads the result;
   * the converted checkpoint has exactly the keys and global shapes Megatron's own
     `sharded_state_dict()` uses, and loads at TP2+SP, EP2, PP2, TP2xEP2 (through Megatron DDP), a
-    tied bf16 one at TP2, and GLM at TP2+SP and PP2xEP2, with every parameter bit-exact and
-    log-probs equal to transformers';
+    tied bf16 one at TP2, and GLM and DeepSeek-V3 at TP2+SP and PP2xEP2, with every parameter
+    bit-exact and log-probs equal to transformers';
     at TP1 through `python -m gspo_megatron.score --load`;
   * a checkpoint the model saves itself (save_mcore_checkpoint at TP2), of either family, has the
     converter's keys, reloads at EP2 and converts back to the original HF tensors; extra sharded
@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dist_utils import run_distributed
-from megatron_utils import hf_token_logprobs, make_tiny_hf, random_sequences
+from megatron_utils import add_mtp_layer, hf_token_logprobs, make_tiny_hf, random_sequences
 from run_output import explain
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +71,9 @@ CASES = {  # name: (dtype, tied, seed, family)
     # GLM-4.5: a dense first layer, so Megatron keys every layer apart (checkpoint/layout.py
     # per_layer_keys); shared experts, the router's expert bias (a buffer), QKV bias
     "glm-fp32": (torch.float32, False, 4, "glm4_moe"),
+    # DeepSeek-V3: multi-latent attention (q/kv latents and their norms, which the TE spec fuses
+    # into the up projections), two dense first layers, a shared expert, the selection bias, YaRN
+    "dsv3-fp32": (torch.float32, False, 5, "deepseek_v3"),
 }
 
 
@@ -82,6 +85,8 @@ def ckpts(tmp_path_factory):
     for name, (dtype, tied, seed, family) in CASES.items():
         hf = root / f"hf-{name}"
         model = make_tiny_hf(hf, seed=seed, dtype=dtype, tie_word_embeddings=tied, family=family)
+        if family == "deepseek_v3":  # carried through unchanged (checkpoint/carried.py)
+            add_mtp_layer(hf, seed)
         if name == "fp32-untied":
             for f, text in TOKENIZER_FILES.items():
                 (hf / f).write_text(text)
@@ -162,13 +167,25 @@ def test_layout_module_matches_the_format(ckpts):
     from gspo_megatron.checkpoint.mcore import read_mcore_arch
 
     _, cases = ckpts
-    for name, (_, mc, _) in cases.items():
+    for name, (hf, mc, _) in cases.items():
         arch = read_mcore_arch(str(mc))
         r = DcpReader(str(mc))
         assert {k: r.shape(k) for k in r.keys()} == layout.expected_keys(arch)
         assert ("output_layer.weight" in r.keys()) == (not arch.tie_word_embeddings)
         # one chunk per layer (and expert), vocab rows unpadded
-        if layout.per_layer_keys(arch):  # GLM: layer 0 dense, 1..3 MoE, each keyed apart
+        if name == "dsv3-fp32":  # layers 0, 1 dense, 2, 3 MoE; MLA's latent norms under TE's fused names
+            assert r.shape("decoder.layers.2.mlp.experts.experts.linear_fc1.weight") == (8, 64, 64)
+            assert r.shape("decoder.layers.1.mlp.linear_fc1.layer_norm_weight") == (64,)
+            assert r.shape("decoder.layers.3.self_attention.linear_q_up_proj.layer_norm_weight") == (48,)
+            assert r.shape("decoder.layers.3.self_attention.linear_kv_up_proj.layer_norm_weight") == (32,)
+            assert r.shape("decoder.layers.0.self_attention.linear_kv_down_proj.weight") == (32 + 8, 64)
+            assert r.shape("decoder.layers.0.input_layernorm.weight") == (64,)
+            assert not any("q_layernorm" in k or "kv_layernorm" in k for k in r.keys())
+            # the MTP layer (model.layers.4.*) is no torch_dist tensor: carried/ holds it as it was
+            assert not any(k.startswith("decoder.layers.4.") for k in r.keys())
+            index = json.loads((mc / ITER0 / "carried" / "model.safetensors.index.json").read_text())
+            assert sorted(index["weight_map"]) == sorted(k for k in hf_tensors(hf) if k.startswith("model.layers.4."))
+        elif layout.per_layer_keys(arch):  # GLM: layer 0 dense, 1..3 MoE, each keyed apart
             assert len(r.tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].chunks) == 8
             assert r.shape("decoder.layers.1.mlp.experts.experts.linear_fc1.weight") == (8, 64, 64)
             assert r.shape("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == (64,)  # TE's fused norm
@@ -212,7 +229,7 @@ def _rank_load_layouts(rank, world, jobs, seqs):
         chunks, tcfg = build_policy(ctx, arch, dtype=dtype)
         # the model's sharded state dict, in checkpoint keys, is exactly what the checkpoint holds
         reader = DcpReader(ckpt)
-        sts = list(_sharded_tensors(model_sharded_state_dict(chunks)))
+        sts = list(_sharded_tensors(model_sharded_state_dict(chunks, arch)))
         for st in sts:
             assert st.key in reader.keys(), (name, st.key)
             want = reader.shape(st.key)
@@ -249,6 +266,7 @@ def _rank_load_layouts(rank, world, jobs, seqs):
                 ref.update(load_file(f))
             if arch.tie_word_embeddings:
                 ref.pop("lm_head.weight", None)
+            ref = {k: v for k, v in ref.items() if not k.startswith("model.layers.4.")}  # DSV3's MTP: carried
             bad = sorted(set(ref) ^ set(exported)) + [k for k in ref if k in exported and not torch.equal(
                 ref[k].to(dtype).view(torch.uint8), exported[k].view(torch.uint8))]
             bad += [f"{k} (bf16)" for k in ref if k not in exported16 or not torch.equal(
@@ -264,6 +282,7 @@ def test_converted_checkpoint_loads_at_every_layout(ckpts):
     hf, mc, model = cases["fp32-untied"]
     hf_t, mc_t, _ = cases["bf16-tied"]
     hf_g, mc_g, glm = cases["glm-fp32"]
+    hf_d, mc_d, dsv3 = cases["dsv3-fp32"]
     seqs = random_sequences(300, LENGTHS)
     f32 = torch.float32
     jobs = [
@@ -278,14 +297,19 @@ def test_converted_checkpoint_loads_at_every_layout(ckpts):
         # MoE layer on stage 0, and its global layer numbers are the keys
         ("glm-tp2-sp", str(mc_g), str(hf_g), dict(tp=2, sequence_parallel=True), f32, False),
         ("glm-pp2xep2-ddp", str(mc_g), str(hf_g), dict(pp=2, ep=2), f32, True),
+        # MLA: replicated down projections, column-parallel up projections; PP2 puts both dense
+        # layers on stage 0 and both MoE layers on stage 1
+        ("dsv3-tp2-sp", str(mc_d), str(hf_d), dict(tp=2, sequence_parallel=True), f32, False),
+        ("dsv3-pp2xep2-ddp", str(mc_d), str(hf_d), dict(pp=2, ep=2), f32, True),
     ]
     res = run_distributed(_rank_load_layouts, 4, jobs, seqs, timeout=380)[0]
     with torch.no_grad():
-        refs = {"qwen": hf_token_logprobs(model, seqs), "glm": hf_token_logprobs(glm, seqs)}
+        refs = {"qwen": hf_token_logprobs(model, seqs), "glm": hf_token_logprobs(glm, seqs),
+                "dsv3": hf_token_logprobs(dsv3, seqs)}
     for name, (bad, lps) in res.items():
         assert not bad, (name, bad[:5])
         if lps is not None:
-            ref = refs["glm" if name.startswith("glm") else "qwen"]
+            ref = refs[name.split("-")[0] if name.startswith(("glm", "dsv3")) else "qwen"]
             assert [len(x) for x in lps] == [len(s) - 1 for s in seqs]
             worst = max((torch.tensor(g) - w).abs().max().item() for g, w in zip(lps, ref))
             assert worst <= LOGPROB_TOL, (name, worst)
@@ -348,7 +372,7 @@ def _rank_save_and_reload(rank, world, hf_dir, out):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["fp32-untied", "glm-fp32"])
+@pytest.mark.parametrize("case", ["fp32-untied", "glm-fp32", "dsv3-fp32"])
 def test_model_saved_checkpoint_matches_converter(ckpts, tmp_path, case):
     from gspo_megatron.checkpoint.dcp_io import DcpReader
 
@@ -357,7 +381,8 @@ def test_model_saved_checkpoint_matches_converter(ckpts, tmp_path, case):
     saved = tmp_path / "saved"
     exported, step = run_distributed(_rank_save_and_reload, 2, str(hf), str(saved), timeout=280)[0]
     assert step.item() == 7.0
-    assert_bit_exact(hf_tensors(hf), exported)
+    # the model holds the policy; the MTP layer (model.layers.4., DeepSeek-V3's case) is carried beside it
+    assert_bit_exact({k: v for k, v in hf_tensors(hf).items() if not k.startswith("model.layers.4.")}, exported)
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]
     # Megatron's own save (TP2: split QKV, separate gate/up chunks, vocab padded to 512) has the
     # converter's keys and shapes, and converts back to the original tensors
@@ -370,6 +395,9 @@ def test_model_saved_checkpoint_matches_converter(ckpts, tmp_path, case):
             assert a.shape(k) == b.shape(k), k
     if case == "glm-fp32":  # per layer: layer 0's QKV in 2 TP chunks
         assert len(a.tensors["decoder.layers.0.self_attention.linear_qkv.weight"].chunks) == 2
+    elif case == "dsv3-fp32":  # column-parallel up projection in 2 chunks, replicated down projection whole
+        assert len(a.tensors["decoder.layers.0.self_attention.linear_kv_up_proj.weight"].chunks) == 2
+        assert len(a.tensors["decoder.layers.0.self_attention.linear_kv_down_proj.weight"].chunks) == 1
     else:
         assert len(a.tensors["decoder.layers.self_attention.linear_qkv.weight"].chunks) == 8  # 4 layers x 2 TP
     convert("mcore-to-hf", "--load", str(saved), "--out", str(tmp_path / "back"))
@@ -383,7 +411,7 @@ def test_model_saved_checkpoint_matches_converter(ckpts, tmp_path, case):
 @pytest.mark.timeout(300)
 def test_cli_under_torchrun(ckpts, tmp_path):
     _, cases = ckpts
-    hf, _, _ = cases["bf16-untied"]
+    hf, _, _ = cases["dsv3-fp32"]  # per-layer keys, MLA, and its MTP layer: rank 0 writes it back
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
     def torchrun(*args):
@@ -531,6 +559,21 @@ def test_bad_input(ckpts, tmp_path, capsys):
     shutil.copytree(mc, nometa)
     (nometa / ITER0 / ".metadata").unlink()
     _fails(capsys, m2h(nometa), ".metadata", out=out)
+
+    # carried/ admits the MTP layers' tensors only: a policy tensor listed there (checksums
+    # recomputed, so the reader's own check is what answers) would be written twice or replace one
+    from gspo_megatron.checkpoint import integrity
+
+    _, mc_d, _ = cases["dsv3-fp32"]
+    smuggled = tmp_path / "smuggled"
+    shutil.copytree(mc_d, smuggled)
+    idx_path = smuggled / ITER0 / "carried" / "model.safetensors.index.json"
+    index = json.loads(idx_path.read_text())
+    index["weight_map"]["model.layers.0.input_layernorm.weight"] = sorted(index["weight_map"].values())[0]
+    idx_path.write_text(json.dumps(index))
+    (smuggled / ITER0 / integrity.CHECKSUM_FILE).unlink()
+    integrity.record(str(smuggled / ITER0))
+    _fails(capsys, m2h(smuggled), "carried", "model.layers.0.input_layernorm.weight", "MTP", out=out)
 
 
 def test_failure_half_way_leaves_nothing(ckpts, tmp_path, monkeypatch):

@@ -202,12 +202,15 @@ def test_shared_code_asks_the_family_for_attention_kv_cache_and_routers(monkeypa
     assert [i for i, _, _ in transformers_gate_routers(eng.model)] == [0, 1, 2]
 
 
-def test_mtp_layers_are_skipped_with_a_warning_and_never_declared_in_what_is_written(tmp_path):
-    """GLM checkpoints carry their MTP layer(s) after the decoder's (model.layers.{L}...): not part of
-    the policy. The reader says so (never a silent drop), and every config the project writes (export,
-    engine pushes) declares none, so what it writes is complete for what it declares."""
+def test_mtp_layers_are_read_as_carried_and_declared_only_where_carried(tmp_path):
+    """GLM checkpoints hold their MTP layer(s) after the decoder's (model.layers.{L}...): not part of
+    the policy, carried unchanged (checkpoint/carried.py; in one safetensors file here, beside the
+    policy's tensors). A config the project writes declares MTP layers only when the writer carries
+    them (family.hf_config's mtp_layers; engine pushes carry none), so what it writes is complete
+    for what it declares."""
     from safetensors.torch import load_file, save_file
 
+    from gspo_megatron.checkpoint import carried
     from gspo_megatron.model.family import arch_from_hf_dir
     from gspo_megatron.model.hf_io import HFCheckpointReader
 
@@ -226,13 +229,13 @@ def test_mtp_layers_are_skipped_with_a_warning_and_never_declared_in_what_is_wri
     save_file({**tensors, **extra}, str(d / "model.safetensors"))
     arch = arch_from_hf_dir(str(d))
     assert arch.mtp_layers == 1
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        HFCheckpointReader(str(d)).validate(arch)
-    msgs = [str(x.message) for x in w if "multi-token-prediction" in str(x.message)]
-    assert len(msgs) == 1 and f"{len(extra)} tensors" in msgs[0], msgs
+    HFCheckpointReader(str(d)).validate(arch)  # admitted, not an unknown tensor
+    mtp = carried.from_hf_dir(str(d), arch)
+    assert mtp.names() == sorted(extra)
+    assert all(torch.equal(t, extra[n]) for n, t in mtp.tensors())
     written = arch.family.hf_config(cfg)
     assert written["num_nextn_predict_layers"] == 0 and written["architectures"] == ["Glm4MoeForCausalLM"]
+    assert arch.family.hf_config(cfg, mtp_layers=1)["num_nextn_predict_layers"] == 1
     # a tensor past the declared MTP layers is still an error naming it
     save_file({**tensors, **extra, f"model.layers.{L + 1}.eh_proj.weight": torch.zeros(1)},
               str(d / "model.safetensors"))
@@ -362,7 +365,7 @@ def _glm_sharded_keys(rank, world):
     arch = arch_from_hf_dict(_glm())
     ctx = init_parallel(ParallelConfig(), model_dims=arch.dims_for_validation())
     chunks, _ = build_policy(ctx, arch)
-    keys = sorted(v.key for v in nested_values(model_sharded_state_dict(chunks)) if hasattr(v, "key"))
+    keys = sorted(v.key for v in nested_values(model_sharded_state_dict(chunks, arch)) if hasattr(v, "key"))
     destroy_parallel()
     return keys
 
@@ -384,10 +387,161 @@ def test_glm_checkpoint_keys_are_the_te_specs_on_every_device():
         assert f"decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight" not in keys
         assert f"decoder.layers.{i}.mlp.router.expert_bias" in keys
         assert f"decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight" in keys
-    assert layout.canonical_key("decoder.layers.2.pre_mlp_layernorm.weight",
-                                "decoder.layers.2.mlp.linear_fc1.layer_norm_weight", frozenset({2})) == \
-        "decoder.layers.2.pre_mlp_layernorm.weight"
     arch = arch_from_hf_dict(_glm())
+    assert layout.canonical_key("decoder.layers.2.pre_mlp_layernorm.weight",
+                                "decoder.layers.2.mlp.linear_fc1.layer_norm_weight", arch) == \
+        "decoder.layers.2.pre_mlp_layernorm.weight"
     te = mapping.match("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", arch)
     local = mapping.match("decoder.layers.0.pre_mlp_layernorm.weight", arch)
     assert te.rule.hf == local.rule.hf == ("model.layers.{layer}.post_attention_layernorm.weight",)
+
+
+# Megatron's Transformer Engine spec provider with each TE class reduced to the parameters it holds,
+# so the GPU layer spec can be built (and read) on a machine without Transformer Engine.
+class _TeLinear:
+    params = ("weight",)
+
+
+class _TeLayerNormLinear:  # TELayerNormColumnParallelLinear: the norm fused into the linear layer
+    params = ("layer_norm_weight", "weight")
+
+
+class _TeNorm:
+    params = ("weight",)
+
+
+class _TeCoreAttention:
+    params = ()
+
+
+class _FakeTESpecProvider:
+    def linear(self):
+        return _TeLinear
+
+    column_parallel_linear = row_parallel_linear = linear
+
+    def fuse_layernorm_and_linear(self):
+        return True
+
+    def column_parallel_layer_norm_linear(self):
+        return _TeLayerNormLinear
+
+    def layer_norm(self, rms_norm=False, for_qk=False):
+        return _TeNorm
+
+    def core_attention(self):
+        return _TeCoreAttention
+
+    def grouped_mlp_modules(self, grouped, legacy):
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+        return TEGroupedMLP, MLPSubmodules(linear_fc1=_TeLinear, linear_fc2=_TeLinear)
+
+    def activation_func(self):
+        return None
+
+
+def _spec_param_names(spec, prefix="") -> set[str]:
+    """The parameter names a layer spec built with _FakeTESpecProvider gives its modules."""
+    import dataclasses as dc
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        if spec.submodules is None:
+            return _spec_param_names(spec.module, prefix)
+        return set().union(*(_spec_param_names(getattr(spec.submodules, f.name), f"{prefix}{f.name}.")
+                             for f in dc.fields(spec.submodules)))
+    if isinstance(spec, type) and hasattr(spec, "params") and spec.__module__ == __name__:
+        return {prefix + p for p in spec.params}
+    return set()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_keys_are_the_names_megatrons_te_spec_gives(family, monkeypatch):
+    """A checkpoint stores each tensor under the name Megatron's Transformer Engine spec (what a
+    GPU run builds) gives it, whichever spec wrote it: every norm exactly (GQA fuses the input norm
+    into linear_qkv, MLA fuses the q/kv latent norms into its up projections and keeps the input
+    norm, a dense layer's pre-MLP norm is fused into linear_fc1), every other non-expert tensor
+    among the spec's. The reference is the family's own GPU layer spec, built by Megatron's
+    get_gpt_layer_with_transformer_engine_spec with only the TE classes stood in for."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from gspo_megatron.checkpoint import layout
+    from gspo_megatron.config import ParallelConfig
+    from gspo_megatron.model.family import arch_from_hf_dict
+    from gspo_megatron.model.spec import transformer_config
+    import megatron_utils
+
+    cfg = {"qwen3_moe": megatron_utils.tiny_hf_config, "glm4_moe": megatron_utils.tiny_glm_config,
+           "deepseek_v3": megatron_utils.tiny_deepseek_v3_config}[family]().to_dict()
+    arch = arch_from_hf_dict(cfg)
+    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", _FakeTESpecProvider, raising=False)
+    config = transformer_config(arch, ParallelConfig())
+    te = {m: _spec_param_names(arch.family.layer_spec(config, m, True)) for m in (False, True)}
+
+    def is_norm(name):
+        return name.endswith("norm.weight") or name.endswith("layer_norm_weight")
+
+    for layer in range(arch.num_layers):
+        names = te[arch.is_moe_layer(layer)]
+        keys = {it.key.split(f"decoder.layers.{layer}.", 1)[-1].split("decoder.layers.", 1)[-1]
+                for it in layout.plan_items(arch) if it.layer == layer}
+        assert {k for k in keys if is_norm(k)} == {n for n in names if is_norm(n)}, (layer, sorted(keys))
+        # (a bias is its linear layer's: the stand-in classes list weights only)
+        rest = {k[:-len("bias")] + "weight" if k.endswith(".bias") else k
+                for k in keys if not k.startswith(("mlp.router.", "mlp.experts."))}
+        assert rest <= names, (layer, sorted(rest - names))
+
+
+@pytest.mark.timeout(600)
+def test_mtp_layers_are_carried_through_checkpoints_and_exports(tmp_path):
+    """A DeepSeek-V3 checkpoint's MTP layer (model.layers.{L}.*: FP8 weights with their scales, bf16
+    norms, an fp32 projection; transformers builds none, megatron_utils.add_mtp_layer writes it) is
+    not trained, but nothing that starts from the checkpoint loses it: a run from model.hf_dir
+    stores it unchanged in its checkpoint's carried/ and in its HF export, whose config.json
+    declares it; a run from that checkpoint (model.load) carries it again. Bit for bit, each dtype
+    its own."""
+    from safetensors.torch import load_file
+
+    from megatron_utils import add_mtp_layer
+
+    hf = tmp_path / "hf"
+    make_tiny_hf(hf, family="deepseek_v3")
+    mtp = add_mtp_layer(hf)
+    common = ["--config", DSV3_TINY, "parallel.tp=1", "parallel.sequence_parallel=false", "model.hf_config=null",
+              "train.sft_warmup_steps=0", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+              "logging.progress_bar=false", "logging.plot=false", "eval.interval=0", "train.max_steps=1",
+              "train.minibatches_per_step=1", "checkpoint.interval=1"]
+
+    def run(out, *extra):
+        r = train_pooled(1, *common, f"out_dir={out}", *extra, timeout=300)
+        assert r.returncode == 0, explain(r.stderr)
+
+    def tensors(d):
+        out = {}
+        for f in os.listdir(d):
+            if f.endswith(".safetensors"):
+                out.update(load_file(os.path.join(d, f)))
+        return out
+
+    def same(a, b):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    def carried_in(ckpt_root, export):
+        ckpt = ckpt_root / "iter_0000001"
+        got = tensors(ckpt / "carried")
+        assert got.keys() == mtp.keys() and all(same(got[k], mtp[k]) for k in mtp)
+        assert json.loads((ckpt / "hf_config" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+        exported = tensors(export)
+        assert all(same(exported[k], mtp[k]) for k in mtp)  # beside the trained (float32) policy
+        assert exported["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].dtype == torch.float32
+        index = json.loads((export / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == set(exported)
+        assert json.loads((export / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    run(tmp_path / "a", f"model.hf_dir={hf}")
+    carried_in(tmp_path / "a" / "checkpoints", tmp_path / "a" / "hf")
+    run(tmp_path / "b", f"model.load={tmp_path / 'a' / 'checkpoints' / 'iter_0000001'}")
+    carried_in(tmp_path / "b" / "checkpoints", tmp_path / "b" / "hf")

@@ -9,9 +9,11 @@ torch_dist stores every parameter as one *global* tensor under a key that Megatr
   * expert parameters are stacked over layers and experts: SequentialMLP's
     `mlp.experts.local_experts.{expert}.X` and TEGroupedMLP's `mlp.experts.X{expert}` both become
     `mlp.experts.experts.X`, with a leading [num_layers, num_experts];
-  * norms use Transformer Engine's names whatever the spec: the input norm is
-    `self_attention.linear_qkv.layer_norm_weight` (Megatron's local spec maps it there itself) and
-    the MoE pre-MLP norm is `pre_mlp_layernorm.weight` (see `canonical_key` for the local-spec quirk);
+  * every tensor is keyed by its Transformer Engine spec name whatever spec wrote it: where the TE
+    spec fuses a norm into the next linear layer (GQA's input norm into linear_qkv, MLA's q/kv
+    latent norms into its up projections, a dense layer's pre-MLP norm into linear_fc1) the fused
+    `....layer_norm_weight` name, a rule of the family beside the local spec's (`checkpoint_key`);
+    `canonical_key` turns the keys Megatron's local spec chooses into these;
   * the per-layer/per-expert slice is the "full" Megatron tensor of `mapping.hf_to_full` (QKV
     grouped per query group, fc1 = [gate; up]); vocab tensors are stored with exactly the HF
     vocabulary's rows (loaders zero the padding rows a layout needs; Megatron marks these tensors
@@ -23,11 +25,12 @@ Megatron sets `non_homogeneous_layers` whenever `moe_layer_freq` is a list
 (`decoder.layers.3.self_attention.linear_qkv.weight`, no [num_layers] axis; experts
 `decoder.layers.3.mlp.experts.experts.linear_fc1.weight` with a leading [num_experts]). There a
 dense layer's pre-MLP norm is stored under TE's fused name `decoder.layers.N.mlp.linear_fc1.layer_norm_weight`
-and an MoE layer's under `pre_mlp_layernorm.weight` (see `canonical_key`).
+and an MoE layer's under `pre_mlp_layernorm.weight` (the fused rule's scope is the dense layers).
 
 `tests/test_converters.py` checks these keys and shapes against the `sharded_state_dict()` of
-models built at several layouts, for every family, so this module and Megatron cannot drift apart
-silently.
+models built at several layouts, for every family, and tests/test_model_families.py checks them
+against the parameter names of each family's GPU (TE) layer spec as Megatron builds it, so this
+module and Megatron cannot drift apart silently.
 Nothing here names an HF tensor: the HF side is entirely the family's rules (`arch.family.rules`).
 """
 from __future__ import annotations
@@ -41,20 +44,15 @@ from gspo_megatron.model import mapping
 from gspo_megatron.model.arch import MoeArch
 from gspo_megatron.model.mapping import Rule
 
-# Megatron-Core 0.16.1's local (non-TE) layer spec maps `pre_mlp_layernorm.` to
-# `mlp.linear_fc1.layer_norm_` for every layer, although in an MoE layer there is no linear_fc1 to
-# fuse into and the TE spec keeps `pre_mlp_layernorm.weight`. Checkpoints use the TE name, so they
-# load on GPU (TE spec) and CPU (local spec) alike; `canonical_key` undoes the local spec's rename.
 # A layer's pre-MLP norm: its own module (TE spec, MoE layer) or fused into linear_fc1 (TE's
-# LayerNormColumnParallelLinear in a dense layer; the local spec's name for every layer).
+# LayerNormColumnParallelLinear in a dense layer; the local GQA spec's name for every layer).
 _MOE_PRE_MLP_NORM = "pre_mlp_layernorm.weight"
 _DENSE_PRE_MLP_NORM = "mlp.linear_fc1.layer_norm_weight"
 _PER_LAYER_MOE_NORM = re.compile(r"decoder\.layers\.(\d+)\." + re.escape(_MOE_PRE_MLP_NORM))
-_PER_LAYER_FUSED_NORM = re.compile(r"decoder\.layers\.(\d+)\." + re.escape(_DENSE_PRE_MLP_NORM))
-
-LOCAL_SPEC_KEY_QUIRKS = {
-    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
-}
+_GLOBAL_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+# The Transformer Engine spec fuses a norm into the linear layer after it (TE's
+# LayerNormColumnParallelLinear): the fused norm's parameter is that linear's `layer_norm_weight`.
+_FUSED_NORM = ".layer_norm_weight"
 
 
 # Keys other writers use for a tensor we store under another name. Megatron-Bridge and Megatron-LM
@@ -82,49 +80,75 @@ def per_layer_keys(arch: MoeArch) -> bool:
     return bool(arch.dense_layers)
 
 
-def dist_key(rule: Rule, layer: int | None = None, arch: MoeArch | None = None) -> str:
-    """The torch_dist key of the global tensor holding `rule`'s parameter: for all layers/experts
-    (stacked), or, with `layer` (a per-layer checkpoint, `per_layer_keys`), for that global layer."""
+def dist_key(rule: Rule, layer: int | None = None) -> str:
+    """The torch_dist key of the global tensor holding `rule`'s parameter, from its Megatron name:
+    for all layers/experts (stacked), or, with `layer` (a per-layer checkpoint, `per_layer_keys`),
+    for that global layer. Which of a tensor's sibling rules names it: `checkpoint_key`."""
     if layer is None:
         k = rule.mcore.replace("decoder.layers.{layer}.", "decoder.layers.")
     else:
         k = rule.mcore.replace("decoder.layers.{layer}.", f"decoder.layers.{layer}.")
-        if k == f"decoder.layers.{layer}.{_MOE_PRE_MLP_NORM}" and not arch.is_moe_layer(layer):
-            k = f"decoder.layers.{layer}.{_DENSE_PRE_MLP_NORM}"
     k = k.replace("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # SequentialMLP
     k = re.sub(r"mlp\.experts\.(linear_fc[12]\.weight)\{expert\}$", r"mlp.experts.experts.\1", k)  # TEGroupedMLP
-    k = re.sub(r"^(decoder\.layers\.(?:\d+\.)?)input_layernorm\.", r"\1self_attention.linear_qkv.layer_norm_", k)
     if "{" in k:
         raise AssertionError(f"layout: cannot derive a torch_dist key from {rule.mcore!r}")
     return k
 
 
-def _check_rules(rules) -> None:
+def fused_norm_siblings(rules) -> dict[Rule, tuple[Rule, ...]]:
+    """For each rule, the rules of the same HF tensor that the Transformer Engine spec names as a
+    norm fused into the next linear layer (`..._proj.layer_norm_weight`, `linear_fc1.layer_norm_weight`)."""
+    fused = [r for r in rules if r.mcore.endswith(_FUSED_NORM)]
+    return {r: tuple(f for f in fused if f.hf == r.hf) for r in rules}
+
+
+def checkpoint_key(rule: Rule, arch: MoeArch, layer: int | None = None, siblings=None) -> str:
+    """The key a checkpoint stores `rule`'s tensor under (at global `layer` when every layer is keyed
+    apart): the Transformer Engine spec's name, whichever spec the model was built with, so a
+    checkpoint written on CPU (local spec) loads on GPU (TE spec) and back. Where the TE spec fuses
+    the norm into the next linear layer in the layers concerned, that fused name (a rule of the
+    family sharing the HF tensor, mcore `....layer_norm_weight`); otherwise the rule's own name. With
+    no `layer` (stacked keys) the fused rule must cover every layer the rule does."""
+    if siblings is None:
+        siblings = fused_norm_siblings(arch.family.rules(arch))
+    layers = [layer] if layer is not None else rule.layer_indices(arch) if rule.per_layer else []
+    for f in siblings.get(rule, ()):
+        if layers and all(f.in_layer(arch, i) for i in layers):
+            rule = f
+            break
+    return dist_key(rule, layer)
+
+
+def _check_rules(rules, arch: MoeArch) -> None:
     # The local- and TE-spec variants of one HF tensor must share a key, or the spec would leak
     # into the checkpoint format.
+    siblings = fused_norm_siblings(rules)
     by_hf: dict[tuple, str] = {}
     for r in rules:
-        k = dist_key(r)
+        k = checkpoint_key(r, arch, siblings=siblings)
         if by_hf.setdefault(r.hf, k) != k:
             raise AssertionError(f"layout: {r.mcore!r} and its sibling rule map to different keys")
 
 
-def canonical_key(state_dict_name: str, sharded_key: str, moe_layers: frozenset[int] | None = None) -> str:
-    """The checkpoint key for a ShardedTensor of Megatron's `sharded_state_dict()`.
-
-    `moe_layers`: the global indices of the MoE layers, for a model whose checkpoint keys every
-    layer apart (dense and MoE layers mixed, transformer_block.py:830-834). There the local spec's
-    rename applies per layer: the TE spec fuses a *dense* layer's pre-MLP norm into its linear_fc1
-    (the renamed key is TE's own), while an MoE layer keeps pre_mlp_layernorm."""
-    if not state_dict_name.endswith("pre_mlp_layernorm.weight"):
+def canonical_key(state_dict_name: str, sharded_key: str, arch: MoeArch) -> str:
+    """The checkpoint key for the ShardedTensor `state_dict_name` of Megatron's `sharded_state_dict()`
+    (whose `sharded_key` Megatron chose): `checkpoint_key` of the family rule that names the
+    parameter, at the global layer the sharded key holds when every layer is keyed apart
+    (transformer_block.py:830-834). This undoes what the local spec names its own way: GQA's local
+    spec renames every pre-MLP norm to the fused `mlp.linear_fc1.layer_norm_weight` although an MoE
+    layer has no linear_fc1 to fuse into (gpt_layer_specs.py:417-420); MLA's local spec keeps its
+    q/kv latent norms and a dense layer's pre-MLP norm apart where the TE spec fuses them
+    (gpt_layer_specs.py:233-268 against 365-389). A parameter no rule names keeps its key."""
+    m = mapping.match_or_none(state_dict_name, arch)
+    if m is None:
         return sharded_key
-    fixed = LOCAL_SPEC_KEY_QUIRKS.get(sharded_key)
-    if fixed is not None:
-        return fixed
-    m = _PER_LAYER_FUSED_NORM.fullmatch(sharded_key)
-    if m is not None and moe_layers is not None and int(m.group(1)) in moe_layers:
-        return f"decoder.layers.{m.group(1)}.{_MOE_PRE_MLP_NORM}"
-    return sharded_key
+    layer = None
+    if m.rule.per_layer and per_layer_keys(arch):
+        g = _GLOBAL_LAYER.match(sharded_key)
+        if g is None:
+            raise AssertionError(f"layout: {state_dict_name!r}: per-layer key {sharded_key!r} names no layer")
+        layer = int(g.group(1))
+    return checkpoint_key(m.rule, arch, layer)
 
 
 def prepend_dims(rule: Rule, arch: MoeArch) -> tuple[int, ...]:
@@ -179,7 +203,7 @@ class Item:
 def _rules_in_order(arch: MoeArch) -> list[Rule]:
     rules = arch.family.rules(arch)
     if not per_layer_keys(arch):
-        _check_rules(rules)
+        _check_rules(rules, arch)
     out = []
     for r in mapping.hf_rules(rules):
         if r.is_output and arch.tie_word_embeddings:
@@ -199,11 +223,13 @@ def plan_items(arch: MoeArch) -> list[Item]:
     apart = per_layer_keys(arch)
     items: list[Item] = []
     shapes = {r: (prepend_dims(r, arch), full_shape(r, arch)) for r in rules}
+    siblings = fused_norm_siblings(arch.family.rules(arch))
+    keys = {} if apart else {r: checkpoint_key(r, arch, siblings=siblings) for r in rules}
 
     def add(rule, layer, expert):
         pre, full = shapes[rule]
         idx = tuple(i for i in ((None if apart else layer), expert) if i is not None)
-        key = dist_key(rule, layer, arch) if apart and layer is not None else dist_key(rule)
+        key = keys.get(rule) or checkpoint_key(rule, arch, layer if apart else None, siblings)
         items.append(Item(rule, layer, expert, key, pre + full, idx + (0,) * len(full),
                           (1,) * len(idx) + full, len(idx)))
 

@@ -28,7 +28,7 @@ metadata is not needed to resume bf16/fp32 training), so both the CPU and TE lay
 Public API
     read_hf_config(C) -> (dict, path)            the HF config stored with an mcore checkpoint
     read_mcore_arch(C) -> MoeArch           its architecture (errors name the path)
-    model_sharded_state_dict(chunks) -> dict     the model's sharded state dict in checkpoint keys
+    model_sharded_state_dict(chunks, arch)       the model's sharded state dict in checkpoint keys
     save_mcore_checkpoint(chunks, C, hf_config)  collective, atomic save of the sharded model
     load_mcore_into_model(chunks, C)             collective load into already-built chunks, any layout
     hf_to_mcore(H, C, ...) / mcore_to_hf(C, H2, ...)   streaming conversion (single process or
@@ -48,7 +48,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from gspo_megatron.checkpoint import atomic, integrity, layout, megatron_dirs
+from gspo_megatron.checkpoint import atomic, carried, integrity, layout, megatron_dirs
 from gspo_megatron.checkpoint.dcp_io import Chunk, DcpReader, save_chunks
 from gspo_megatron.checkpoint.safetensors_data import SafetensorsData
 from gspo_megatron.model import mapping
@@ -259,6 +259,7 @@ def _hf_to_mcore(hf_dir, out_dir, *, dtype, max_file_size, progress, overwrite, 
     reader.validate(arch)
     data = SafetensorsData(hf_dir, reader.weight_map)
     data.check_all()
+    mtp = carried.from_hf_dir(hf_dir, arch, reader.weight_map)
     out_dir = atomic.check_target(out_dir, overwrite)
 
     items = layout.plan_items(arch)
@@ -289,6 +290,8 @@ def _hf_to_mcore(hf_dir, out_dir, *, dtype, max_file_size, progress, overwrite, 
         bar.close()
         if rank == 0:
             _write_format_files(ck, _with_dtype(cfg, dtype), hf_dir)
+            if mtp is not None:  # as they are, in their own dtype (checkpoint/carried.py)
+                mtp.write(ck)
             megatron_dirs.write_bridge_train_state(tmp, ck, it)
         _barrier()
         integrity.record(ck, atomic.dist_or_none())  # every file of the iteration, before it is named
@@ -372,6 +375,7 @@ def _mcore_to_hf(ckpt_dir, out_dir, *, hf_config_dir, dtype, max_shard_size, pro
     # every file, the tensor data included (split over the ranks), before a tensor is read or
     # anything written
     integrity.verify_before_parse(ckpt_dir, data=True, require=require_checksums, dist=atomic.dist_or_none())
+    mtp = carried.from_checkpoint(ckpt_dir, arch)  # written by rank 0, unconverted
     out_dir = atomic.check_target(out_dir, overwrite)
     max_bytes = parse_size(max_shard_size)
 
@@ -386,9 +390,10 @@ def _mcore_to_hf(ckpt_dir, out_dir, *, hf_config_dir, dtype, max_shard_size, pro
     try:
         if world == 1:
             save_hf_checkpoint(_iter_hf(reader, mine, arch, bar), out_dir, cfg, max_shard_size=max_bytes,
-                               dtype=dtype, copy_from=side)
+                               dtype=dtype, copy_from=side, carried=mtp.tensors() if mtp else ())
         else:
-            _mcore_to_hf_collective(reader, mine, arch, out_dir, cfg, side, max_bytes, dtype, overwrite, bar)
+            _mcore_to_hf_collective(reader, mine, arch, out_dir, cfg, side, max_bytes, dtype, overwrite, bar,
+                                    mtp if rank == 0 else None)
     finally:
         bar.close()
         reader.close()
@@ -396,7 +401,7 @@ def _mcore_to_hf(ckpt_dir, out_dir, *, hf_config_dir, dtype, max_shard_size, pro
     return stats
 
 
-def _mcore_to_hf_collective(reader, mine, arch, out_dir, cfg, side, max_bytes, dtype, overwrite, bar) -> None:
+def _mcore_to_hf_collective(reader, mine, arch, out_dir, cfg, side, max_bytes, dtype, overwrite, bar, mtp) -> None:
     d = atomic.dist_or_none()
     rank, world = atomic.rank_world()
     tmp = atomic.make_tmp_collective(out_dir)
@@ -407,6 +412,8 @@ def _mcore_to_hf_collective(reader, mine, arch, out_dir, cfg, side, max_bytes, d
         w = HFShardWriter(sub, max_bytes, dtype)
         for name, t in _iter_hf(reader, mine, arch, bar):
             w.add(name, t)
+        for name, t in (mtp.tensors() if mtp is not None else ()):
+            w.add(name, t, cast=False)
         w.finish()
     except Exception as e:  # reported to every rank below, so nobody waits forever
         err = e
@@ -475,24 +482,21 @@ def _chunk_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"  # Megatron-LM's naming for (virtual) pipeline chunks
 
 
-def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+def model_sharded_state_dict(chunks: list[torch.nn.Module], arch: MoeArch) -> dict:
     """{"model": sharded state dict} (or model0, model1, ... for several chunks) in checkpoint keys:
-    parameters only (no `_extra_state`), local-spec key quirks undone (see layout.canonical_key).
-    Chunks may be wrapped in Megatron DDP / Float16Module."""
+    parameters only (no `_extra_state`), each under the Transformer Engine spec's key whichever spec
+    built the model (layout.canonical_key, from `arch`'s family rules). Chunks may be wrapped in
+    Megatron DDP / Float16Module."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     out = {}
     for i, chunk in enumerate(chunks):
         sd = {}
-        full = _unwrap(chunk).sharded_state_dict()
-        # per-layer keys (dense and MoE layers mixed): which of this chunk's layers are MoE
-        moe_layers = frozenset(int(m.group(1)) for v in full.values() if isinstance(v, ShardedTensor)
-                               and (m := re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.router\.weight", v.key)))
-        for name, v in full.items():
+        for name, v in _unwrap(chunk).sharded_state_dict().items():
             if isinstance(v, ShardedObject) or name.endswith("._extra_state"):
                 continue
             if isinstance(v, ShardedTensor):
-                v.key = layout.canonical_key(name, v.key, moe_layers)
+                v.key = layout.canonical_key(name, v.key, arch)
             sd[name] = v
         out[_chunk_key(i, len(chunks))] = sd
     return out
@@ -594,6 +598,7 @@ def save_mcore_checkpoint(
     checksums: bool = True,
     collectives=None,
     extra_state_keys: list | None = None,
+    carried_tensors: carried.CarriedTensors | None = None,
 ) -> None:
     """Save this rank's model chunks (any TP/PP/EP/ETP layout) as one torch_dist checkpoint.
 
@@ -620,13 +625,17 @@ def save_mcore_checkpoint(
     background writer's own, train/async_save.py), default the world's; with `tensor_chunks` only.
     `extra_state_keys`: this rank's `model_extra_state_keys(chunks)`, when the caller read them
     already (a background writer must not walk modules the training thread is using).
+    `carried_tensors`: HF tensors stored unchanged in `carried/` (the MTP layers,
+    checkpoint/carried.py); by default those of the HF checkpoint `hf_config` names, if any.
     """
     from megatron.core import dist_checkpointing
 
     cfg, side = _hf_config_dict(hf_config)
+    arch = MoeArch.from_hf_dict(cfg, source="save_mcore_checkpoint(hf_config=...)")
+    if carried_tensors is None and side is not None:
+        carried_tensors = carried.from_hf_dir(side, arch)
     side = side_files_from or side
-    MoeArch.from_hf_dict(cfg, source="save_mcore_checkpoint(hf_config=...)")
-    sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks))
+    sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks, arch))
     for k, v in (extra_sharded_state or {}).items():
         if k in sd:
             raise ValueError(f"save_mcore_checkpoint: extra_sharded_state key {k!r} clashes with the model's")
@@ -673,6 +682,8 @@ def save_mcore_checkpoint(
             write_rank_files(tmp)
         if rank == 0:
             _write_hf_config(tmp, cfg, side)
+            if carried_tensors is not None:
+                carried_tensors.write(tmp)
         barrier()
         if checksums:
             integrity.record(tmp, d)
@@ -734,7 +745,7 @@ def load_mcore_into_model(
         integrity.verify_before_parse(ckpt_dir, data=True, require=require_checksums, dist=atomic.dist_or_none())
     reader = DcpReader(ckpt_dir)
     reader.check_files()
-    sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks))
+    sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks, read_mcore_arch(ckpt_dir)))
     for t in _sharded_tensors(sd):  # another writer's name for a tensor (layout.KEY_ALIASES)
         t.key = layout.stored_key(t.key, reader.tensors)
     _check_model_against(sd, reader)

@@ -83,8 +83,10 @@ class ModelFamily(Protocol):
     def gpt_model_options(self, arch: MoeArch) -> dict[str, Any]:
         """GPTModel arguments of this family's position embedding (type, base, rotary fraction)."""
 
-    def hf_config(self, hf: dict[str, Any]) -> dict[str, Any]:
-        """A config.json for `hf` (an inline or read config dict): model_type and architectures set."""
+    def hf_config(self, hf: dict[str, Any], mtp_layers: int = 0) -> dict[str, Any]:
+        """A config.json for `hf` (an inline or read config dict): model_type and architectures set,
+        declaring `mtp_layers` multi-token-prediction layers (those the writer carries,
+        checkpoint/carried.py; none by default)."""
 
     def bridge_run_config(self, arch: MoeArch, dtype: str = "bfloat16") -> dict | None:
         """Megatron-Bridge's run_config.yaml for a checkpoint of `arch`; None without a Bridge table

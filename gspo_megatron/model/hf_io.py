@@ -120,14 +120,9 @@ class HFCheckpointReader:
                    if len(expected) > len(have) else f" (and {more} more)" if more else "")
             )
         ignorable = set(mapping.output_rule(arch).hf) if arch.tie_word_embeddings else set()
-        mtp = {n for n in have if _layer_of(n) is not None
-               and arch.num_layers <= _layer_of(n) < arch.num_layers + arch.mtp_layers}
-        if mtp:
-            import warnings
-
-            warnings.warn(f"{self.hf_dir}: skipping the {len(mtp)} tensors of the {arch.mtp_layers} multi-token-"
-                          f"prediction layer(s) (model.layers.{arch.num_layers}...): not part of the policy; "
-                          "exports and engine pushes declare num_nextn_predict_layers=0", stacklevel=2)
+        # the MTP layers: not part of the policy, carried unchanged into checkpoints and exports
+        # (checkpoint/carried.py)
+        mtp = {n for n in have if is_mtp_name(n, arch)}
         unknown = sorted(have - set(expected) - ignorable - mtp)
         if unknown:
             raise CheckpointError(
@@ -146,6 +141,13 @@ def _layer_of(name: str) -> int | None:
     if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
         return int(parts[2])
     return None
+
+
+def is_mtp_name(name: str, arch: MoeArch) -> bool:
+    """Whether `name` is a tensor of one of the multi-token-prediction layers `arch`'s config
+    declares (`model.layers.{num_layers + i}.`, after the decoder)."""
+    i = _layer_of(name)
+    return i is not None and arch.num_layers <= i < arch.num_layers + arch.mtp_layers
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:

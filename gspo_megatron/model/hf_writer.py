@@ -44,13 +44,16 @@ class HFShardWriter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shards: list[list[str]] = []
+        self._names: set[str] = set()
         self.total_bytes = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._pending or any(name in s for s in self._shards):
+    def add(self, name: str, tensor: torch.Tensor, cast: bool = True) -> None:
+        """`cast`: to the writer's dtype (False: as it is, e.g. a carried tensor)."""
+        if name in self._names:  # a set: a 671B model's export adds ~10^5 names
             raise ValueError(f"duplicate tensor name {name!r} in HF export")
+        self._names.add(name)
         t = tensor.detach().to("cpu")
-        if self.dtype is not None and t.is_floating_point():
+        if cast and self.dtype is not None and t.is_floating_point():
             t = t.to(self.dtype)
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
@@ -94,6 +97,7 @@ def save_hf_checkpoint(
     progress: bool = False,
     command: str | None = EXPORT_COMMAND,
     add_files: Callable[[str], object] | None = None,
+    carried: Iterable[tuple[str, torch.Tensor]] = (),
 ) -> int:
     """Write a complete HF checkpoint at `out_dir` atomically; returns bytes of tensor data.
 
@@ -103,7 +107,8 @@ def save_hf_checkpoint(
     replaces (fsutil.publish: a user's folder there is refused, after the tensors are consumed,
     so collective callers never hang); an enclosing fsutil.output_of (the converter) names it
     instead; None replaces whatever is there. `add_files(dir)`: writes more files into the
-    checkpoint before it is published (e.g. a tokenizer's save_pretrained).
+    checkpoint before it is published (e.g. a tokenizer's save_pretrained). `carried`: more
+    (name, tensor) written as they are, never cast (checkpoint/carried.py: the MTP layers).
     """
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
@@ -117,6 +122,8 @@ def save_hf_checkpoint(
             it = tqdm(named_tensors, desc="writing HF tensors", unit="tensor")
         for name, t in it:
             writer.add(name, t)
+        for name, t in carried:
+            writer.add(name, t, cast=False)
         writer.finish()
         cfg = dict(hf_config)
         if dtype is not None:

@@ -275,10 +275,18 @@ class Match:
 def match(mcore_name: str, arch: MoeArch) -> Match:
     """Which of `arch`'s family's rules produces this Megatron parameter (exact match; names never
     overlap)."""
+    m = match_or_none(mcore_name, arch)
+    if m is None:
+        raise MappingError(f"no HF mapping for Megatron parameter {mcore_name!r}")
+    return m
+
+
+def match_or_none(mcore_name: str, arch: MoeArch) -> Match | None:
+    """`match`, or None for a name no rule produces."""
     name = mcore_name[len("module."):] if mcore_name.startswith("module.") else mcore_name
     hits = [(r, m) for r in arch.family.rules(arch) if (m := r._regex.fullmatch(name))]
     if not hits:
-        raise MappingError(f"no HF mapping for Megatron parameter {mcore_name!r}")
+        return None
     if len(hits) > 1:  # a bug in the rules, not in the input
         raise AssertionError(f"ambiguous mapping rules for {mcore_name!r}")
     rule, m = hits[0]

@@ -128,7 +128,7 @@ def optimizer_state(optimizer, model_state: dict, *, is_loading: bool) -> dict:
 
 
 def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict, ctx, *, hf_config: dict,
-         keep_last: int = 0, tokenizer=None, writer: str = "auto", background=None) -> str:
+         keep_last: int = 0, tokenizer=None, writer: str = "auto", background=None, carried_tensors=None) -> str:
     """Collective: every rank calls it. Returns the final directory.
 
     writer: "auto" — the distributed optimizer's state and the model are written by each DP rank
@@ -136,7 +136,8 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
     "megatron" — Megatron's save always (its fully_reshardable path gathers the optimizer state
     on every DP rank first). Both write the same checkpoint (tests/test_checkpoint.py).
     background: a train/async_save.py BackgroundSaves: with the direct writer, snapshot and return
-    while its thread writes (the directory and the tracker appear when the write is done: wait())."""
+    while its thread writes (the directory and the tracker appear when the write is done: wait()).
+    carried_tensors: checkpoint/carried.py CarriedTensors stored unchanged (rank 0 writes them)."""
     from gspo_megatron.checkpoint.mcore import model_sharded_state_dict
 
     if writer not in ("auto", "megatron"):
@@ -149,12 +150,14 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
     else:  # (a background write checks the snapshot it writes instead: _refuse_non_finite_chunks)
         _refuse_non_finite(final, model, optimizer, ctx)  # before anything is written
     os.makedirs(root, exist_ok=True)
-    model_state = model_sharded_state_dict(model)
+    from gspo_megatron.model.arch import MoeArch
+
+    model_state = model_sharded_state_dict(model, MoeArch.from_hf_dict(hf_config, source="checkpoint.save(hf_config=...)"))
     trainer = {"format": FORMAT_VERSION, "step": step, "scheduler": scheduler.state_dict(), "loop": loop_state,
                "layout": layout_of(ctx)}
     return _wrap_write_errors(final, lambda: _save_collective(
         root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer, writer,
-        background))
+        background, carried_tensors))
 
 
 def _wrap_write_errors(final: str, fn):
@@ -242,7 +245,7 @@ def _refuse_non_finite_chunks(final: str, chunks: list, d) -> None:
 
 
 def _save_collective(root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer,
-          writer, background=None) -> str:
+          writer, background=None, carried_tensors=None) -> str:
     from gspo_megatron.checkpoint.mcore import model_extra_state_keys, save_mcore_checkpoint
     from gspo_megatron.train.checkpoint_shards import distributed_optimizer_plan
 
@@ -272,7 +275,7 @@ def _save_collective(root, final, step, model, optimizer, model_state, trainer, 
             _refuse_non_finite_chunks(final, chunks, ops)
             save_mcore_checkpoint(model, final, hf_config, model_state=model_state, write_rank_files=rank_files,
                                   tensor_chunks=chunks, common_state=state, thread_count=1, checksums=False,
-                                  collectives=ops, extra_state_keys=keys)
+                                  collectives=ops, extra_state_keys=keys, carried_tensors=carried_tensors)
             _publish(root, final, step, keep_last, ops)
 
         background.submit(_step_name(step), lambda: _wrap_write_errors(final, write))
@@ -286,13 +289,13 @@ def _save_collective(root, final, step, model, optimizer, model_state, trainer, 
         chunks, common = plan
         save_mcore_checkpoint(model, final, hf_config, model_state=model_state, write_rank_files=rank_files,
                               tensor_chunks=chunks, common_state={"optimizer": common, "trainer": trainer},
-                              thread_count=1, checksums=False)
+                              thread_count=1, checksums=False, carried_tensors=carried_tensors)
     else:
         save_mcore_checkpoint(
             model, final, hf_config, model_state=model_state, write_rank_files=rank_files,
             extra_sharded_state={"optimizer": optimizer_state(optimizer, model_state, is_loading=False),
                                  "trainer": trainer},
-            checksums=False,
+            checksums=False, carried_tensors=carried_tensors,
         )
     _publish(root, final, step, keep_last, dist)
     return final
@@ -520,7 +523,8 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     optimizer: the distributed optimizer's state piece by piece (_load_distributed_optimizer),
     any other through Megatron's sharded_state_dict in one load."""
     from gspo_megatron.checkpoint import integrity
-    from gspo_megatron.checkpoint.mcore import load_mcore_into_model, load_sharded, model_sharded_state_dict
+    from gspo_megatron.checkpoint.mcore import (load_mcore_into_model, load_sharded, model_sharded_state_dict,
+                                                read_mcore_arch)
     from gspo_megatron.checkpoint.safe_torch import load_torch_file
 
     from gspo_megatron.errors import CheckpointError
@@ -541,7 +545,7 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     _check_optimizer_kind(path, saved_optimizer, optimizer)
     load_mcore_into_model(model, path, verify_data=False)  # verified above
     # a fresh model state: the load above replaced the tensors of the one it used
-    model_state = model_sharded_state_dict(model)
+    model_state = model_sharded_state_dict(model, arch if arch is not None else read_mcore_arch(path))
     if not _load_distributed_optimizer(optimizer, saved_optimizer, model_state, path, chunk_bytes, ctx.device):
         opt_state = optimizer_state(optimizer, model_state, is_loading=True)
         optimizer.load_state_dict(load_sharded({"optimizer": opt_state}, path)["optimizer"])

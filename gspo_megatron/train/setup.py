@@ -266,6 +266,9 @@ class RunParts:
     agent: Any = None  # rollout/agent.py AgentRunner (rollout.agent), rank 0 uses it
     saves: Any = None  # train/async_save.py BackgroundSaves (checkpoint.async_save), every rank
     refit: Any = None  # train/refit_check.py RefitCheck (rollout.verify_weights), every rank
+    # checkpoint/carried.py CarriedTensors: the MTP layers of the model's source, stored unchanged
+    # in every checkpoint and export; None when the source has none
+    carried: Any = None
 
     def plan_rows(self, samples: list) -> tuple[list[list[int]], list]:
         """`plan`'s microbatches with, for each, the indices into `samples` of its rows."""
@@ -287,8 +290,9 @@ class RunParts:
                               packed=self.cfg.train.packing)
 
     def export_config(self) -> dict:
-        """config.json of the policy as an HF model (exports and checkpoints carry it)."""
-        cfg = self.arch.family.hf_config(self.hf_config)
+        """config.json of the policy as an HF model (exports and checkpoints carry it), declaring
+        the MTP layers they carry."""
+        cfg = self.arch.family.hf_config(self.hf_config, mtp_layers=self.arch.mtp_layers if self.carried else 0)
         if self.tokenizer.eos_token_id is not None:
             cfg.setdefault("eos_token_id", self.tokenizer.eos_token_id)
             cfg.setdefault("pad_token_id", self.tokenizer.pad_token_id)
@@ -300,7 +304,7 @@ class RunParts:
 
         return checkpoint.save(self.cfg.out_dir, step, self.model, self.optimizer, self.scheduler, loop_state,
                                self.ctx, hf_config=self.export_config(), keep_last=self.cfg.checkpoint.keep_last,
-                               tokenizer=self.tokenizer, background=self.saves)
+                               tokenizer=self.tokenizer, background=self.saves, carried_tensors=self.carried)
 
     def wait_for_saves(self, why: str = "") -> float:
         """Collective in effect (the writer's own barriers): the background write in flight, if
@@ -320,7 +324,8 @@ class RunParts:
 
         stream = iter_hf_tensors(self.model, self.ctx, self.arch)
         if self.ctx.rank == 0:
-            save_hf_checkpoint(stream, out_dir, self.export_config(), dtype=self.dtype, copy_from=self.cfg.model.hf_dir)
+            save_hf_checkpoint(stream, out_dir, self.export_config(), dtype=self.dtype, copy_from=self.cfg.model.hf_dir,
+                               carried=self.carried.tensors() if self.carried else ())
             if not self.cfg.model.hf_dir:
                 self.tokenizer.save_pretrained(out_dir)
             log.info("exported the policy to %s", out_dir)
@@ -469,6 +474,10 @@ class Inputs:
     heldout: Any = None  # train/evaluation.py HeldOut when eval.interval > 0
     load: Any = None  # config.py LoadSource of model.load (read_load_source), None without it
     agent: Any = None  # rollout/agent.py AgentRunner when rollout.agent is set
+    # checkpoint/carried.py CarriedTensors of model.load's carried/ or model.hf_dir's MTP layers. The
+    # run's own source, not a resumed checkpoint's copy: that one may be pruned (keep_last) while
+    # the run goes on, and the copies are equal
+    carried: Any = None
 
 
 def check_inputs(cfg, *, world_size: int) -> Inputs:
@@ -476,6 +485,7 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     tokenizer (fits the vocabulary), data (file readable, keys in every record, the first records
     render), warm start vs data source, reward (imports), an explicit checkpoint.resume path (a
     trainer checkpoint). One InputError/ConfigError/CheckpointError line on bad input."""
+    from gspo_megatron.checkpoint import carried
     from gspo_megatron.model.hf_io import HFCheckpointReader
 
     load = read_load_source(cfg)  # model.load's checkpoint: resolved and read once, here
@@ -483,10 +493,13 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     sources = cfg.model_sources(load)
     arch = MoeArch.from_hf_dict(hf_config, source=sources[0][0] if sources else "model.hf_config")
     resolve.validate_world(cfg, world_size, hf_config)
-    reader = None
+    reader, mtp = None, None
     if cfg.model.hf_dir:
         reader = HFCheckpointReader(cfg.model.hf_dir)
         reader.validate(arch)
+        mtp = carried.from_hf_dir(cfg.model.hf_dir, arch, reader.weight_map)
+    elif load is not None:
+        mtp = carried.from_checkpoint(load.directory, arch)
     if cfg.checkpoint.export_hf:  # a folder at <out_dir>/hf the export may not replace: refused now, not after training
         from gspo_megatron.model.hf_writer import check_export_target
 
@@ -533,7 +546,7 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
         from gspo_megatron.train.evaluation import HeldOut
 
         heldout = HeldOut(cfg, prompts, agent=agent)
-    return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout, load, agent)
+    return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout, load, agent, mtp)
 
 
 def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts:
@@ -611,7 +624,7 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
         scheduler=scheduler, tokenizer=tokenizer, prompts=prompts, score=score, engine=engine, reference=None,
         colocation=colocation,
         seq_multiple=pad_multiple(cfg.parallel), pad_id=tokenizer.pad_token_id or 0, stop_ids=stop_ids,
-        routing_replay=routing_replay, heldout=inputs.heldout, agent=inputs.agent,
+        routing_replay=routing_replay, heldout=inputs.heldout, agent=inputs.agent, carried=inputs.carried,
     )
     if cfg.checkpoint.async_save:  # collective: every rank creates the writer's group here
         from gspo_megatron.parallel.state import background_group

@@ -204,14 +204,14 @@ class DeepseekV3Family:
         return dict(position_embedding_type="rope")
 
     # ---- HF configs, Megatron-Bridge, the reference -----------------------------------------
-    def hf_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+    def hf_config(self, hf: dict[str, Any], mtp_layers: int = 0) -> dict[str, Any]:
         """The router's method and scoring function as DeepSeek's own configs state them (vLLM and
-        SGLang read them: their defaults are softmax routing); what the project writes holds no
-        MTP weights yet, so its config declares none."""
+        SGLang read them: their defaults are softmax routing); the MTP layers declared are the
+        ones the writer carries (none unless it says)."""
         out = {**hf, "model_type": self.model_type, "architectures": [self.hf_architecture],
                "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
         for k in ("num_nextn_predict_layers", "num_mtp_layers"):
-            out[k] = 0
+            out[k] = mtp_layers
         return out
 
     def bridge_run_config(self, arch: MoeArch, dtype: str = "bfloat16") -> dict | None:

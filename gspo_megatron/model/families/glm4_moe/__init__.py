@@ -50,12 +50,14 @@ class Glm4MoeFamily(family.StandardDecoder):
             opts["moe_shared_expert_intermediate_size"] = arch.shared_expert_intermediate_size
         return opts
 
-    def hf_config(self, hf: dict[str, Any]) -> dict[str, Any]:
-        """What the project writes holds no MTP weights, so its config declares none."""
+    def hf_config(self, hf: dict[str, Any], mtp_layers: int = 0) -> dict[str, Any]:
+        """The MTP layers declared are the ones the writer carries (none unless it says)."""
         out = {**hf, "model_type": self.model_type, "architectures": [self.hf_architecture]}
         for k in ("num_nextn_predict_layers", "num_mtp_layers"):
             if k in out:
-                out[k] = 0
+                out[k] = mtp_layers
+        if mtp_layers:
+            out["num_nextn_predict_layers"] = mtp_layers
         return out
 
     def bridge_run_config(self, arch: MoeArch, dtype: str = "bfloat16") -> dict | None:

@@ -41,7 +41,9 @@ class Qwen3MoeFamily(family.StandardDecoder):
             moe_router_pre_softmax=not arch.norm_topk_prob,
         )
 
-    def hf_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+    def hf_config(self, hf: dict[str, Any], mtp_layers: int = 0) -> dict[str, Any]:
+        if mtp_layers:
+            raise ValueError(f"{self.display_name} has no multi-token-prediction layers")
         return {**hf, "model_type": self.model_type, "architectures": [self.hf_architecture]}
 
     def bridge_run_config(self, arch: MoeArch, dtype: str = "bfloat16") -> dict | None:
