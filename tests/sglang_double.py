@@ -779,6 +779,12 @@ class SGLangDouble:
         f = self.faults
         self._weight_updates = getattr(self, "_weight_updates", 0) + 1
         corrupt = f.scale_tensor and self._weight_updates > f.scale_from_update
+        # DeepSeek's MLA with a q latent: SGLang fuses q_a_proj + kv_a_proj_with_mqa into one
+        # parameter and writes it only when both came in this call (deepseek_weight_loader.py
+        # do_load_weights, `cached_a_proj`, local to the call); a lone one is dropped without a
+        # word (tests/test_sglang_contract.py pins those lines)
+        fused_a = getattr(self.engine.model.config, "q_lora_rank", None) is not None
+        cached_a: dict[str, Any] = {}
         with torch.no_grad():
             for name, t in named:
                 tgt = targets.get(name)
@@ -788,9 +794,18 @@ class SGLangDouble:
                     raise ValueError(f"{name}: shape {tuple(t.shape)} != {tgt.shape}")
                 if corrupt and name == f.scale_tensor:
                     t = t * f.scale_by
-                if not f.stale_weights:
-                    tgt.get().copy_(t)
-                seen.add(tgt.key)
+                pairs = [(name, tgt, t)]
+                if fused_a and ("q_a_proj" in name or "kv_a_proj_with_mqa" in name):
+                    cached_a[name] = (tgt, t)
+                    q = name if "q_a_proj" in name else name.replace("kv_a_proj_with_mqa", "q_a_proj")
+                    kv = q.replace("q_a_proj", "kv_a_proj_with_mqa")
+                    if q not in cached_a or kv not in cached_a:
+                        continue
+                    pairs = [(n, *cached_a.pop(n)) for n in (q, kv)]
+                for _, tgt_, t_ in pairs:
+                    if not f.stale_weights:
+                        tgt_.get().copy_(t_)
+                    seen.add(tgt_.key)
         missing = {t.key for t in targets.values()} - seen
         if complete and missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[0]}")

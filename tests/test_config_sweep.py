@@ -95,13 +95,26 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     # architecture of tiny_cpu.yaml or tiny_cpu_glm.yaml (dense first layer, shared expert, sigmoid
     # routing with a non-zero expert bias, partial RoPE, QKV biases); no override: the checkpoint's
     # config.json names the family
-    "family": {"qwen3_moe": [], "glm4_moe": []},
+    # DeepSeek-V3 (tiny_cpu_deepseek_v3.yaml): multi-latent attention, YaRN, grouped routing
+    "family": {"qwen3_moe": [], "glm4_moe": [], "deepseek_v3": []},
 }
 FAMILY_CONFIGS = {"qwen3_moe": os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml"),
-                  "glm4_moe": os.path.join(REPO, "launch", "configs", "tiny_cpu_glm.yaml")}
+                  "glm4_moe": os.path.join(REPO, "launch", "configs", "tiny_cpu_glm.yaml"),
+                  "deepseek_v3": os.path.join(REPO, "launch", "configs", "tiny_cpu_deepseek_v3.yaml")}
 
-# What every cell shares: 2 steps of 2 prompts x 2 samples, nothing saved, head_dim 32 (vLLM's CPU
-# attention takes 32, 64, 80, ...: cpu_attn.py) so that one model serves every engine.
+# Levels added after the sweep first ran, oldest first. The covering is built in generations: the
+# cells of the factors without these levels are kept as they were (their ids, and what each has
+# shown, stay), and each added level gets new cells for the pairs it brings (covering_cells' keep).
+ADDED_LEVELS: list[tuple[str, str]] = [("family", "deepseek_v3")]
+
+# Per family, what the sweep's model changes in the demo architecture so that one model serves
+# every engine: head_dim 32 (vLLM's CPU attention takes 32, 64, 80, ...: cpu_attn.py);
+# DeepSeek-V3's latent of kv_lora_rank + qk_rope_head_dim = 512 + 64: the one size vLLM's CPU MLA
+# kernels take (ModelFamily.vllm_server_args).
+SERVED_SHAPES = {"qwen3_moe": {"head_dim": 32}, "glm4_moe": {"head_dim": 32},
+                 "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}}
+
+# What every cell shares: 2 steps of 2 prompts x 2 samples, nothing saved.
 BASE = ["train.max_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
         "train.minibatches_per_step=1", "checkpoint.interval=0", "checkpoint.export_hf=false", "eval.interval=0",
         "logging.progress_bar=false", "logging.plot=false", "model.hf_config=null",
@@ -194,15 +207,19 @@ def swept_keys() -> set[str]:
     return keys
 
 
-def covering_cells(factors: dict[str, dict[str, list[str]]], seed: int = 0) -> list[dict[str, str]]:
+def covering_cells(factors: dict[str, dict[str, list[str]]], seed: int = 0,
+                   keep: list[dict[str, str]] = ()) -> list[dict[str, str]]:
     """A pairwise covering set: every (factor a = level x, factor b = level y) pair in some cell.
     Greedy (AETG-like): each new cell starts from an uncovered pair and fills the other factors
-    with the level covering the most uncovered pairs; deterministic for a seed."""
+    with the level covering the most uncovered pairs; deterministic for a seed. `keep`: cells
+    already chosen (first in the result); only the pairs they leave uncovered get new cells."""
     names = list(factors)
     uncovered = {((a, x), (b, y)) for a, b in itertools.combinations(names, 2)
                  for x in factors[a] for y in factors[b] if not _refused({a: x, b: y})}
+    for c in keep:
+        uncovered -= {((a, c[a]), (b, c[b])) for a, b in itertools.combinations(names, 2)}
     rng = random.Random(seed)
-    cells: list[dict[str, str]] = []
+    cells: list[dict[str, str]] = [dict(c) for c in keep]
 
     def gain(cell: dict[str, str], name: str, level: str) -> int:
         i = names.index(name)
@@ -229,7 +246,18 @@ def covering_cells(factors: dict[str, dict[str, list[str]]], seed: int = 0) -> l
     return cells
 
 
-CELLS = covering_cells(FACTORS)
+def generations(factors: dict[str, dict[str, list[str]]], added: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """The covering of `factors` built as ADDED_LEVELS says: the factors without the added levels
+    first, then each added level's pairs on top of the cells before it."""
+    cells: list[dict[str, str]] = []
+    for i in range(len(added) + 1):
+        later = set(added[i:])
+        table = {n: {lv: o for lv, o in levels.items() if (n, lv) not in later} for n, levels in factors.items()}
+        cells = covering_cells(table, keep=cells)
+    return cells
+
+
+CELLS = generations(FACTORS, ADDED_LEVELS)
 
 
 def _cell_id(cell: dict[str, str]) -> str:
@@ -281,32 +309,35 @@ def test_refused_combinations_are_refused_in_one_line(refused):
 
 
 # ------------------------------------------------------------------------------------- the cells
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    """family -> the family's tiny demo model with head_dim 32 as an HF checkpoint (save_pretrained +
-    the project's tokenizer): what the family's cells train and every engine serves."""
+def build_model(name: str, path) -> str:
+    """The sweep's model of family `name`: its tiny demo architecture with SERVED_SHAPES, random
+    (seed 0; a non-zero expert bias where the family has one), saved with save_pretrained and the
+    project's tokenizer at `path`."""
     import torch
     import yaml
 
     from gspo_megatron.model.family import family_for
     from gspo_megatron.rollout.tokenizer import build_tokenizer
 
-    out = {}
-    for name, config in FAMILY_CONFIGS.items():
-        with open(config) as f:
-            hf = {**yaml.safe_load(f)["model"]["hf_config"], "head_dim": 32}
-        family = family_for(hf)
-        path = tmp_path_factory.mktemp(f"sweep_model_{name}") / "hf"
-        torch.manual_seed(0)
-        model = family.reference_model(family.hf_config(hf))
-        with torch.no_grad():
-            for bname, b in model.named_buffers():
-                if bname.endswith("e_score_correction_bias"):
-                    b.copy_(torch.linspace(-0.05, 0.05, b.numel()))
-        model.save_pretrained(str(path))
-        build_tokenizer(str(path))
-        out[name] = str(path)
-    return out
+    with open(FAMILY_CONFIGS[name]) as f:
+        hf = {**yaml.safe_load(f)["model"]["hf_config"], **SERVED_SHAPES[name]}
+    family = family_for(hf)
+    torch.manual_seed(0)
+    model = family.reference_model(family.hf_config(hf))
+    with torch.no_grad():
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(-0.05, 0.05, b.numel()))
+    model.save_pretrained(str(path))
+    build_tokenizer(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """family -> the family's sweep model (build_model): what the family's cells train and every
+    engine serves."""
+    return {name: build_model(name, tmp_path_factory.mktemp(f"sweep_model_{name}") / "hf") for name in FAMILY_CONFIGS}
 
 
 @pytest.fixture(scope="module")
@@ -397,9 +428,12 @@ def _cell_rank_env(rank, world, out_dir, overrides, env):
 
 
 # The Qwen3-MoE vLLM cells run in tests/test_vllm.py against that module's server (the same
-# architecture; a push replaces its weights): one vLLM start fewer for the suite (issue 51).
+# architecture; a push replaces its weights), the DeepSeek-V3 ones in tests/test_vllm_deepseek_v3.py
+# on its server of the sweep's DeepSeek-V3 model: one vLLM start fewer each for the suite (issue 51).
 ELSEWHERE = {"tests/test_vllm.py::test_sweep_cells_on_this_modules_server":
-             [c for c in CELLS if c["engine"] == "vllm" and c["family"] == "qwen3_moe"]}
+             [c for c in CELLS if c["engine"] == "vllm" and c["family"] == "qwen3_moe"],
+             "tests/test_vllm_deepseek_v3.py::test_sweep_cells_on_this_modules_server":
+             [c for c in CELLS if c["engine"] == "vllm" and c["family"] == "deepseek_v3"]}
 HERE = [c for c in CELLS if not any(c in cells for cells in ELSEWHERE.values())]
 
 
@@ -453,10 +487,13 @@ def run_cell(cell, model_dir: str, tmp_path, vllm_url: str | None = None, env: d
 def test_every_cell_runs_here_or_where_it_is_named():
     """Each cell is run once: here, or by the test ELSEWHERE names (and that test takes them all)."""
     import test_vllm
+    import test_vllm_deepseek_v3
 
     moved = [c for cells in ELSEWHERE.values() for c in cells]
     assert moved and sorted(map(_cell_id, HERE + moved)) == sorted(map(_cell_id, CELLS))
     assert test_vllm.SWEEP_CELLS == ELSEWHERE["tests/test_vllm.py::test_sweep_cells_on_this_modules_server"]
+    assert test_vllm_deepseek_v3.SWEEP_CELLS == \
+        ELSEWHERE["tests/test_vllm_deepseek_v3.py::test_sweep_cells_on_this_modules_server"]
 
 
 @pytest.mark.timeout(600)

@@ -109,6 +109,8 @@ def _dsv3(**over):
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                           "original_max_position_embeddings": 64, "attention_factor": 0.5}}, "attention_factor"),
     ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 must be even"),
+    # transformers' rotary table would have head_dim channels (found by the sweep's first DSV3 cells)
+    ({"head_dim": 32}, "head_dim=32 must equal qk_rope_head_dim=8"),
 ])
 def test_the_reader_refuses_what_megatron_would_compute_differently(over, needle):
     from gspo_megatron.model.arch import MoeArch
@@ -140,3 +142,74 @@ def test_the_reader_maps_each_feature():
         "mscale": 1.0, "mscale_all_dim": 1.0})
     y = MoeArch.from_hf_dict(old)
     assert y.rope_theta == 5e4 and y.family_fields.yarn.factor == 40.0
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["family_groups", "no_groups"])
+def test_an_sglang_push_by_tensors_keeps_the_fused_a_projection_in_one_request(tmp_path, monkeypatch, grouped):
+    """SGLang writes DeepSeek's fused q_a_proj + kv_a_proj_with_mqa only when one request brings
+    both (tests/test_sglang_contract.py pins the loader's lines; tests/sglang_double.py does the
+    same). With buckets smaller than one tensor, the family's `weights_loaded_together` keeps each
+    layer's pair in one request and the server holds every pushed tensor; without it (the control)
+    the pairs are split and the server keeps its old a-projections without a word."""
+    from sglang_double import start_double_and_engine
+
+    from gspo_megatron.model.families.deepseek_v3 import DeepseekV3Family
+    from gspo_megatron.rollout.hf_engine import hub_weight_targets
+    from gspo_megatron.rollout.tokenizer import build_tokenizer
+    from megatron_utils import make_tiny_hf
+
+    d = tmp_path / "a"
+    make_tiny_hf(d, seed=0, family="deepseek_v3")
+    build_tokenizer(str(d))
+    new = make_tiny_hf(tmp_path / "b", seed=1, family="deepseek_v3")
+    pushed = [(k, t.get().detach().clone()) for k, t in hub_weight_targets(new).items()]
+    if not grouped:
+        monkeypatch.setattr(DeepseekV3Family, "weights_loaded_together", lambda self, arch: ())
+    with start_double_and_engine(str(d), weight_sync="tensor", bucket_mb=0.01) as (dbl, eng):
+        eng.update_weights(iter(pushed), version=1)
+        served = {k: t.get() for k, t in hub_weight_targets(dbl.engine.model).items()}
+        requests = len(dbl.calls("/update_weights_from_tensor"))
+    a_proj = [k for k, _ in pushed if "q_a_proj" in k or "kv_a_proj_with_mqa" in k]
+    assert len(a_proj) == 8 and requests > len(pushed) // 2  # small buckets: many requests
+    stale = sorted(k for k, t in pushed if not torch.equal(served[k], t))
+    assert stale == ([] if grouped else sorted(a_proj)), stale
+
+
+def test_engine_launches_get_what_the_family_needs_or_one_line(tmp_path):
+    """Launched servers of a DeepSeek-V3 checkpoint saved by transformers (whose config.json has no
+    scoring_func / topk_method: vLLM and SGLang would route with softmax, or fail to load the
+    selection bias) get them as config overrides; a vLLM server on CPU gets the CPU_MLA backend
+    (the same on CPUs with and without AMX), unless the user's extra_args choose one; a latent
+    other than 512 + 64 cannot be served by vLLM on CPU: one line at launch, before any process."""
+    import json
+
+    from gspo_megatron.rollout.sglang_api import MODEL_OVERRIDE_FLAG
+    from gspo_megatron.rollout.sglang_server import LaunchSpec
+    from gspo_megatron.rollout.vllm_server import VLLMLaunchError, VLLMLaunchSpec, prepare
+    from megatron_utils import make_tiny_hf
+
+    served = tmp_path / "served"
+    make_tiny_hf(served, family="deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64)
+    saved = json.loads((served / "config.json").read_text())
+    assert "scoring_func" not in saved and "topk_method" not in saved  # as transformers writes it
+    want = json.dumps({"scoring_func": "sigmoid", "topk_method": "noaux_tc"}, sort_keys=True)
+
+    def vllm_args(path, device="cpu", extra=()):
+        spec = VLLMLaunchSpec(model_path=str(path), port=1, device=device, trainer_dtype="float32",
+                              max_model_len=64, cpu_kv_cache_mb=8, extra_args=list(extra), node_gpus=2,
+                              trainer_gpus=1)
+        return prepare(spec).extra_args
+
+    assert vllm_args(served) == ["--hf-overrides", want, "--attention-backend", "CPU_MLA"]
+    assert vllm_args(served, extra=["--attention-backend=AMX_MLA"]) == \
+        ["--attention-backend=AMX_MLA", "--hf-overrides", want]
+    assert vllm_args(served, device="cuda") == ["--hf-overrides", want]
+    small = tmp_path / "small"
+    make_tiny_hf(small, family="deepseek_v3")  # 32 + 8
+    with pytest.raises(VLLMLaunchError) as e:
+        vllm_args(small)
+    assert "\n" not in str(e.value) and "576" in str(e.value) and "32 + 8" in str(e.value)
+    argv = LaunchSpec(model_path=str(served)).argv(0)
+    assert argv.count(MODEL_OVERRIDE_FLAG) == 1 and argv[argv.index(MODEL_OVERRIDE_FLAG) + 1] == want
+    mine = LaunchSpec(model_path=str(served), extra_args=[f"{MODEL_OVERRIDE_FLAG}={{}}"]).argv(0)
+    assert MODEL_OVERRIDE_FLAG not in mine and mine[-1] == f"{MODEL_OVERRIDE_FLAG}={{}}"  # the user's own wins

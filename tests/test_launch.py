@@ -458,6 +458,12 @@ def test_server_flags_cli(capsys):
     assert sglang_server.main(["--server-flags", "--config", preset("tiny_cpu"),
                                "rollout.sglang.weight_sync=distributed"]) == 0
     assert capsys.readouterr().out == "# weight_sync=distributed\n"
+    # the model's config overrides (ModelFamily.engine_config_overrides): DeepSeek-V3's routing keys
+    from gspo_megatron.rollout.sglang_api import MODEL_OVERRIDE_FLAG
+
+    assert sglang_server.main(["--server-flags", "--config", preset("tiny_cpu_deepseek_v3")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        MODEL_OVERRIDE_FLAG + '={"scoring_func": "sigmoid", "topk_method": "noaux_tc"}', "# weight_sync=disk"]
     with pytest.raises(SystemExit) as e:
         sglang_server.main(["--server-flags", "--config", preset("tiny_cpu"), "trian.max_steps=1"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -545,3 +545,27 @@ def test_mtp_layers_are_carried_through_checkpoints_and_exports(tmp_path):
     carried_in(tmp_path / "a" / "checkpoints", tmp_path / "a" / "hf")
     run(tmp_path / "b", f"model.load={tmp_path / 'a' / 'checkpoints' / 'iter_0000001'}")
     carried_in(tmp_path / "b" / "checkpoints", tmp_path / "b" / "hf")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_groups_an_engine_loads_together_are_tensors_the_export_holds(family):
+    """ModelFamily.weights_loaded_together names HF tensors of every layer that holds them: a
+    template the exporter never emits would keep a push's bucket open to the end of the stream
+    (rollout/weight_sync.py iter_buckets, which then fails naming it)."""
+    import megatron_utils
+    from gspo_megatron.model import mapping
+    from gspo_megatron.model.family import arch_from_hf_dict
+    from gspo_megatron.rollout.weight_sync import LoadedTogether
+
+    cfg = {"qwen3_moe": megatron_utils.tiny_hf_config, "glm4_moe": megatron_utils.tiny_glm_config,
+           "deepseek_v3": megatron_utils.tiny_deepseek_v3_config}[family]().to_dict()
+    arch = arch_from_hf_dict(cfg)
+    groups = arch.family.weights_loaded_together(arch)
+    names = set(mapping.expected_hf_names(arch))
+    together = LoadedTogether(groups)
+    for group in groups:
+        for layer in range(arch.num_layers):
+            members = {t.format(layer=layer) for t in group}
+            assert members <= names, sorted(members - names)
+            assert all(together.partners(n) == members - {n} for n in members)
+    assert bool(groups) == (family == "deepseek_v3")  # q_lora_rank set: SGLang's fused a-projection

@@ -262,6 +262,36 @@ def test_iter_buckets():
         list(iter_buckets([("a", torch.ones(1)), ("a", torch.ones(1))], 16))
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_iter_buckets_keeps_every_group_an_engine_loads_together_in_one_bucket(seed):
+    """Property test over random streams, tensor sizes, bucket sizes and groups (members far apart
+    or adjacent, of any layer): the stream comes out whole and in order; each group's members share
+    a bucket; a bucket passes the size limit only to hold a group (or one big tensor); a group
+    whose member the stream lacks is an error naming it."""
+    import random
+
+    from gspo_megatron.rollout.weight_sync import LoadedTogether
+
+    rng = random.Random(seed)
+    layers, per_layer = rng.randint(1, 4), ["a", "b", "c", "d", "e"]
+    names = [f"l.{i}.{x}" for i in range(layers) for x in per_layer]
+    ts = [(n, torch.ones(rng.randint(1, 8))) for n in names]
+    group = tuple(f"l.{{layer}}.{x}" for x in sorted(rng.sample(per_layer, rng.randint(2, 3))))
+    limit = rng.randint(4, 40)
+    together = LoadedTogether([group])
+    buckets = list(iter_buckets(iter(ts), limit, together=together))
+    assert [n for b in buckets for n, _ in b] == names
+    where = {n: i for i, b in enumerate(buckets) for n, _ in b}
+    for i in range(layers):
+        assert len({where[t.format(layer=i)] for t in group}) == 1, (group, i, buckets)
+    for b in buckets:
+        size = sum(t.numel() * 4 for _, t in b)
+        assert size <= limit or len(b) == 1 or any(together.partners(n) for n, _ in b), (size, b)
+    lacking = [(n, t) for n, t in ts if n != group[-1].format(layer=0)]
+    with pytest.raises(ValueError, match=re.escape(group[-1].format(layer=0))):
+        list(iter_buckets(iter(lacking), limit, together=together))
+
+
 def test_launch_and_distributed_sync_over_gloo(model_dir, prompts, model_a, model_b, tmp_path):
     """Launch the double as a server process (the command line SGLang gets), sync weights with
     weight_sync=distributed: the double joins the trainer's gloo group as rank 1 and receives each

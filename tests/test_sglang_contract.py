@@ -816,3 +816,41 @@ def test_sglang_serves_each_family_and_loads_its_pushed_names(sgl, model_type):
         assert "self.e_score_correction_bias = nn.Parameter(" in ast.unparse(gate), ast.unparse(gate)[:500]
         block = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == block_cls)
         assert f"self.gate = {gate_cls}(" in ast.unparse(block)
+
+
+def test_deepseeks_fused_a_projection_is_written_only_when_one_request_brings_both_halves(sgl):
+    """What DeepSeek-V3's `weights_loaded_together` and tests/sglang_double.py's copy of it stand
+    on: SGLang's DeepSeek loader caches q_a_proj and kv_a_proj_with_mqa in a dict local to one
+    do_load_weights call (when q_lora_rank is set) and writes fused_qkv_a_proj_with_mqa only when
+    both of a layer are in it; nothing else writes them, so a push that splits them between
+    requests leaves the old weights (rollout/weight_sync.py keeps them in one bucket)."""
+    src = _wheel_sources(sgl, (DEEPSEEK_LOADER,), "DeepSeek weight loader")[DEEPSEEK_LOADER]
+    load = _function(src, "do_load_weights")
+    assert load is not None, f"{DEEPSEEK_LOADER}: no do_load_weights"
+    body = ast.unparse(load)
+    for line in ("cached_a_proj = {} if fuse_qkv_a_proj else None",
+                 "if q_a_proj_name in cached_a_proj and kv_a_proj_name in cached_a_proj:",
+                 "cached_a_proj[name] = ", "'fused_qkv_a_proj_with_mqa'"):
+        assert line in body, f"{DEEPSEEK_LOADER}: do_load_weights lost {line!r}: re-read it"
+    outside = [n.lineno for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Name, ast.Attribute))
+               and "cached_a_proj" in (getattr(n, "id", "") or getattr(n, "attr", ""))
+               and not load.lineno <= n.lineno <= load.end_lineno]
+    assert not outside, f"{DEEPSEEK_LOADER}:{outside}: cached_a_proj outside do_load_weights: does it outlive a call?"
+
+
+def test_the_model_override_flag_is_a_server_args_string_field(sgl):
+    """--json-model-override-args (ModelFamily.engine_config_overrides: launched servers and the
+    Slurm script's flags) is the CLI form of ServerArgs' str field json_model_override_args, a
+    JSON object the model config applies over config.json."""
+    from gspo_megatron.rollout.sglang_api import MODEL_OVERRIDE_FLAG, MODEL_OVERRIDE_SERVER_ARG
+
+    path = "sglang/srt/arg_groups/fields/model.py"
+    src = _wheel_sources(sgl, (path, ARG_UTILS, "sglang/srt/configs/model_config.py"), "model override")
+    ann = next((n.annotation for n in ast.walk(ast.parse(src[path])) if isinstance(n, ast.AnnAssign)
+                and isinstance(n.target, ast.Name) and n.target.id == MODEL_OVERRIDE_SERVER_ARG), None)
+    assert ann is not None, f"{path} has no field {MODEL_OVERRIDE_SERVER_ARG}"
+    assert ast.unparse(ann).startswith("A[str,"), ast.unparse(ann)
+    assert "--" + MODEL_OVERRIDE_SERVER_ARG.replace("_", "-") == MODEL_OVERRIDE_FLAG
+    _require(src[ARG_UTILS], ARG_UTILS, "_field_to_cli_name", ['"--" + name.replace("_", "-")'],
+             why="the CLI flag is no longer --<field name with dashes>")
+    assert "self.model_override_args = json.loads(model_override_args)" in src["sglang/srt/configs/model_config.py"]

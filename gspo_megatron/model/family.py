@@ -83,6 +83,25 @@ class ModelFamily(Protocol):
     def gpt_model_options(self, arch: MoeArch) -> dict[str, Any]:
         """GPTModel arguments of this family's position embedding (type, base, rotary fraction)."""
 
+    def engine_config_overrides(self, arch: MoeArch) -> dict[str, Any]:
+        """HF config keys the serving engines read that this family's transformers class implies
+        without writing them (a checkpoint saved by transformers lacks them, and the engines'
+        defaults would serve another function): launched vLLM and SGLang servers get them
+        (--hf-overrides, --json-model-override-args), the configs the trainer writes hold them
+        (`hf_config`)."""
+
+    def vllm_server_args(self, arch: MoeArch, device: str, dtype: str | None) -> list[str]:
+        """vLLM 0.32 command-line arguments a server of this model needs on `device` ("cpu" or
+        "cuda") computing in `dtype` (rollout/vllm_server.py prepare adds them); ModelConfigError
+        (one line) when vLLM cannot serve the model there."""
+
+    def weights_loaded_together(self, arch: MoeArch) -> tuple[tuple[str, ...], ...]:
+        """Groups of HF tensor name templates (`{layer}`: a decoder layer) that a serving engine
+        fuses into one parameter only when it receives all of a group in one weight update (a push
+        that splits a group between requests leaves the engine's old weights in place): the
+        pushes' bucketing keeps each group whole (rollout/weight_sync.py iter_buckets). Most
+        families have none."""
+
     def hf_config(self, hf: dict[str, Any], mtp_layers: int = 0) -> dict[str, Any]:
         """A config.json for `hf` (an inline or read config dict): model_type and architectures set,
         declaring `mtp_layers` multi-token-prediction layers (those the writer carries,
@@ -295,6 +314,17 @@ class StandardDecoder:
 
     def gpt_model_options(self, arch: MoeArch) -> dict[str, Any]:
         return rope_model_options(arch)
+
+    def engine_config_overrides(self, arch: MoeArch) -> dict[str, Any]:
+        return {}
+
+    def vllm_server_args(self, arch: MoeArch, device: str, dtype: str | None) -> list[str]:
+        return []  # vLLM's default attention backend serves GQA on CPU and GPU
+
+    def weights_loaded_together(self, arch: MoeArch) -> tuple[tuple[str, ...], ...]:
+        # SGLang's and vLLM's GQA loaders place q/k/v and gate/up each into its own shard of the
+        # fused parameter, one tensor at a time (stacked_params_mapping)
+        return ()
 
 
 def check_attention(arch: MoeArch, source: str) -> None:

@@ -80,6 +80,10 @@ ENDPOINTS: dict[str, Endpoint] = {e.route: e for e in (
 # GET /server_info under that name).
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 ROUTED_EXPERTS_SERVER_ARG = "enable_return_routed_experts"
+# a JSON object of HF config keys the server applies over config.json (arg_groups/fields/model.py;
+# ModelFamily.engine_config_overrides)
+MODEL_OVERRIDE_FLAG = "--json-model-override-args"
+MODEL_OVERRIDE_SERVER_ARG = "json_model_override_args"
 
 # Routes of the sglang-router (a separate package), used only to find a router's workers.
 ROUTER_ROUTES = ("/list_workers", "/workers")

@@ -151,6 +151,7 @@ from .weight_sync import (
     WEIGHT_SYNC_MODES,
     DiskSync,
     DistributedSync,
+    LoadedTogether,
     TensorSync,
     flush_cache,
     parse_dtype,
@@ -925,16 +926,28 @@ class SGLangEngine(RolloutEngine):
             return DiskSync(self.workers, shared_dir=shared, hf_config=self.hf_config,
                             dtype=self.sync_dtype, copy_from=self.model_path, timeout_s=timeout)
         ranks = self._ranks_per_server()
+        together = self._loaded_together()
         if mode == "distributed":
             addr = self._sync_master_address or local_address_towards(self.workers[0].url)
             port = self._sync_master_port or 0  # 0: the trainer binds a free port when it hosts the store
             return DistributedSync(
                 self.workers, ranks_per_server=ranks, master_address=addr, master_port=port,
                 backend=self.sync_backend, group_name=self.sync_group_name, bucket_bytes=bucket,
-                dtype=self.sync_dtype, device=self.sync_device, timeout_s=timeout,
+                dtype=self.sync_dtype, device=self.sync_device, timeout_s=timeout, together=together,
             )
         return TensorSync(self.workers, ranks_per_server=ranks, bucket_bytes=bucket,
-                          dtype=self.sync_dtype, device=self.sync_device, timeout_s=timeout)
+                          dtype=self.sync_dtype, device=self.sync_device, timeout_s=timeout, together=together)
+
+    def _loaded_together(self) -> LoadedTogether:
+        """The tensors SGLang fuses only when one request brings them all (the model's family says
+        which: ModelFamily.weights_loaded_together); none without a config to read the model from
+        (a push by tensors needs none otherwise)."""
+        if not self.hf_config:
+            return LoadedTogether()
+        from gspo_megatron.model.arch import MoeArch
+
+        arch = MoeArch.from_hf_dict(self.hf_config, source="the SGLang engine's hf_config")
+        return LoadedTogether(arch.family.weights_loaded_together(arch))
 
     def _ranks_per_server(self) -> list[int]:
         """Each server's TP size (its ranks in the weight-update group), from /server_info

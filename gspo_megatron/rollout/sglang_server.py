@@ -21,6 +21,7 @@ management of rollout/http_servers.py with SGLang's names, health route and laun
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from . import http_servers as _http
 from .http_servers import (RETRYABLE_OS_ERRORS, EngineError, EngineNotReadyError, EngineProtocolError,  # noqa: F401
                            EngineServerError, RetryableHTTPError, ServerProcesses, _signal_group,
                            local_address_towards, log, parse_json)
-from .sglang_api import ROUTED_EXPERTS_FLAG
+from .sglang_api import MODEL_OVERRIDE_FLAG, ROUTED_EXPERTS_FLAG
 
 # SGLang's names for the engine-independent errors (the SGLang engine and its tests use these)
 SGLangError = EngineError
@@ -157,7 +158,25 @@ class LaunchSpec:
         extra = [str(a) for a in self.extra_args]
         if self.return_routed_experts and ROUTED_EXPERTS_FLAG not in extra:
             args.append(ROUTED_EXPERTS_FLAG)
+        overrides = model_config_overrides(self.model_path)
+        if overrides and not any(a.partition("=")[0] == MODEL_OVERRIDE_FLAG for a in extra):
+            args += [MODEL_OVERRIDE_FLAG, json.dumps(overrides, sort_keys=True)]
         return prefix + args + extra
+
+
+def model_config_overrides(model_path: str) -> dict:
+    """The served model's family's engine_config_overrides (what transformers' class implies and a
+    saved config.json may not say); {} for a config no family reads (SGLang's own error then)."""
+    from gspo_megatron.errors import ModelConfigError
+    from gspo_megatron.model.registry import arch_from_hf_dict
+
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            cfg = json.load(f)
+        arch = arch_from_hf_dict(cfg if isinstance(cfg, dict) else {}, "the served model's config.json")
+    except (OSError, ValueError, ModelConfigError):
+        return {}
+    return arch.family.engine_config_overrides(arch)
 
 
 # ---- servers started outside the trainer (Slurm) ------------------------------------------------
@@ -165,10 +184,27 @@ class LaunchSpec:
 
 def server_flags(cfg) -> list[str]:
     """The `sglang.launch_server` flags a run with `cfg` needs from its servers, beyond model,
-    address and sizes: today --enable-return-routed-experts when the run uses the engine's routing
-    (Config.engine_routing: rollout.return_routing or train.routing_replay=rollout). Launched
-    servers get the same through LaunchSpec.return_routed_experts."""
-    return [ROUTED_EXPERTS_FLAG] if cfg.engine_routing else []
+    address and sizes: --enable-return-routed-experts when the run uses the engine's routing
+    (Config.engine_routing: rollout.return_routing or train.routing_replay=rollout), and the
+    model's config overrides (--json-model-override-args=<json>: ModelFamily.
+    engine_config_overrides). Launched servers get the same through LaunchSpec."""
+    flags = [ROUTED_EXPERTS_FLAG] if cfg.engine_routing else []
+    overrides = _config_overrides(cfg)
+    if overrides:  # one argument, as the launch script passes each line on
+        flags.append(f"{MODEL_OVERRIDE_FLAG}={json.dumps(overrides, sort_keys=True)}")
+    return flags
+
+
+def _config_overrides(cfg) -> dict:
+    """The run's model family's engine_config_overrides (ModelFamily), from the architecture the
+    trainer will read (model.load's, model.hf_dir's or the inline config)."""
+    from gspo_megatron.model.arch import MoeArch
+    from gspo_megatron.resolve import hf_config_dict
+    from gspo_megatron.train.setup import read_load_source
+
+    hf = hf_config_dict(cfg, read_load_source(cfg))
+    arch = MoeArch.from_hf_dict(hf, source="the run's model config")
+    return arch.family.engine_config_overrides(arch)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -295,9 +295,39 @@ def prepare(spec: VLLMLaunchSpec) -> VLLMLaunchSpec:
         gpus = server_gpus(spec.gpus, node_gpus=node, trainer_gpus=trainer, needed=need)
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
         log.info("vLLM server on CUDA: GPUs %s of this node (the trainer holds 0-%d)", gpus, trainer - 1)
+    spec.extra_args = list(spec.extra_args) + family_server_args(_model_config(str(spec.model_path)), spec)
     spec.env = env
     spec.prepared = True
     return spec
+
+
+def family_server_args(hf_config: dict | None, spec: VLLMLaunchSpec) -> list[str]:
+    """What the served model's family needs on this device (ModelFamily.vllm_server_args and its
+    engine_config_overrides as --hf-overrides), minus
+    the flags rollout.vllm.extra_args already sets; a VLLMLaunchError line when vLLM cannot serve
+    it there. Nothing for a config no family reads (vLLM's own error then)."""
+    from gspo_megatron.errors import ModelConfigError
+    from gspo_megatron.model.registry import arch_from_hf_dict
+
+    try:
+        arch = arch_from_hf_dict(hf_config or {}, "the served model's config.json")
+    except ModelConfigError:
+        return []
+    try:
+        args = arch.family.vllm_server_args(arch, spec.device, dtype_name(spec.dtype))
+    except ModelConfigError as e:
+        raise VLLMLaunchError(str(e)) from None
+    overrides = arch.family.engine_config_overrides(arch)
+    if overrides:  # what transformers' class implies and its saved config.json may not say
+        args = ["--hf-overrides", json.dumps(overrides, sort_keys=True)] + list(args)
+    given = {str(a).partition("=")[0] for a in spec.extra_args if str(a).startswith("--")}
+    out, i = [], 0
+    while i < len(args):  # "--flag value" pairs and lone "--flag"s
+        n = 2 if i + 1 < len(args) and not str(args[i + 1]).startswith("--") else 1
+        if args[i] not in given:
+            out += args[i:i + n]
+        i += n
+    return out
 
 
 def launch(spec: VLLMLaunchSpec) -> _http.ServerProcesses:

@@ -137,6 +137,48 @@ class DeepseekV3Family:
         f = _f(arch)
         return arch.num_layers * (f.kv_lora_rank + f.qk_rope_head_dim) * dtype_bytes
 
+    def engine_config_overrides(self, arch: MoeArch) -> dict[str, Any]:
+        """transformers' DeepseekV3 routes with sigmoid scores and the selection bias whatever the
+        config says (DeepseekV3TopkRouter) and its config class has neither key; vLLM and SGLang
+        read `scoring_func` (default softmax) and `topk_method` (the bias exists only for
+        "noaux_tc"): vLLM models/deepseek_v2.py:327-332, 387; SGLang models/deepseek_v2.py:519-537,
+        775. Without them a transformers-saved checkpoint is served with softmax routing, or not
+        loaded (its e_score_correction_bias has no parameter)."""
+        return {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+    def vllm_server_args(self, arch: MoeArch, device: str, dtype: str | None) -> list[str]:
+        """On CPU, vLLM 0.32 runs multi-latent attention with two backends whose kernels take a
+        latent of kv_lora_rank + qk_rope_head_dim = 576 only (DeepSeek-V3's 512 + 64;
+        v1/attention/backends/mla/cpu_mla.py and amx_mla.py get_supported_head_sizes): another
+        size is refused here in one line. It picks AMX_MLA where the CPU has AMX tiles, which takes
+        bfloat16 only (amx_mla.py supported_dtypes), else CPU_MLA (float32, bfloat16, float16;
+        platforms/cpu.py get_attn_backend_cls): CPU_MLA is asked for, so every CPU serves alike.
+        The reload of pushed weights re-derives MLA's absorbed projections (a CPU server matches
+        the trainer to 5e-7 after pushes: tests/test_vllm_deepseek_v3.py)."""
+        if device != "cpu":
+            return []
+        f = _f(arch)
+        latent = f.kv_lora_rank + f.qk_rope_head_dim
+        if latent != 576:
+            from gspo_megatron.errors import ModelConfigError
+
+            raise ModelConfigError(
+                f"vLLM 0.32 on CPU serves multi-latent attention with kv_lora_rank + qk_rope_head_dim = 576 only "
+                f"(its CPU MLA kernels); this model has {f.kv_lora_rank} + {f.qk_rope_head_dim} = {latent}: serve it "
+                "with SGLang (rollout.backend=sglang), the in-process engine (rollout.backend=hf) or vLLM on GPU")
+        return ["--attention-backend", "CPU_MLA"]
+
+    def weights_loaded_together(self, arch: MoeArch) -> tuple[tuple[str, ...], ...]:
+        """SGLang 0.5.23 fuses q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa (when
+        q_lora_rank is set) and writes it only when both arrived in the same load_weights call: each
+        is cached in a dict local to the call until its partner comes (deepseek_common/
+        deepseek_weight_loader.py do_load_weights, `cached_a_proj`); a lone one is dropped without a
+        word. (kv_b_proj may arrive in any request: post_load_weights recomputes the absorbed
+        w_kc/w_vc of the layers whose kv_b_proj the call loaded.)"""
+        if _f(arch).q_lora_rank is None:
+            return ()
+        return ((_HA + "q_a_proj.weight", _HA + "kv_a_proj_with_mqa.weight"),)
+
     def routers(self, model) -> list:
         # DeepseekV3TopkRouter returns (logits, weights, top-k indices) as the others' gates do
         return family.transformers_gate_routers(model)
@@ -209,7 +251,7 @@ class DeepseekV3Family:
         SGLang read them: their defaults are softmax routing); the MTP layers declared are the
         ones the writer carries (none unless it says)."""
         out = {**hf, "model_type": self.model_type, "architectures": [self.hf_architecture],
-               "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+               **self.engine_config_overrides(None)}
         for k in ("num_nextn_predict_layers", "num_mtp_layers"):
             out[k] = mtp_layers
         return out

@@ -165,6 +165,11 @@ def read_config(d: dict[str, Any], source: str = "config") -> MoeArch:
     rope_dim = num("qk_rope_head_dim", default=64)
     if rope_dim % 2:
         raise ModelConfigError(f"{source}: qk_rope_head_dim={rope_dim} must be even")
+    if d.get("head_dim") not in (None, rope_dim):
+        # transformers' rotary table has head_dim channels (modeling_deepseek_v3.py:86; its config
+        # sets head_dim = qk_rope_head_dim unless given): any other value breaks the reference model
+        raise ModelConfigError(f"{source}: head_dim={d.get('head_dim')} must equal qk_rope_head_dim={rope_dim} "
+                               "(or be left out)")
     max_pos = num("max_position_embeddings", default=4096)
     theta, yarn = _rope(d, source, max_pos)
     fields = DeepseekV3Fields(
