@@ -115,8 +115,8 @@ def iter_buckets(
 
     `together`: groups an engine loads only when they arrive in one request. No bucket ends while
     a group is open (a member seen, another still to come), so a bucket holding a group may pass
-    `bucket_bytes` by what lies between its members (for DeepSeek-V3, a layer's q_b_proj and
-    q_a_layernorm: ~0.1 GB at bf16). A group the stream never completes is an error naming the
+    `bucket_bytes` by what lies between its members (~0.1 GB at bf16 for the largest group the
+    families declare today). A group the stream never completes is an error naming the
     missing tensor (the families' groups name tensors their exports hold:
     tests/test_model_families.py)."""
     if bucket_bytes <= 0:
