@@ -198,7 +198,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class LoadSource:
     """What model.load's checkpoint holds, read from disk where the run is set up
-    (gspo_megatron/train/setup.py read_load_source), before any model is built. This module parses
+    (gspo_megatron/resolve.py read_load_source), before any model is built. This module parses
     and validates; it reads no checkpoint format (Megatron-LM roots and trackers, Megatron-Bridge's
     run_config.yaml, Megatron-LM's run arguments are gspo_megatron/checkpoint/'s): importing that
     package from here closed an import circle (config -> checkpoint -> model -> config)."""
@@ -1181,7 +1181,7 @@ class Config:
     def _need_load_source(self, load: "LoadSource | None") -> None:
         if self.model.load is not None and load is None:  # a caller's bug, not bad input
             raise ValueError("model.load is set: its checkpoint is read where the run is set up "
-                             "(gspo_megatron.train.setup.read_load_source(cfg)); pass that here")
+                             "(gspo_megatron.resolve.read_load_source(cfg)); pass that here")
 
     def model_sources(self, load: "LoadSource | None" = None) -> list[tuple[str, str]]:
         """(option, directory) of the checkpoints that carry an HF config (and maybe tokenizer

@@ -228,7 +228,7 @@ def plan(config: Config, world_size: int) -> dict:
     """Validate `config` on `world_size` ranks and describe the layout (a JSON-able dict)."""
     load = None
     if config.model.load is not None:  # the checkpoint's architecture, read as the trainer reads it
-        from gspo_megatron.train.setup import read_load_source
+        from gspo_megatron.resolve import read_load_source
 
         load = read_load_source(config)
     hf = resolve.hf_config_dict(config, load)

@@ -8,6 +8,8 @@ vocab_size used to load a larger checkpoint's embedding cut to its first rows).
 """
 from __future__ import annotations
 
+import os
+
 from gspo_megatron import config as _config
 from gspo_megatron.config import Config, LoadSource
 from gspo_megatron.errors import ConfigError
@@ -72,3 +74,32 @@ def validate_world(cfg: Config, world_size: int, hf: dict | None = None) -> None
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
     cfg.parallel.validate(world_size, **arch_of(cfg, hf).dims_for_validation())
+
+
+def read_load_source(cfg):
+    """What model.load's checkpoint holds (config.py LoadSource), None without model.load: the
+    torch_dist directory a Megatron-LM root stands for (its tracker's iteration, else its newest
+    iter_*), its hf_config/, else the architecture Megatron-Bridge's run_config.yaml or
+    Megatron-LM's run arguments give. Read here, where the run is set up, not in config.py (which
+    parses and validates, and reads no checkpoint format). One ConfigError line naming the file."""
+    from gspo_megatron.checkpoint.megatron_dirs import carried_config, resolve
+    from gspo_megatron.config import ConfigError, LoadSource
+
+    load = cfg.model.load
+    if load is None:
+        return None
+    if not os.path.isdir(load):  # load_config checked it; it went away since
+        raise ConfigError(f"model.load: {load} is not a directory")
+    try:
+        directory = resolve(load)
+    except ValueError as e:  # CheckpointError: a root whose tracker names nothing usable, ...
+        raise ConfigError(f"model.load: {e}") from None
+    from gspo_megatron.checkpoint import integrity
+
+    # before any of its files is parsed (hf_config/, run_config.yaml, common.pt, the tokenizer);
+    # the tensor data is verified by load_mcore_into_model, split over the ranks
+    integrity.verify_before_parse(directory, data=False, require=cfg.checkpoint.require_checksums)
+    hf_config_dir = os.path.join(directory, "hf_config")
+    if os.path.isfile(os.path.join(hf_config_dir, "config.json")):
+        return LoadSource(directory, hf_config_dir=hf_config_dir)
+    return LoadSource(directory, carried=carried_config(directory))

@@ -199,8 +199,7 @@ def _config_overrides(cfg) -> dict:
     """The run's model family's engine_config_overrides (ModelFamily), from the architecture the
     trainer will read (model.load's, model.hf_dir's or the inline config)."""
     from gspo_megatron.model.arch import MoeArch
-    from gspo_megatron.resolve import hf_config_dict
-    from gspo_megatron.train.setup import read_load_source
+    from gspo_megatron.resolve import hf_config_dict, read_load_source
 
     hf = hf_config_dict(cfg, read_load_source(cfg))
     arch = MoeArch.from_hf_dict(hf, source="the run's model config")
