@@ -51,7 +51,7 @@ def server(vllm_python, tmp_path_factory):
 @pytest.mark.timeout(600)
 def test_a_vllm_cpu_server_serves_deepseek_v3_as_the_trainer_computes_it(server, tmp_path):
     """Multi-latent attention served by vLLM's CPU_MLA backend (asked for by the family: the same
-    backend on CPUs with and without AMX) in float32: 3 GSPO steps at TP2 + SP, every push
+    backend on CPUs with and without AMX) in float32: 2 GSPO steps at TP2 + SP, every push
     verified (per-tensor digests and the log-prob probe, which re-derive after each reload the
     absorbed projections MLA's decode uses) and every sampled token's engine log-prob equal to the
     trainer's to 1e-4."""
@@ -60,14 +60,14 @@ def test_a_vllm_cpu_server_serves_deepseek_v3_as_the_trainer_computes_it(server,
     args = ["--config", f"{REPO}/launch/configs/tiny_cpu_deepseek_v3.yaml", f"out_dir={out}", f"model.hf_dir={model}",
             "model.hf_config=null", "model.dtype=float32", "rollout.backend=vllm", f"rollout.vllm.urls=[{url}]",
             f"rollout.vllm.api_key_env={KEY}", f"rollout.vllm.shared_dir={tmp_path / 'sync'}",
-            "rollout.verify_weights=true", "train.sft_warmup_steps=0", "rollout.prompts_per_step=4",
-            "rollout.samples_per_prompt=4", "train.minibatches_per_step=2", "train.max_steps=3",
+            "rollout.verify_weights=true", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=4", "train.minibatches_per_step=2", "train.max_steps=2",
             "checkpoint.interval=0", "checkpoint.export_hf=false", "logging.progress_bar=false",
             "logging.plot=false", "eval.interval=0"]
     r = train_pooled(2, *args, timeout=540, env={KEY: key})
     assert r.returncode == 0, explain(r.stderr)
     rows = gspo_rows(out)
-    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert [x["step"] for x in rows] == [1, 2]
     print("DeepSeek-V3 on vLLM: mismatch_logprob_max", [x["mismatch_logprob_max"] for x in rows],
           "refit_probe_abs", [x["refit_probe_abs"] for x in rows])
     assert all(x["mismatch_logprob_max"] <= 1e-4 for x in rows), [x["mismatch_logprob_max"] for x in rows]
