@@ -533,6 +533,11 @@ class RolloutConfig:
     # token ids, session.append() adds environment tokens that are never trained on); it returns
     # the reward, or None to score the session's text with reward.fn. null = single-turn.
     agent: Optional[str] = None
+    # What one step's rollout does: "package.module:function" called on rank 0 once per step with a
+    # RolloutContext and the step, returning a RolloutBatch (rollout/drivers.py; docs/rollout_drivers.md).
+    # null = the built-in one: gspo_megatron.rollout.drivers:agent when rollout.agent is set, else
+    # gspo_megatron.rollout.drivers:single_turn. async_steps and partial apply to any driver.
+    driver: Optional[str] = None
     # An agent session's total response budget in tokens (policy + environment tokens); reaching it
     # ends the session with finish_reason "length". null = max_new_tokens. Each session.generate()
     # call samples at most max_new_tokens.
@@ -568,6 +573,13 @@ class RolloutConfig:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
+    @property
+    def driver_spec(self) -> str:
+        """The rollout driver this run calls (rollout.driver, else the built-in one)."""
+        if self.driver is not None:
+            return self.driver
+        return f"gspo_megatron.rollout.drivers:{'agent' if self.agent else 'single_turn'}"
+
     def __post_init__(self):
         _positive("rollout.prompts_per_step", self.prompts_per_step)
         if self.samples_per_prompt < 2:
@@ -586,6 +598,8 @@ class RolloutConfig:
         _positive("rollout.async_timeout_s", self.async_timeout_s)
         if self.agent is not None and (not isinstance(self.agent, str) or self.agent.count(":") != 1):
             raise ConfigError(f"rollout.agent must look like 'package.module:function', got {self.agent!r}")
+        if self.driver is not None and (not isinstance(self.driver, str) or self.driver.count(":") != 1):
+            raise ConfigError(f"rollout.driver must look like 'package.module:function', got {self.driver!r}")
         if self.max_response_tokens is not None:
             _positive("rollout.max_response_tokens", self.max_response_tokens)
         _positive("rollout.agent_concurrency", self.agent_concurrency)

@@ -70,7 +70,10 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     "agent": {"off": [], "two_turn": ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=24"],
               # batches that also go on a timer (slow tools do not hold a turn back)
               "two_turn_linger": ["rollout.agent=tests.agent_fns:two_turn", "rollout.max_response_tokens=24",
-                                  "rollout.agent_linger_s=0.05"]},
+                                  "rollout.agent_linger_s=0.05"],
+              # a user's rollout driver (rollout/drivers.py; docs/rollout_drivers.md's example): what
+              # the step's rollout is, beside the built-in single-turn and agent ones
+              "user_driver": ["rollout.driver=tests.rollout_drivers:length_penalized"]},
     # every cell verifies its pushes (rollout.verify_weights: the engine's log-probs of the probe
     # against the trainer's forward in the cell's layout; vLLM also digests every tensor): a
     # combination that changed what reaches the engine would stop the cell in one line. vLLM checks
@@ -105,7 +108,7 @@ FAMILY_CONFIGS = {"qwen3_moe": os.path.join(REPO, "launch", "configs", "tiny_cpu
 # Levels added after the sweep first ran, oldest first. The covering is built in generations: the
 # cells of the factors without these levels are kept as they were (their ids, and what each has
 # shown, stay), and each added level gets new cells for the pairs it brings (covering_cells' keep).
-ADDED_LEVELS: list[tuple[str, str]] = [("family", "deepseek_v3")]
+ADDED_LEVELS: list[tuple[str, str]] = [("family", "deepseek_v3"), ("agent", "user_driver")]
 
 # Per family, what the sweep's model changes in the demo architecture so that one model serves
 # every engine: head_dim 32 (vLLM's CPU attention takes 32, 64, 80, ...: cpu_attn.py);

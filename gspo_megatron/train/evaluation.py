@@ -21,7 +21,7 @@ import random
 
 from gspo_megatron.algorithms.passk import ks_for, mean_pass_at_k
 from gspo_megatron.errors import InputError
-from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.drivers import sampling_params
 from gspo_megatron.rollout.validate import rejected_reason
 
 log = logging.getLogger("gspo_megatron.train")
@@ -68,8 +68,7 @@ class _Set:
 
     def run(self, cfg, engine, score, tokenizer, stop_ids, agent=None) -> dict:
         e, r = cfg.eval, cfg.rollout
-        sp = SamplingParams(temperature=e.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                            stop_token_ids=tuple(stop_ids))
+        sp = sampling_params(r, stop_ids, temperature=e.temperature)
         n = e.samples_per_prompt
         if agent is not None:  # the run's agent drives every held-out session too
             from gspo_megatron.rollout.agent import run_and_score

@@ -31,8 +31,7 @@ from gspo_megatron.algorithms.mismatch import SUM_KEYS as MISMATCH_SUMS
 from gspo_megatron.algorithms.mismatch import mismatch_metrics
 from gspo_megatron.model.export import iter_hf_tensors
 from gspo_megatron.parallel.dataplane import DataPlane
-from gspo_megatron.rollout.base import Sample, SamplingParams, WeightVerificationError
-from gspo_megatron.rollout.validate import check_rejected_frac, rejected_reason
+from gspo_megatron.rollout.base import Sample, WeightVerificationError
 from gspo_megatron.train import checkpoint
 from gspo_megatron.train.batch import (RemoteSample, TrainSample, decode_share, dp_owners, encode_shares,
                                        split_minibatches)
@@ -272,95 +271,14 @@ def distribute(plane: DataPlane, samples: list[TrainSample] | None, minibatches:
 
 
 def rollout(parts: RunParts, step: int, generate=None) -> tuple[list[Sample], list[float], dict]:
-    """Rank 0: generate, score, filter. Returns kept samples, their rewards and rollout stats.
-    `generate`: the engine's, or a PartialGenerator's (partial rollouts)."""
-    generate = generate or parts.engine.generate
-    cfg = parts.cfg.rollout
-    sampling = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                              max_new_tokens=cfg.max_new_tokens, stop_token_ids=tuple(parts.stop_ids))
-    G, P = cfg.samples_per_prompt, cfg.prompts_per_step
-    retries_before = _engine_retries(parts)
-    kept: list[Sample] = []
-    kept_rewards: list[float] = []
-    kept_prompts: list[dict] = []
-    all_rewards: list[float] = []
-    raised = 0
-    lengths: list[int] = []
-    generated: list[Sample] = []  # every response of the step, rejected ones included
-    rounds = 0
-    groups_needed = P
-    agent_stats = dict.fromkeys(("agent_errors", "env_tokens", "turns"), 0)
-    while groups_needed > 0:
-        examples = parts.prompts.batch(step, rounds, groups_needed if rounds else P)
-        prompt_ids = [parts.prompts.encode(ex) for ex in examples]
-        seed = parts.cfg.train.seed * 100003 + step * 101 + rounds
-        if parts.agent is not None:  # multi-turn sessions (rollout/agent.py)
-            from gspo_megatron.rollout.agent import run_and_score
+    """Rank 0: this step's samples, rewards and rollout stats from the run's rollout driver
+    (rollout.driver: rollout/drivers.py), checked. `generate`: the engine's, or a
+    PartialGenerator's (partial rollouts)."""
+    from gspo_megatron.rollout.drivers import check_batch
 
-            samples, rewards, flags, st = run_and_score(parts.agent, generate, examples, prompt_ids, G, sampling,
-                                                        parts.score, seed=seed, version=parts.engine.weight_version)
-            agent_stats["agent_errors"] += st["agent_errors"]
-            agent_stats["env_tokens"] += st["env_tokens"]
-            agent_stats["turns"] += st["turns_mean"] * len(samples)
-        else:
-            samples = generate(prompt_ids, G, sampling, seed=seed)
-        # Responses the engine boundary rejected (rollout/validate.py: too long, ids outside the
-        # vocabulary, log-probs not finite or > 0) take their group out of the step: the group's
-        # advantages are relative to each other. Their rewards are never computed.
-        bad = {s.prompt_index for s in samples if rejected_reason(s)}
-        generated += samples
-        if parts.agent is None:
-            ok = [i for i, s in enumerate(samples) if s.prompt_index not in bad]
-            texts = [parts.tokenizer.decode(samples[i].response_ids, skip_special_tokens=False) for i in ok]
-            got, got_flags = parts.score(texts, [examples[samples[i].prompt_index] for i in ok]) if ok else ([], [])
-            rewards, flags = [0.0] * len(samples), [False] * len(samples)
-            for j, i in enumerate(ok):
-                rewards[i], flags[i] = got[j], got_flags[j]
-        raised += sum(flags)
-        all_rewards += [r for s, r in zip(samples, rewards) if s.prompt_index not in bad]
-        lengths += [len(s.response_ids) for s in samples if s.prompt_index not in bad]
-        for g in range(len(examples)):
-            if g in bad:
-                continue
-            grp = slice(g * G, (g + 1) * G)
-            r = rewards[grp]
-            if cfg.dynamic_sampling and max(r) == min(r):
-                continue  # zero advantage for every sample: no learning signal
-            kept += samples[grp]
-            kept_rewards += r
-            kept_prompts.append(examples[g])
-        groups_needed = P - len(kept) // G
-        rounds += 1
-        if not cfg.dynamic_sampling or rounds > cfg.max_oversample_rounds:
-            break
-    rejected = check_rejected_frac(generated, cfg.max_rejected_frac)  # too many: one line naming the first
-    kept = kept[: P * G]
-    kept_rewards = kept_rewards[: P * G]
-    t = torch.tensor(all_rewards, dtype=torch.float64)
-    stats = {
-        "reward_mean": float(t.mean()), "reward_std": float(t.std()) if len(t) > 1 else 0.0,
-        "reward_raised": raised, "response_len_mean": sum(lengths) / max(len(lengths), 1),
-        "groups_kept": len(kept) // G, "rollout_rounds": rounds,
-        "truncated_frac": sum(1 for s in kept if s.finish_reason == "length") / max(len(kept), 1),
-        # records the prompt stream skipped (malformed, unrenderable, too long) and engine requests retried
-        "data_skipped": parts.prompts.take_skipped(), "rollout_retries": _engine_retries(parts) - retries_before,
-        "engine_rejected": rejected,
-    }
-    take = getattr(parts.score, "take_metrics", None)
-    if take is not None:  # weighted reward sources (rollout/judge.py): per-source means and errors
-        stats.update(take())
-    if parts.agent is not None:  # env_tokens: in the samples that train; the rest over every session of the step
-        stats.update(agent_errors=agent_stats["agent_errors"], turns_mean=agent_stats["turns"] / max(len(lengths), 1),
-                     env_tokens_all=agent_stats["env_tokens"],
-                     env_tokens=sum(s.meta.get("env_tokens", 0) for s in kept))
-    if parts.cfg.logging.prompts:
-        stats["prompts"] = [parts.prompts.text(ex) for ex in kept_prompts[:P]]
-    return kept, kept_rewards, stats
-
-
-def _engine_retries(parts: RunParts) -> int:
-    """Requests the engine has retried so far (engines that count them: SGLang's `metrics`)."""
-    return int(getattr(parts.engine, "metrics", {}).get("retries", 0))
+    batch = parts.driver(parts.rollout_context(generate), step)
+    batch = check_batch(batch, parts.cfg.rollout.driver_spec, parts.cfg.rollout.samples_per_prompt)
+    return batch.samples, batch.rewards, batch.stats
 
 
 def drop_stale(samples: list[Sample], rewards: list[float], step: int, max_age: int, group: int):

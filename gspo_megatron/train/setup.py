@@ -270,6 +270,17 @@ class RunParts:
     # checkpoint/carried.py CarriedTensors: the MTP layers of the model's source, stored unchanged
     # in every checkpoint and export; None when the source has none
     carried: Any = None
+    driver: Any = None  # rollout/drivers.py: this run's rollout driver (rollout.driver)
+
+    def rollout_context(self, generate=None):
+        """What the rollout driver gets (rank 0): the engine's generate, or `generate` (partial
+        rollouts' interruptible one)."""
+        from gspo_megatron.rollout.drivers import RolloutContext, sampling_params
+
+        return RolloutContext(cfg=self.cfg.rollout, engine=self.engine, generate=generate or self.engine.generate,
+                              prompts=self.prompts, score=self.score, tokenizer=self.tokenizer,
+                              sampling=sampling_params(self.cfg.rollout, self.stop_ids), seed=self.cfg.train.seed,
+                              agent=self.agent, log_prompts=self.cfg.logging.prompts)
 
     def plan_rows(self, samples: list) -> tuple[list[list[int]], list]:
         """`plan`'s microbatches with, for each, the indices into `samples` of its rows."""
@@ -450,6 +461,7 @@ class Inputs:
     # run's own source, not a resumed checkpoint's copy: that one may be pruned (keep_last) while
     # the run goes on, and the copies are equal
     carried: Any = None
+    driver: Any = None  # rollout/drivers.py: the function rollout.driver names (or the built-in one)
 
 
 def check_inputs(cfg, *, world_size: int) -> Inputs:
@@ -513,12 +525,19 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
                             timeout_s=r.agent_timeout_s, linger_s=r.agent_linger_s,
                             vocab_size=arch.vocab_size)
         prompts.agent_demonstration = getattr(fn, "demonstration", None)
+    from gspo_megatron.rollout.drivers import load_driver
+    from gspo_megatron.rollout.rewards import RewardSpecError
+
+    try:  # a bad module:function fails here, in seconds
+        driver = load_driver(cfg.rollout.driver_spec)
+    except RewardSpecError as e:
+        raise InputError(str(e)) from None
     heldout = None
     if cfg.eval.interval:
         from gspo_megatron.train.evaluation import HeldOut
 
         heldout = HeldOut(cfg, prompts, agent=agent)
-    return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout, load, agent, mtp)
+    return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout, load, agent, mtp, driver)
 
 
 def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts:
@@ -597,6 +616,7 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
         colocation=colocation,
         seq_multiple=pad_multiple(cfg.parallel), pad_id=tokenizer.pad_token_id or 0, stop_ids=stop_ids,
         routing_replay=routing_replay, heldout=inputs.heldout, agent=inputs.agent, carried=inputs.carried,
+        driver=inputs.driver,
     )
     if cfg.checkpoint.async_save:  # collective: every rank creates the writer's group here
         from gspo_megatron.parallel.state import background_group

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from gspo_megatron.parallel.dataplane import DataPlane
-from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.drivers import sampling_params
 from gspo_megatron.train import checkpoint
 from gspo_megatron.train.loop import _broadcast, distribute, old_logprobs_pass, push_weights, to_train_samples
 from gspo_megatron.train.setup import setup_run
@@ -129,9 +129,7 @@ def _generate(parts, version: int, checks: list[Check]):
     n_prompts = max(2, ctx.dp)  # every DP rank gets a sequence to score
     examples = parts.prompts.batch(0, 0, n_prompts)
     prompt_ids = [parts.prompts.encode(ex) for ex in examples]
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                              max_new_tokens=min(cfg.rollout.max_new_tokens, _SMOKE_NEW_TOKENS),
-                              stop_token_ids=tuple(parts.stop_ids))
+    sampling = sampling_params(cfg.rollout, parts.stop_ids, max_new_tokens=min(cfg.rollout.max_new_tokens, _SMOKE_NEW_TOKENS))
     t0 = time.perf_counter()
     try:
         got = parts.engine.generate(prompt_ids, _SMOKE_SAMPLES, sampling, seed=cfg.train.seed)
