@@ -356,6 +356,44 @@ def test_engines_accept_a_local_build_of_their_release_and_refuse_another_releas
         s.close()
 
 
+def test_both_http_engines_refuse_another_release_in_the_same_one_line_and_declare_what_they_do(caplog):
+    """One server layer (rollout/http_engine.py): a version mismatch is the same EngineVersionError
+    line from SGLang and vLLM, an InputError that entry points print as one line (vLLM's was a bare
+    EngineError, a traceback, before); each engine declares its capabilities, which is what the loop
+    and the checks ask (rollout/base.py Capabilities), and an in-process engine keeps no metrics."""
+    from gspo_megatron.errors import InputError
+    from gspo_megatron.rollout.base import Capabilities
+    from gspo_megatron.rollout.http_engine import EngineVersionError
+    from gspo_megatron.rollout.sglang_engine import SGLangEngine
+    from gspo_megatron.rollout.vllm_engine import VLLMEngine
+
+    v = VLLMEngine({"urls": ["http://stand-in:1"]}, wait_ready=False)
+    s = SGLangEngine({"urls": ["http://stand-in:1"]}, wait_ready=False)
+    lines = []
+    try:
+        v.servers = [_VersionServer("0.31.0", "/version")]
+        s.workers = [_VersionServer("0.5.22", "/server_info")]
+        for eng, name, got, want, section in [(v, "vLLM", "0.31.0", "0.32.0", "rollout.vllm"),
+                                              (s, "SGLang", "0.5.22", "0.5.23", "rollout.sglang")]:
+            with pytest.raises(EngineVersionError) as e:
+                eng.check_version(strict=True)
+            assert isinstance(e.value, InputError) and "\n" not in str(e.value)
+            lines.append(str(e.value).replace(name, "E").replace(got, "G").replace(want, "W").replace(section, "S")
+                         .replace(eng.API_MODULE, "M"))
+        assert lines[0] == lines[1] == ("E server http://stand-in:1 runs version G; this project speaks W (M): use that "
+                                        "server version, or set S.check_version=false to try anyway"), lines
+        assert v.capabilities == Capabilities(interrupt=True, weight_digests=True)  # disk sync, urls (no restarts)
+        assert s.capabilities == Capabilities(interrupt=True, push_mid_generation=True, sleep_wake=True,
+                                              routing_return=True)
+        assert v.metrics is not s.metrics and "retries" in s.metrics
+    finally:
+        v.close()
+        s.close()
+    v.close()  # idempotent
+    with pytest.raises(Exception, match="VLLMEngine is closed"):
+        v._check_open()
+
+
 def test_push_digests_name_the_first_tensor_that_differs_is_missing_or_extra():
     """rollout/vllm_engine.py check_digests against the worker's own digest function (the one the
     server runs, rollout/vllm_worker.py tensor_digest): equal tensors pass in any summation order

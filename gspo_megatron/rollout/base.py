@@ -105,8 +105,47 @@ def cut_at_stop_string(sample: Sample, tokenizer, stops: tuple[str, ...]) -> Sam
                    meta=dict(sample.meta, matched_stop="stop_string"))
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do, declared by its class (RolloutEngine.capabilities); the loop and the
+    checks ask these, never an engine's name.
+
+    interrupt: abort generation in flight and keep the partial output (partial rollouts);
+    push_mid_generation: take weights while generating, re-prefilling with them;
+    sleep_wake: release and re-take accelerator memory (colocation);
+    weight_digests: report a digest of every tensor a push delivered (verified refits);
+    routing_return: return the experts each token was routed to (routing replay R3);
+    supervised_restarts: servers it launched are watched and restarted with the last weights."""
+
+    interrupt: bool = False
+    push_mid_generation: bool = False
+    sleep_wake: bool = False
+    weight_digests: bool = False
+    routing_return: bool = False
+    supervised_restarts: bool = False
+
+
 class RolloutEngine(abc.ABC):
     """Generates samples and receives policy weights (HF names, full unsharded tensors)."""
+
+    # The tokenizer the engine decodes with (stop strings), when it has one.
+    tokenizer = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this engine can do (the supports_* flags below and what engines add)."""
+        return Capabilities(interrupt=self.supports_interrupt, push_mid_generation=self.supports_push_mid_generation,
+                            weight_digests=self.supports_weight_digests)
+
+    @property
+    def metrics(self) -> dict:
+        """Counters an engine keeps (retries, weight_syncs, restarts, verified_tensors, ...): what
+        the loop reports from them; empty for an engine that keeps none."""
+        return self.__dict__.setdefault("_engine_metrics", {})
+
+    @metrics.setter
+    def metrics(self, value: dict) -> None:
+        self.__dict__["_engine_metrics"] = value
 
     @abc.abstractmethod
     def generate(

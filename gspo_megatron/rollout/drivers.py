@@ -190,7 +190,7 @@ def collect_groups(ctx: RolloutContext, step: int, round_fn) -> RolloutBatch:
 
 def engine_retries(engine) -> int:
     """Requests the engine has retried so far (engines that count them: their `metrics`)."""
-    return int(getattr(engine, "metrics", {}).get("retries", 0))
+    return int(engine.metrics.get("retries", 0))
 
 
 # ------------------------------------------------------------------------------------ loading and checks

@@ -78,7 +78,7 @@ class PartialGenerator:
                     if s.finish_reason == "abort" and rejected_reason(s) is None:
                         pending.append(i)
         joined = [self._join(out[i], rows[i]) for i in range(len(out))]
-        tok = getattr(self.engine, "tokenizer", None)
+        tok = self.engine.tokenizer
         if sampling.stop and tok is not None:  # a stop string may span the interrupt: match on the whole response
             joined = [cut_at_stop_string(s, tok, tuple(sampling.stop))
                       if len(rows[i]) > 1 and rejected_reason(s) is None else s
@@ -113,7 +113,7 @@ class PartialGenerator:
         versions = [int(seg.weight_version) for seg in segments for _ in seg.response_ids]
         ids = [t for seg in segments for t in seg.response_ids]
         text = None
-        tok = getattr(self.engine, "tokenizer", None)
+        tok = self.engine.tokenizer
         if tok is not None:
             text = tok.decode(ids, skip_special_tokens=True)
         return Sample(

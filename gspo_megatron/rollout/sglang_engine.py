@@ -128,7 +128,8 @@ import torch
 
 from gspo_megatron.errors import InputError
 
-from .base import FINISH_REASONS, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
+from .base import FINISH_REASONS, Capabilities, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
+from .http_engine import EngineVersionError, HTTPEngine
 from .http_servers import generate_response_cap, loads_answer, secret_from_env
 from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG, SGLANG_VERSION, version_matches
 from .sglang_api import payload as api_payload
@@ -169,7 +170,7 @@ class SGLangStaleWeightsError(SGLangError):
     pass
 
 
-class SGLangVersionError(SGLangProtocolError, InputError):
+class SGLangVersionError(EngineVersionError, SGLangProtocolError):
     """The server reports another SGLang version than the one the engine speaks (one line)."""
 
 
@@ -240,7 +241,7 @@ def _defaults() -> dict:
 _DEFAULTS = _defaults()
 
 
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(HTTPEngine):
     """RolloutEngine over SGLang's HTTP API. See the module docstring for the semantics.
 
     cfg: the ``rollout.sglang`` fields (SGLangConfig or dict; missing keys take SGLangConfig's
@@ -266,6 +267,18 @@ class SGLangEngine(RolloutEngine):
     vocab_size: the model's vocabulary size, the bound of every returned token id (default: the
         HF config's vocab_size; unknown: ids are checked for >= 0 only, with a warning).
     """
+
+    # the shared HTTP engine's settings (rollout/http_engine.py): /server_info reports "version"
+    # (http_server.py server_info), /model_info "weight_version" (there is no /get_weight_version)
+    NAME, CONFIG, VERSION_PATH, WEIGHT_VERSION_PATH = "SGLang", "rollout.sglang", "/server_info", "/model_info"
+    SPOKEN_VERSION, API_MODULE, VERSION_ERROR = SGLANG_VERSION, "rollout/sglang_api.py", SGLangVersionError
+    version_matches = staticmethod(version_matches)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        # memory release/resume (colocation: sleep/wake) and the routed experts of every token
+        # (return_routed_experts, with the server flag) beside the supports_* flags
+        return dataclasses.replace(super().capabilities, sleep_wake=True, routing_return=True)
 
     def __init__(
         self,
@@ -429,38 +442,6 @@ class SGLangEngine(RolloutEngine):
             routing = getattr(config.rollout, "return_routing", False)
         kw.setdefault("return_routing", bool(routing))
         return cls(s, **kw)
-
-    def wait_ready(self, timeout_s: float | None = None) -> float:
-        t = self.ready_timeout_s if timeout_s is None else timeout_s
-        if self.procs is not None:
-            return self.procs.wait_ready(self.servers, t)
-        return wait_until_ready(self.servers, t)
-
-    def check_version(self, strict: bool = True) -> None:
-        """Every worker's /server_info "version" (SGLang 0.5.23 http_server.py server_info) is the
-        SGLang version rollout/sglang_api.py is written against: request fields and weight-update
-        sessions changed between releases, and a mismatch otherwise shows up as odd 4xx errors in
-        the middle of a run. One line (strict) or a warning; a worker that does not report it is
-        left alone (a router, an older server)."""
-        for s in self.workers:
-            try:
-                info = s.get("/server_info", timeout_s=30, retries=1)
-            except SGLangError:
-                continue
-            got = info.get("version") if isinstance(info, dict) else None
-            if got is None:
-                continue
-            ok, note = version_matches(got)
-            if ok:
-                if note:
-                    log.info("SGLang server %s: %s", s.url, note)
-                continue
-            msg = (f"SGLang server {s.url} runs version {got}; this project speaks {SGLANG_VERSION} "
-                   "(rollout/sglang_api.py): use that server version, or set rollout.sglang.check_version=false "
-                   "to try anyway")
-            if strict:
-                raise SGLangVersionError(msg)
-            warnings.warn(msg, stacklevel=2)
 
     def check_routing_enabled(self) -> None:
         """Fail with one line if a worker's GET /server_info reports enable_return_routed_experts
@@ -1048,37 +1029,6 @@ class SGLangEngine(RolloutEngine):
             raise SGLangServerError(f"SGLang server {s.url}: POST {path} returned HTTP {status}: "
                                     f"{data[:300].decode('utf-8', 'replace')}", url=s.url, status=status)
 
-    def server_software_checks(self) -> list[tuple[str, bool | None, str]]:
-        """Every worker's GET /server_info version against SGLANG_VERSION. The engine already refused
-        a wrong version at start (check_version), unless the config turned the check off: then it
-        is reported here, not failed."""
-        from .sglang_api import SGLANG_VERSION, version_matches
-
-        rows = []
-        for s in self.workers:
-            try:
-                info = s.get("/server_info", timeout_s=30, retries=1)
-                got = info.get("version") if isinstance(info, dict) else None
-            except SGLangError as e:
-                rows.append((s.url, False, f"/server_info failed: {e}"))
-                continue
-            ok = got is not None and version_matches(got)[0]  # a local build label (+cu129) is the release
-            rows.append((s.url, True if ok else None, f"SGLang {got or '(version not reported)'}"
-                         + ("" if ok else f", the project speaks {SGLANG_VERSION}")))
-        return rows
-
-    def server_weight_versions(self) -> dict[str, str | None]:
-        """The weight version every worker serves, from GET /model_info (SGLang 0.5.23 has no
-        /get_weight_version); None where it fails."""
-        out = {}
-        for s in self.workers:
-            try:
-                r = s.get("/model_info", timeout_s=10, retries=0)
-                out[s.url] = r.get("weight_version") if isinstance(r, dict) else r
-            except SGLangError:
-                out[s.url] = None
-        return out
-
     # ------------------------------------------------------------------ colocated memory
     def sleep(self, tags: list[str] | None = None) -> None:
         """Free GPU memory on every server (weights + KV cache unless `tags` narrows it)."""
@@ -1101,21 +1051,12 @@ class SGLangEngine(RolloutEngine):
             check_not_failed(_lenient_json(r), s.url, "/resume_memory_occupation")
 
     # ------------------------------------------------------------------ lifecycle
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SGLangError("SGLangEngine is closed")
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
         if self._syncer is not None:
             try:
                 self._syncer.close()
             except Exception:
                 pass
-        if self.procs is not None:
-            self.procs.stop()
 
 
 def _lenient_json(text: str) -> Any:

@@ -55,13 +55,14 @@ from .http_servers import (EngineError, EngineProtocolError, EngineServerError, 
                            generate_response_cap, parse_json, secret_from_env)
 from .validate import check_response, rejected_sample, vocab_size_of
 from .vllm_api import GENERATE, RELOAD_METHOD, VLLM_VERSION, version_matches
+from .http_engine import EngineVersionError, HTTPEngine
 from .vllm_server import ServerClient, VLLMLaunchSpec, launch
 
 log = logging.getLogger("gspo_megatron.rollout")
 
 
-class VLLMVersionError(EngineError):
-    pass
+class VLLMVersionError(EngineVersionError):
+    """A server runs another vLLM than VLLM_VERSION (one line, as SGLang's)."""
 
 
 class WeightMismatchError(EngineError, WeightVerificationError):
@@ -148,12 +149,32 @@ def _version_of(label: Any, fallback: int) -> int:
         return fallback
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(HTTPEngine):
     """cfg: the ``rollout.vllm`` fields (VLLMConfig or dict). hf_config: the policy's HF config dict
     (written as config.json with every push). sync_dtype: dtype of the pushed tensors (default:
     as given). server_env / log_dir: of a launched server. weight_version: what the servers hold at
     start when known. vocab_size: bound of every returned token id (default: hf_config's; unknown:
     ids are checked for >= 0 only)."""
+
+    # the shared HTTP engine's settings (rollout/http_engine.py): GET /version, GET /weight_info
+    NAME, CONFIG, VERSION_PATH, WEIGHT_VERSION_PATH = "vLLM", "rollout.vllm", "/version", "/weight_info"
+    SPOKEN_VERSION, API_MODULE, VERSION_ERROR = VLLM_VERSION, "rollout/vllm_api.py", VLLMVersionError
+    version_matches = staticmethod(version_matches)
+
+    @property
+    def ready_timeout_s(self) -> float:
+        return float(self.cfg["ready_timeout_s"])
+
+    @property
+    def workers(self) -> list[ServerClient]:
+        return self.servers
+
+    @property
+    def capabilities(self):
+        # launched servers are watched and restarted with the last weights (_Supervisor)
+        import dataclasses
+
+        return dataclasses.replace(super().capabilities, supervised_restarts=self.procs is not None)
 
     supports_interrupt = True
     # disk sync: the worker extension digests every tensor it reads (vllm_worker.py); the NCCL
@@ -264,61 +285,6 @@ class VLLMEngine(RolloutEngine):
         kw.setdefault("log_dir", os.path.join(config.out_dir, "vllm_logs"))
         kw.setdefault("sync_dtype", parse_dtype(config.model.dtype))
         return cls(v, hf_config=hf_config, **kw)
-
-    # ------------------------------------------------------------------ servers
-    @property
-    def workers(self) -> list[ServerClient]:
-        return self.servers
-
-    def wait_ready(self, timeout_s: float | None = None) -> float:
-        from .http_servers import wait_until_ready
-
-        t = float(self.cfg["ready_timeout_s"]) if timeout_s is None else timeout_s
-        if self.procs is not None:
-            return self.procs.wait_ready(self.servers, t)
-        return wait_until_ready(self.servers, t, path="/health")
-
-    def check_version(self, strict: bool = True) -> None:
-        """Every server's GET /version is the vLLM version rollout/vllm_api.py is written against."""
-        for s in self.servers:
-            got = (s.get("/version", timeout_s=30, retries=1) or {}).get("version")
-            if got is None:
-                continue
-            ok, note = version_matches(got)
-            if ok:
-                if note:
-                    log.info("vLLM server %s: %s", s.url, note)
-                continue
-            msg = (f"vLLM server {s.url} runs version {got}; this project speaks {VLLM_VERSION} "
-                   "(rollout/vllm_api.py): use that version, or set rollout.vllm.check_version=false")
-            if strict:
-                raise VLLMVersionError(msg)
-            warnings.warn(msg, stacklevel=2)
-
-    def server_software_checks(self) -> list[tuple[str, bool | None, str]]:
-        """Every server's GET /version against VLLM_VERSION (check_version's test, reported per server)."""
-        rows = []
-        for s in self.servers:
-            try:
-                info = s.get("/version", timeout_s=30, retries=1)
-            except EngineError as e:
-                rows.append((s.url, False, f"/version failed: {e}"))
-                continue
-            got = info.get("version") if isinstance(info, dict) else None
-            ok = got is not None and version_matches(got)[0]
-            rows.append((s.url, True if ok else None, f"vLLM {got or '(version not reported)'}"
-                         + ("" if ok else f", the project speaks {VLLM_VERSION}")))
-        return rows
-
-    def server_weight_versions(self) -> dict[str, str | None]:
-        out = {}
-        for s in self.servers:
-            try:
-                r = s.get("/weight_info", timeout_s=10, retries=0)
-                out[s.url] = r.get("weight_version", r.get("version")) if isinstance(r, dict) else r
-            except EngineError:
-                out[s.url] = None
-        return out
 
     # ------------------------------------------------------------------ RolloutEngine
     @property
@@ -598,17 +564,9 @@ class VLLMEngine(RolloutEngine):
         with self._lock:
             self.metrics[key] = self.metrics.get(key, 0) + by
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineError("VLLMEngine is closed")
-
-    def close(self) -> None:
-        self._closed = True
+    def _release(self) -> None:
         if self._supervisor is not None:
             self._supervisor.stop()
-        if self.procs is not None:
-            self.procs.stop()
-            self.procs = None
 
 
 class _Supervisor:

@@ -650,10 +650,10 @@ def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
                 gen = rstats.get("t_generate", t_rollout)
                 own = dt - rstats.get("t_wait_rollout", t_rollout)
                 row["overlap_efficiency"] = min(1.0, max(gen, own) / max(dt, 1e-9))
-                verified = getattr(parts.engine, "metrics", {}).get("verified_tensors")
+                verified = parts.engine.metrics.get("verified_tensors")
                 if verified is not None:  # rollout.verify_weights with digests: tensors the last checked push had
                     row["weights_verified"] = verified
-                restarts = getattr(parts.engine, "metrics", {}).get("restarts")
+                restarts = parts.engine.metrics.get("restarts")
                 if restarts is not None:  # servers the engine restarted so far (rollout.vllm.max_restarts)
                     row["engine_restarts"] = restarts
                 writer.write(row)

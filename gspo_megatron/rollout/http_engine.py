@@ -1,0 +1,125 @@
+"""What every engine behind HTTP servers shares (SGLang, vLLM): readiness, the version check, the
+smoke check's server rows, the served weight versions, closing. What each engine can do beyond
+that is declared (rollout/base.py Capabilities), never found out from its name or attributes.
+
+An engine class says what differs in class attributes (its name, the route and field that report
+its version and its weight version, the version it speaks, the hint of its config section) and
+keeps what is its own (generation, weight sync, restarts). The same mismatch is then the same one
+line from every engine (EngineVersionError: an InputError, which entry points print as one line).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable
+
+from gspo_megatron.errors import InputError
+
+from .base import RolloutEngine
+from .http_servers import EngineError, EngineProtocolError, wait_until_ready
+
+log = logging.getLogger("gspo_megatron.rollout")
+
+
+class EngineVersionError(EngineProtocolError, InputError):
+    """A server runs another engine version than the one the project speaks (one line)."""
+
+
+class HTTPEngine(RolloutEngine):
+    """Base of the engines whose servers speak HTTP. Subclasses set the class attributes below and
+    `self.servers` (ServerClient per server), `self.procs` (the launched ServerProcesses or None),
+    `self._closed`, `self.ready_timeout_s`."""
+
+    NAME = "engine"  # "SGLang", "vLLM": in every message
+    CONFIG = "rollout.<engine>"  # the config section, for hints
+    VERSION_PATH = "/version"  # GET: a JSON object with "version"
+    SPOKEN_VERSION = ""  # the version the project's API table is written against
+    API_MODULE = ""  # that table, for messages
+    WEIGHT_VERSION_PATH = "/weight_info"  # GET: the weight version the server serves
+    HEALTH_PATH = "/health"
+    VERSION_ERROR: type[EngineVersionError] = EngineVersionError
+    version_matches: Callable[[Any], tuple[bool, str | None]]  # the API module's release check
+
+    servers: list  # what requests go to
+    workers: list  # the servers behind them (SGLang's router aside: its workers; else `servers`)
+    procs: Any = None
+    _closed: bool = False
+
+    def wait_ready(self, timeout_s: float | None = None) -> float:
+        t = self.ready_timeout_s if timeout_s is None else timeout_s
+        if self.procs is not None:
+            return self.procs.wait_ready(self.servers, t)
+        return wait_until_ready(self.servers, t, path=self.HEALTH_PATH)
+
+    def _reported_version(self, server) -> str | None:
+        info = server.get(self.VERSION_PATH, timeout_s=30, retries=1)
+        return info.get("version") if isinstance(info, dict) else None
+
+    def check_version(self, strict: bool = True) -> None:
+        """Every worker's reported version is the one the project speaks (request fields and routes
+        change between releases, and a mismatch otherwise shows up as odd 4xx errors in the middle
+        of a run): one line (strict) or a warning. A worker that does not report it is left alone."""
+        for s in self.workers:
+            try:
+                got = self._reported_version(s)
+            except EngineError:
+                continue
+            if got is None:
+                continue
+            ok, note = type(self).version_matches(got)
+            if ok:
+                if note:
+                    log.info("%s server %s: %s", self.NAME, s.url, note)
+                continue
+            msg = (f"{self.NAME} server {s.url} runs version {got}; this project speaks {self.SPOKEN_VERSION} "
+                   f"({self.API_MODULE}): use that server version, or set {self.CONFIG}.check_version=false "
+                   "to try anyway")
+            if strict:
+                raise self.VERSION_ERROR(msg)
+            warnings.warn(msg, stacklevel=2)
+
+    def server_software_checks(self) -> list[tuple[str, bool | None, str]]:
+        """Every worker's reported version against the spoken one (check_version's test, reported
+        per server; ok None when it differs: the engine refused it at start unless the config
+        turned the check off)."""
+        rows = []
+        for s in self.workers:
+            try:
+                got = self._reported_version(s)
+            except EngineError as e:
+                rows.append((s.url, False, f"{self.VERSION_PATH} failed: {e}"))
+                continue
+            ok = got is not None and type(self).version_matches(got)[0]
+            rows.append((s.url, True if ok else None, f"{self.NAME} {got or '(version not reported)'}"
+                         + ("" if ok else f", the project speaks {self.SPOKEN_VERSION}")))
+        return rows
+
+    def server_weight_versions(self) -> dict[str, str | None]:
+        """The weight version every worker serves (GET WEIGHT_VERSION_PATH); None where it fails."""
+        out = {}
+        for s in self.workers:
+            try:
+                r = s.get(self.WEIGHT_VERSION_PATH, timeout_s=10, retries=0)
+                out[s.url] = r.get("weight_version", r.get("version")) if isinstance(r, dict) else r
+            except EngineError:
+                out[s.url] = None
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"{type(self).__name__} is closed")
+
+    def close(self) -> None:
+        """Idempotent: the engine's own parts (`_release`), then the servers it launched."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._release()
+        finally:
+            if self.procs is not None:
+                self.procs.stop()
+                self.procs = None
+
+    def _release(self) -> None:
+        """What the engine holds besides its launched servers (weight-sync groups, supervisors)."""
