@@ -391,8 +391,13 @@ def _rollout_parts(samples_of, max_rejected_frac=0.5, G=4, P=2):
     engine = SimpleNamespace(generate=lambda prompts, n, sampling, seed=None: samples_of(prompts, n),
                              weight_version=0, metrics={})
     tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: "t" * len(ids))
-    return SimpleNamespace(cfg=cfg, engine=engine, prompts=Prompts(), tokenizer=tok, score=score, stop_ids=[0],
-                           agent=None), scored
+    from gspo_megatron.rollout.drivers import single_turn
+    from gspo_megatron.train.setup import RunParts
+
+    parts = SimpleNamespace(cfg=cfg, engine=engine, prompts=Prompts(), tokenizer=tok, score=score, stop_ids=[0],
+                            agent=None, driver=single_turn)  # the run's default driver (rollout/drivers.py)
+    parts.rollout_context = lambda generate=None: RunParts.rollout_context(parts, generate)
+    return parts, scored
 
 
 def _samples(prompts, n, rejected=()):

@@ -129,12 +129,21 @@ def kill9_after_checkpoint(out_dir, min_step: int, *overrides: str, timeout_s: f
     finally:
         # torchrun starts its workers in process groups of their own: SIGKILL every process under
         # our torchrun (found by parent pid in /proc), workers first, not just torchrun's group
-        for pid in _descendants(proc.pid) + [proc.pid]:
+        pids = _descendants(proc.pid) + [proc.pid]
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         proc.wait(timeout=60)
+        # a SIGKILLed process in uninterruptible I/O (a checkpoint's fsync on a loaded machine) runs
+        # until the I/O returns: the resumed run would find the run lock held by a live process
+        from gspo_megatron.train.runlock import _alive
+
+        gone_by = time.monotonic() + 60
+        while any(_alive(p) for p in pids) and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
     return int(latest.read_text())
 
 
