@@ -111,3 +111,19 @@ def test_a_driver_path_is_resolved_before_anything_runs(tmp_path):
     assert load_config(TINY, []).rollout.driver_spec == "gspo_megatron.rollout.drivers:single_turn"
     assert load_config(TINY, ["rollout.agent=tests.agent_fns:two_turn"]).rollout.driver_spec == \
         "gspo_megatron.rollout.drivers:agent"
+
+
+def test_every_preset_runs_the_built_in_driver_by_default():
+    """rollout.driver's default (null) from every preset in launch/configs: the built-in single-turn
+    driver, or the agent one where the preset sets rollout.agent; each resolves to its function."""
+    import glob
+
+    from gspo_megatron import config as C
+    from gspo_megatron.rollout.drivers import agent, load_driver, single_turn
+
+    presets = sorted(glob.glob(os.path.join(REPO, "launch", "configs", "*.yaml")))
+    assert len(presets) >= 12
+    for p in presets:
+        cfg = C.load_config(p, [])  # the schema's load: GPU presets name checkpoints not present here
+        assert cfg.rollout.driver is None, p
+        assert load_driver(cfg.rollout.driver_spec) is (agent if cfg.rollout.agent else single_turn), p
