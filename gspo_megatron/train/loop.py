@@ -298,106 +298,165 @@ def drop_stale(samples: list[Sample], rewards: list[float], step: int, max_age: 
     return kept, kept_r, ages, dropped
 
 
+@dataclass
+class _StepPlan:
+    """A step's samples laid out for training: `splits` the sample indices of each minibatch,
+    `minibatches` their microbatches, `rows` the sample index of each row of each microbatch."""
+
+    splits: list[list[int]]
+    minibatches: list[list]
+    rows: list[list[list[int]]]
+
+    @property
+    def flat(self) -> list:
+        return [mb for mbs in self.minibatches for mb in mbs]
+
+
+def _plan_step(parts: RunParts, samples: list[TrainSample | RemoteSample]) -> _StepPlan:
+    splits = split_minibatches(len(samples), parts.cfg.train.minibatches_per_step)
+    plan = _StepPlan(splits, [], [])
+    for idx in splits:
+        groups, mbs = parts.plan_rows([samples[i] for i in idx])
+        plan.minibatches.append(mbs)
+        plan.rows.append([[idx[j] for j in g] for g in groups])
+    return plan
+
+
 def gspo_step(parts: RunParts, samples: list[TrainSample | RemoteSample], guard: SkipGuard | None = None) -> dict:
     """π_old for every minibatch, then one optimizer step per minibatch. Collective.
 
     `samples`: the step's samples in training order on every rank; the ones another DP rank trains
     on may be RemoteSamples (`distribute` with train.minibatches_per_step minibatches)."""
-    cfg, ctx = parts.cfg, parts.ctx
-    splits = split_minibatches(len(samples), cfg.train.minibatches_per_step)
-    minibatches, rows = [], []  # rows: the sample index of each row of each microbatch
-    for idx in splits:
-        groups, mbs = parts.plan_rows([samples[i] for i in idx])
-        minibatches.append(mbs)
-        rows.append([[idx[j] for j in g] for g in groups])
-    flat = [mb for mbs in minibatches for mb in mbs]
+    cfg = parts.cfg
+    plan = _plan_step(parts, samples)
     t0 = time.perf_counter()
-    temperature = cfg.rollout.temperature
-    mismatch = {}
-    replay = cfg.train.routing_replay
-    # π_old of the first minibatch is the policy its own update forward runs (no update yet): that
-    # forward provides it, and the π_old pass covers the other minibatches only (none at all with
-    # one minibatch a step, the on-policy case). Not when the routers are recorded or replayed:
-    # that pass is where the routing is recorded / compared with the engine's.
-    first_is_current = cfg.loss.old_logprobs == "recompute" and not _routing_controlled(parts, samples)
-    pi_old_reports: list[dict] = []
-    if cfg.loss.old_logprobs == "recompute":
-        if first_is_current:
-            for mb in minibatches[0]:
-                mb.extras[PI_OLD_IS_CURRENT] = True
-            rest = flat[len(minibatches[0]):]
-            if len(minibatches) > 2 and ctx.dp == 1 and cfg.train.packing:
-                # the other minibatches' π_old in one pass over fewer, fuller microbatches (a
-                # forward-only pass keeps no activations; each microbatch forward has a fixed
-                # per-layer cost), copied back row by row: a packed row's values depend only on
-                # its own sequence. One DP rank only (every rank then holds all its samples).
-                later = [i for idx in splits[1:] for i in idx]
-                groups, merged = parts.plan_rows([samples[i] for i in later])
-                pi_old_reports = old_logprobs_pass(parts, samples, merged)[1]
-                _copy_old_logprobs(merged, [[later[j] for j in g] for g in groups], rest,
-                                   [g for rs in rows[1:] for g in rs])
-            else:
-                pi_old_reports = old_logprobs_pass(parts, samples, rest)[1] if rest else []
-        else:
-            mismatch = old_logprobs_pass(parts, samples, flat)[0]
-    else:
-        for mb in flat:  # paper §5.4: the engine's likelihoods serve as π_old directly
-            mb.old_logprobs = mb.engine_logprobs
+    old = _fill_old_logprobs(parts, samples, plan)
     if parts.reference is not None:
-        parts.reference.fill(flat, temperature)
+        parts.reference.fill(plan.flat, cfg.rollout.temperature)
     t_old = time.perf_counter() - t0
 
-    settings = LossSettings(cfg.loss.type, cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.kl_coef,
-                            cfg.loss.entropy_coef, cfg.loss.tis_cap, temperature,
-                            mis=tuple(cfg.loss.mis) if cfg.loss.mis is not None else None,
-                            icepop=tuple(cfg.loss.icepop) if cfg.loss.icepop is not None else None,
-                            cispo_eps=(cfg.loss.cispo_eps_low, cfg.loss.cispo_eps_high))
-    update_routing = _routing_pass(parts, {"none": "off", "old": "recorded", "rollout": "rollout"}[replay])
-    step_fn = policy_loss_step(ctx, parts.arch.vocab_size, settings, routing=update_routing)
-    keys = ("loss", "loss_norm", "sequences", "mis_masked", "icepop_masked", "icepop_tokens",
-            "metric_weight") + WEIGHTED_METRICS
-    totals = dict.fromkeys(keys, 0.0)
-    grad_norms = []
-    skipped = 0
-    guard = guard or SkipGuard(cfg.train.max_skipped_steps)
+    settings = loss_settings(cfg)
+    update_routing = _routing_pass(parts, {"none": "off", "old": "recorded", "rollout": "rollout"}[
+        cfg.train.routing_replay])
+    step_fn = policy_loss_step(parts.ctx, parts.arch.vocab_size, settings, routing=update_routing)
     t1 = time.perf_counter()
-    for i, mbs in enumerate(minibatches):
-        reports, gn, tot, was_skipped = _optimizer_step(parts, parts.optimizer, parts.scheduler, step_fn, mbs, keys,
-                                                        "loss")
-        if i == 0 and first_is_current:  # its π_old came from this forward, with its mismatch sums
-            mismatch = _mismatch(parts, pi_old_reports + reports)
-        guard.record(was_skipped, f"minibatch {i + 1} of the step")
-        if was_skipped:  # not in the step's metrics: nothing of it was applied
-            skipped += 1
-            continue
-        grad_norms.append(float(gn))
-        # per-minibatch loss (sum of sequence losses / sequences; CISPO: of token losses / tokens),
-        # averaged over minibatches below
-        totals["loss"] += tot["loss"] / max(tot["loss_norm"], 1.0)
-        for k in ("sequences", "mis_masked", "icepop_masked", "icepop_tokens", "metric_weight"):
-            totals[k] += tot[k]
-        for k in WEIGHTED_METRICS:
-            totals[k] += tot[k]
+    totals, mismatch = _update_minibatches(parts, plan.minibatches, step_fn, old, guard or SkipGuard(
+        cfg.train.max_skipped_steps))
     t_train = time.perf_counter() - t1
     if update_routing is not None:
         update_routing.close(parts.model)
+    out = _step_metrics(totals, settings, cfg.loss)
+    out["lr"] = parts.optimizer.param_groups[0]["lr"]
+    out.update(mismatch)
+    out["t_old_logprobs"] = t_old
+    out["t_train"] = t_train
+    out["train_tokens"] = sum(x.length for x in samples)
+    return out
+
+
+def loss_settings(cfg) -> LossSettings:
+    """The policy loss's settings from the config's loss section and the rollout temperature."""
+    lc = cfg.loss
+    return LossSettings(lc.type, lc.eps_low, lc.eps_high, lc.kl_coef, lc.entropy_coef, lc.tis_cap,
+                        cfg.rollout.temperature, mis=tuple(lc.mis) if lc.mis is not None else None,
+                        icepop=tuple(lc.icepop) if lc.icepop is not None else None,
+                        cispo_eps=(lc.cispo_eps_low, lc.cispo_eps_high))
+
+
+@dataclass
+class _OldLogprobs:
+    """What the π_old phase leaves for the updates: the mismatch metrics when its own pass measured
+    them, else (first_is_current) the reports of the π_old pass over the later minibatches, which
+    the first update's forward completes."""
+
+    mismatch: dict
+    first_is_current: bool = False
+    reports: list = field(default_factory=list)
+
+
+def _fill_old_logprobs(parts: RunParts, samples: list[TrainSample | RemoteSample], plan: _StepPlan) -> _OldLogprobs:
+    """Collective. Every microbatch's old_logprobs (π_old).
+
+    π_old of the first minibatch is the policy its own update forward runs (no update yet): that
+    forward provides it, and the π_old pass covers the other minibatches only (none at all with
+    one minibatch a step, the on-policy case). Not when the routers are recorded or replayed:
+    that pass is where the routing is recorded / compared with the engine's."""
+    cfg = parts.cfg
+    flat = plan.flat
+    if cfg.loss.old_logprobs != "recompute":
+        for mb in flat:  # paper §5.4: the engine's likelihoods serve as π_old directly
+            mb.old_logprobs = mb.engine_logprobs
+        return _OldLogprobs({})
+    if _routing_controlled(parts, samples):
+        return _OldLogprobs(old_logprobs_pass(parts, samples, flat)[0])
+    for mb in plan.minibatches[0]:
+        mb.extras[PI_OLD_IS_CURRENT] = True
+    rest = flat[len(plan.minibatches[0]):]
+    if not rest:
+        return _OldLogprobs({}, True)
+    if len(plan.minibatches) > 2 and parts.ctx.dp == 1 and cfg.train.packing:
+        return _OldLogprobs({}, True, _packed_old_logprobs(parts, samples, plan, rest))
+    return _OldLogprobs({}, True, old_logprobs_pass(parts, samples, rest)[1])
+
+
+def _packed_old_logprobs(parts: RunParts, samples: list[TrainSample | RemoteSample], plan: _StepPlan,
+                         rest: list) -> list:
+    """The later minibatches' π_old in one pass over fewer, fuller microbatches (a forward-only
+    pass keeps no activations; each microbatch forward has a fixed per-layer cost), copied back
+    row by row into `rest`: a packed row's values depend only on its own sequence. One DP rank
+    only (every rank then holds all its samples). Returns the pass's reports."""
+    later = [i for idx in plan.splits[1:] for i in idx]
+    groups, merged = parts.plan_rows([samples[i] for i in later])
+    reports = old_logprobs_pass(parts, samples, merged)[1]
+    _copy_old_logprobs(merged, [[later[j] for j in g] for g in groups], rest, [g for rs in plan.rows[1:] for g in rs])
+    return reports
+
+
+_UPDATE_KEYS = ("loss", "loss_norm", "sequences", "mis_masked", "icepop_masked", "icepop_tokens",
+                "metric_weight") + WEIGHTED_METRICS
+
+
+def _update_minibatches(parts: RunParts, minibatches: list[list], step_fn, old: _OldLogprobs,
+                        guard: SkipGuard) -> tuple[dict, dict]:
+    """Collective. One optimizer step per minibatch. Returns (the applied minibatches' sums, with
+    "loss" the sum of per-minibatch losses, "grad_norm" of gradient norms, "applied" and "skipped"
+    counts; the mismatch metrics)."""
+    totals = dict.fromkeys(_UPDATE_KEYS + ("grad_norm", "applied", "skipped"), 0.0)
+    mismatch = old.mismatch
+    for i, mbs in enumerate(minibatches):
+        reports, gn, tot, was_skipped = _optimizer_step(parts, parts.optimizer, parts.scheduler, step_fn, mbs,
+                                                        _UPDATE_KEYS, "loss")
+        if i == 0 and old.first_is_current:  # its π_old came from this forward, with its mismatch sums
+            mismatch = _mismatch(parts, old.reports + reports)
+        guard.record(was_skipped, f"minibatch {i + 1} of the step")
+        if was_skipped:  # not in the step's metrics: nothing of it was applied
+            totals["skipped"] += 1
+            continue
+        totals["applied"] += 1
+        totals["grad_norm"] += float(gn)
+        # per-minibatch loss (sum of sequence losses / sequences; CISPO: of token losses / tokens),
+        # averaged over minibatches in _step_metrics
+        totals["loss"] += tot["loss"] / max(tot["loss_norm"], 1.0)
+        for k in _UPDATE_KEYS[2:]:
+            totals[k] += tot[k]
+    return totals, mismatch
+
+
+def _step_metrics(totals: dict, settings: LossSettings, loss_cfg) -> dict:
+    """The step's loss metrics from _update_minibatches' sums (NaN loss and grad_norm when every
+    minibatch was skipped)."""
     n_all = max(totals["sequences"], 1.0)
-    present = {"kl_ref": cfg.loss.kl_coef > 0, "tis_weight_mean": cfg.loss.tis_cap is not None}
+    present = {"kl_ref": loss_cfg.kl_coef > 0, "tis_weight_mean": loss_cfg.tis_cap is not None}
     out = {k: totals[k] / max(totals["metric_weight"], 1.0) for k in WEIGHTED_METRICS if present.get(k, True)}
     if settings.mis is not None:  # sequences of the step taken out of the loss by loss.mis
         out["mis_masked"] = totals["mis_masked"]
         out["mis_masked_frac"] = totals["mis_masked"] / n_all
     if settings.icepop is not None:  # loss tokens of the step taken out by loss.icepop
         out["icepop_masked_frac"] = totals["icepop_masked"] / max(totals["icepop_tokens"], 1.0)
-    applied = len(minibatches) - skipped
+    applied = totals["applied"]
     out["loss"] = totals["loss"] / applied if applied else float("nan")
-    out["grad_norm"] = sum(grad_norms) / applied if applied else float("nan")
-    out["skipped_updates"] = skipped
-    out["lr"] = parts.optimizer.param_groups[0]["lr"]
-    out.update(mismatch)
-    out["t_old_logprobs"] = t_old
-    out["t_train"] = t_train
-    out["train_tokens"] = sum(x.length for x in samples)
+    out["grad_norm"] = totals["grad_norm"] / applied if applied else float("nan")
+    out["skipped_updates"] = int(totals["skipped"])
     return out
 
 
@@ -540,154 +599,234 @@ def train(cfg, *, world_size: int, inputs=None, stop: StopFlag | None = None) ->
         stop.restore()
 
 
-def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
-    parts = setup_run(cfg, world_size=world_size, inputs=inputs)
-    ctx = parts.ctx
-    state = LoopState()
-    writer = producer = bar = None
-    saved = [True]  # whether the checkpoint on disk (or none, fresh) holds every completed step
+class _Run:
+    """What the run's phases share: the parts, the loop state, rank 0's metrics writer, and
+    whether the checkpoint on disk (or none, fresh) holds every completed step."""
 
-    def preemption_point() -> None:
+    def __init__(self, parts: RunParts, stop: StopFlag):
+        self.parts, self.stop = parts, stop
+        self.state = LoopState()
+        self.writer: MetricsWriter | None = None
+        self.saved = True
+
+    def preemption_point(self) -> None:
         """Collective: on a signal, checkpoint the last completed step (unless saved already), exit 143."""
-        if not stop.requested(ctx.device):
+        parts, state = self.parts, self.state
+        if not self.stop.requested(parts.ctx.device):
             return
-        if not saved[0]:
-            _save(parts, state, writer)
+        if not self.saved:
+            _save(parts, state, self.writer)
         parts.wait_for_saves("before exiting on a signal")  # the checkpoint is on disk and tracked
-        if ctx.rank == 0:
+        if parts.ctx.rank == 0:
             where = f"step {state.step}" if state.sft_done else f"warm-start step {state.sft_steps}"
             log.warning("saved the step-%d checkpoint after %s (%s); exiting (resume with checkpoint.resume=auto)",
-                        state.step, stop.received, where)
-        raise Preempted(stop.received, state.step)
+                        state.step, self.stop.received, where)
+        raise Preempted(self.stop.received, state.step)
 
+    def save(self) -> None:
+        _save(self.parts, self.state, self.writer)
+        self.saved = True
+
+    def sft_step_done(self, s: int) -> None:
+        self.state.sft_steps = s
+        self.saved = False
+        self.preemption_point()
+
+
+def _train(cfg, world_size: int, inputs, stop: StopFlag) -> dict:
+    parts = setup_run(cfg, world_size=world_size, inputs=inputs)
+    run = _Run(parts, stop)
+    producer = None
     try:
-        if ctx.rank == 0:
+        if parts.ctx.rank == 0:
             log.info("run: %s", startup_summary(parts))
-        # rank 0 resolves it for every rank (train/checkpoint.py agree_on_resume)
-        resume_from = checkpoint.agree_on_resume(cfg.checkpoint.resume, cfg.out_dir, ctx)
-        if resume_from:
-            state = LoopState(**parts.load_checkpoint(resume_from))
-            parts.prompts.load_state_dict(state.data)
-            if ctx.rank == 0:
-                log.info("resumed from %s at step %d", resume_from, state.step)
-        if ctx.rank == 0:  # a fresh run starts a fresh metrics file; a resumed one keeps its past
-            tracker = None
-            if cfg.logging.wandb.mode != "disabled":
-                from gspo_megatron.train.tracking import WandbRun
-
-                tracker = WandbRun(cfg, out_dir=cfg.out_dir, run_id=state.wandb_run_id, config=cfg.to_dict())
-                state.wandb_run_id = tracker.run_id
-            writer = MetricsWriter(cfg.out_dir, tensorboard=cfg.logging.tensorboard,
-                                   resume_step=state.step if resume_from else -1, tracker=tracker)
-        if cfg.logging.wandb.mode != "disabled":  # every rank saves the same loop state
-            state.wandb_run_id = _broadcast(state.wandb_run_id)
-        plane = DataPlane(ctx)
+        resumed = _resume(run)
+        run.writer = _open_metrics(run, resumed)
+        plane = DataPlane(parts.ctx)
         guard = SkipGuard(cfg.train.max_skipped_steps)
-        preemption_point()
-        if not state.sft_done:
-            def sft_step_done(s: int) -> None:
-                state.sft_steps = s
-                saved[0] = False
-                preemption_point()
-
-            sft_warmup(parts, writer, plane, start=state.sft_steps, guard=guard, step_done=sft_step_done)
-            state.sft_done = True
-            saved[0] = cfg.train.sft_warmup_steps <= 0 and saved[0]
+        run.preemption_point()
+        _warm_start(run, plane, guard)
         # Servers/engines may hold other weights (another checkpoint, a fresh random init): push ours
         # before the first rollout of every run, fresh or resumed.
-        push_weights(parts, state.step)
-        verify_refit(parts, plane, state.step)
-        preemption_point()
-        if state.step == 0:
-            evaluate(parts, 0, writer)
-            preemption_point()
-        producer = _start_producer(parts, state.step)
-        if ctx.rank == 0 and cfg.logging.progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="GSPO", unit="step")
-        last = {}
-        # What exists now (modules, Megatron's buffers, the engine, imported libraries: ~400k Python
-        # objects on the CPU demo) lives for the whole run: out of the cyclic GC's sight, whose full
-        # collections would otherwise scan all of it (0.3 s each on the CPU demo, one every ~20 steps:
-        # the slowest step of a bench run). Unfrozen at the end, for callers that live on (tests).
-        gc.collect()
-        gc.freeze()
-        for step in range(state.step, cfg.train.max_steps):
-            t_step = time.perf_counter()
-            t0 = time.perf_counter()
-            samples = rstats = data_state = None
-            if ctx.rank == 0:
-                kept, rewards, rstats, data_state = _take_rollout(parts, producer, step)
-                samples = to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt, step=step,
-                                           max_token_age=cfg.loss.max_token_age)
-                # response tokens in the loss (policy tokens: not an agent's environment tokens, not too old)
-                rstats["loss_tokens"] = sum(len(x.response_ids) if x.token_mask is None else sum(x.token_mask)
-                                            for x in samples)
-                # the training order, before the DP split is decided on it
-                random.Random(cfg.train.seed * 7 + step).shuffle(samples)
-            data_state = _broadcast(data_state)  # every rank saves it; rstats stay on rank 0 (it writes the rows)
-            samples = distribute(plane, samples, cfg.train.minibatches_per_step)
-            if parts.colocation is not None:  # the engines release their memory for training
-                parts.colocation.after_rollout()
-            t_rollout = time.perf_counter() - t0
-            metrics = gspo_step(parts, samples, guard) if samples else {}
-            t_sync = push_weights(parts, step + 1, producer)
-            metrics.update(verify_refit(parts, plane, step + 1))  # rollout.verify_weights, when due
-            state.step = step + 1
-            state.data = data_state  # the stream right after this step's prompts (async: not the producer's)
-            saved[0] = False
-            dt = time.perf_counter() - t_step
-            if ctx.rank == 0:
-                row = {"step": state.step, "phase": "gspo", **rstats, **metrics, "t_rollout": t_rollout,
-                       "t_weight_sync": t_sync, "t_step": dt,
-                       # of t_weight_sync: the wait for the generation in flight (async), not the transfer
-                       "t_push_wait": producer.t_push_wait if producer is not None else 0.0,
-                       "tokens_per_s": metrics.get("train_tokens", 0) / max(dt, 1e-9)}
-                # the ideal step over this one: the longer of the batch's generation and the
-                # trainer's own work (the step less its wait for the batch), over the step. 1 =
-                # perfectly overlapped; synchronous steps run the two in turn (1/2 when they are equal)
-                gen = rstats.get("t_generate", t_rollout)
-                own = dt - rstats.get("t_wait_rollout", t_rollout)
-                row["overlap_efficiency"] = min(1.0, max(gen, own) / max(dt, 1e-9))
-                verified = parts.engine.metrics.get("verified_tensors")
-                if verified is not None:  # rollout.verify_weights with digests: tensors the last checked push had
-                    row["weights_verified"] = verified
-                restarts = parts.engine.metrics.get("restarts")
-                if restarts is not None:  # servers the engine restarted so far (rollout.vllm.max_restarts)
-                    row["engine_restarts"] = restarts
-                writer.write(row)
-                last = row
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row.get('clip_frac', 0):.2f}")
-                else:
-                    log.info(step_line(row, cfg.train.max_steps))
-            if parts.heldout is not None and parts.heldout.due(state.step):
-                evaluate(parts, state.step, writer, producer)
-            preemption_point()  # preemption: this step's checkpoint, then exit 143
-            if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and state.step < cfg.train.max_steps:
-                _save(parts, state, writer)
-                saved[0] = True
-                preemption_point()  # a signal during the save: it is written, exit now
-        _save(parts, state, writer)
-        if cfg.checkpoint.export_hf:  # overlaps with a background write of the last checkpoint
-            parts.export_hf(os.path.join(cfg.out_dir, "hf"))
-        parts.wait_for_saves("at the end of the run")
-        if ctx.rank == 0:
-            if bar is not None:
-                bar.close()
-            writer.close()
-            if cfg.logging.plot:
-                plot(writer.path, os.path.join(cfg.out_dir, "metrics.png"))
+        push_weights(parts, run.state.step)
+        verify_refit(parts, plane, run.state.step)
+        run.preemption_point()
+        if run.state.step == 0:
+            evaluate(parts, 0, run.writer)
+            run.preemption_point()
+        producer = _start_producer(parts, run.state.step)
+        last = _gspo_steps(run, producer, plane, guard)
+        _finish(run)
     finally:
         gc.unfreeze()
         if producer is not None:
             producer.close()
-        if writer is not None:
-            writer.close()
+        if run.writer is not None:
+            run.writer.close()
         parts.close()
     return last
+
+
+def _resume(run: _Run) -> bool:
+    """The loop state of the checkpoint checkpoint.resume names (rank 0 resolves it for every
+    rank: train/checkpoint.py agree_on_resume), and the prompt stream where it was. Whether there
+    was one."""
+    parts = run.parts
+    resume_from = checkpoint.agree_on_resume(parts.cfg.checkpoint.resume, parts.cfg.out_dir, parts.ctx)
+    if not resume_from:
+        return False
+    run.state = LoopState(**parts.load_checkpoint(resume_from))
+    parts.prompts.load_state_dict(run.state.data)
+    if parts.ctx.rank == 0:
+        log.info("resumed from %s at step %d", resume_from, run.state.step)
+    return True
+
+
+def _open_metrics(run: _Run, resumed: bool) -> MetricsWriter | None:
+    """Rank 0's metrics writer: a fresh run starts a fresh metrics file, a resumed one keeps its
+    past (and its W&B run, whose id every rank saves in the same loop state)."""
+    cfg, ctx, state = run.parts.cfg, run.parts.ctx, run.state
+    writer = None
+    if ctx.rank == 0:
+        tracker = None
+        if cfg.logging.wandb.mode != "disabled":
+            from gspo_megatron.train.tracking import WandbRun
+
+            tracker = WandbRun(cfg, out_dir=cfg.out_dir, run_id=state.wandb_run_id, config=cfg.to_dict())
+            state.wandb_run_id = tracker.run_id
+        writer = MetricsWriter(cfg.out_dir, tensorboard=cfg.logging.tensorboard,
+                               resume_step=state.step if resumed else -1, tracker=tracker)
+    if cfg.logging.wandb.mode != "disabled":
+        state.wandb_run_id = _broadcast(state.wandb_run_id)
+    return writer
+
+
+def _warm_start(run: _Run, plane: DataPlane, guard: SkipGuard) -> None:
+    """The SFT warm start (train.sft_warmup_steps), where a preempted one stopped."""
+    if run.state.sft_done:
+        return
+    sft_warmup(run.parts, run.writer, plane, start=run.state.sft_steps, guard=guard, step_done=run.sft_step_done)
+    run.state.sft_done = True
+    run.saved = run.parts.cfg.train.sft_warmup_steps <= 0 and run.saved
+
+
+def _gspo_steps(run: _Run, producer, plane: DataPlane, guard: SkipGuard) -> dict:
+    """The GSPO steps from the loop state's to train.max_steps. Returns the last metrics row."""
+    parts, cfg, state = run.parts, run.parts.cfg, run.state
+    bar = None
+    if parts.ctx.rank == 0 and cfg.logging.progress_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.train.max_steps, initial=state.step, desc="GSPO", unit="step")
+    last = {}
+    # What exists now (modules, Megatron's buffers, the engine, imported libraries: ~400k Python
+    # objects on the CPU demo) lives for the whole run: out of the cyclic GC's sight, whose full
+    # collections would otherwise scan all of it (0.3 s each on the CPU demo, one every ~20 steps:
+    # the slowest step of a bench run). Unfrozen at the end (_train), for callers that live on (tests).
+    gc.collect()
+    gc.freeze()
+    try:
+        for step in range(state.step, cfg.train.max_steps):
+            row = _gspo_iteration(run, producer, plane, guard, step)
+            if row is not None:
+                last = row
+                _show(bar, row, cfg.train.max_steps)
+            if parts.heldout is not None and parts.heldout.due(state.step):
+                evaluate(parts, state.step, run.writer, producer)
+            run.preemption_point()  # preemption: this step's checkpoint, then exit 143
+            if cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and state.step < cfg.train.max_steps:
+                run.save()
+                run.preemption_point()  # a signal during the save: it is written, exit now
+    finally:
+        if bar is not None:
+            bar.close()
+    return last
+
+
+def _gspo_iteration(run: _Run, producer, plane: DataPlane, guard: SkipGuard, step: int) -> dict | None:
+    """One GSPO step: rollout (rank 0), distribution, the update, the push. Collective. Returns
+    rank 0's metrics row (None elsewhere)."""
+    parts, state = run.parts, run.state
+    t_step = t0 = time.perf_counter()
+    samples = rstats = data_state = None
+    if parts.ctx.rank == 0:
+        samples, rstats, data_state = _step_samples(parts, producer, step)
+    data_state = _broadcast(data_state)  # every rank saves it; rstats stay on rank 0 (it writes the rows)
+    samples = distribute(plane, samples, parts.cfg.train.minibatches_per_step)
+    if parts.colocation is not None:  # the engines release their memory for training
+        parts.colocation.after_rollout()
+    t_rollout = time.perf_counter() - t0
+    metrics = gspo_step(parts, samples, guard) if samples else {}
+    t_sync = push_weights(parts, step + 1, producer)
+    metrics.update(verify_refit(parts, plane, step + 1))  # rollout.verify_weights, when due
+    state.step = step + 1
+    state.data = data_state  # the stream right after this step's prompts (async: not the producer's)
+    run.saved = False
+    if parts.ctx.rank != 0:
+        return None
+    row = step_row(parts, producer, state.step, rstats, metrics, t_rollout=t_rollout, t_sync=t_sync,
+                   dt=time.perf_counter() - t_step)
+    run.writer.write(row)
+    return row
+
+
+def _step_samples(parts: RunParts, producer, step: int):
+    """Rank 0: the step's training samples in training order, the rollout stats, the prompt-stream
+    state after them."""
+    cfg = parts.cfg
+    kept, rewards, rstats, data_state = _take_rollout(parts, producer, step)
+    samples = to_train_samples(kept, rewards, cfg.rollout.samples_per_prompt, step=step,
+                               max_token_age=cfg.loss.max_token_age)
+    # response tokens in the loss (policy tokens: not an agent's environment tokens, not too old)
+    rstats["loss_tokens"] = sum(len(x.response_ids) if x.token_mask is None else sum(x.token_mask)
+                                for x in samples)
+    # the training order, before the DP split is decided on it
+    random.Random(cfg.train.seed * 7 + step).shuffle(samples)
+    return samples, rstats, data_state
+
+
+def step_row(parts: RunParts, producer, step: int, rstats: dict, metrics: dict, *, t_rollout: float,
+             t_sync: float, dt: float) -> dict:
+    """Rank 0's metrics row of a GSPO step."""
+    row = {"step": step, "phase": "gspo", **rstats, **metrics, "t_rollout": t_rollout,
+           "t_weight_sync": t_sync, "t_step": dt,
+           # of t_weight_sync: the wait for the generation in flight (async), not the transfer
+           "t_push_wait": producer.t_push_wait if producer is not None else 0.0,
+           "tokens_per_s": metrics.get("train_tokens", 0) / max(dt, 1e-9)}
+    # the ideal step over this one: the longer of the batch's generation and the trainer's own
+    # work (the step less its wait for the batch), over the step. 1 = perfectly overlapped;
+    # synchronous steps run the two in turn (1/2 when they are equal)
+    gen = rstats.get("t_generate", t_rollout)
+    own = dt - rstats.get("t_wait_rollout", t_rollout)
+    row["overlap_efficiency"] = min(1.0, max(gen, own) / max(dt, 1e-9))
+    engine = parts.engine.metrics
+    if engine.get("verified_tensors") is not None:  # rollout.verify_weights with digests: tensors the last checked push had
+        row["weights_verified"] = engine["verified_tensors"]
+    if engine.get("restarts") is not None:  # servers the engine restarted so far (rollout.*.max_restarts)
+        row["engine_restarts"] = engine["restarts"]
+    return row
+
+
+def _show(bar, row: dict, max_steps: int) -> None:
+    if bar is None:
+        log.info(step_line(row, max_steps))
+        return
+    bar.update(1)
+    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row.get('clip_frac', 0):.2f}")
+
+
+def _finish(run: _Run) -> None:
+    """The last checkpoint, the HF export (overlapping a background write of that checkpoint), and
+    rank 0's metrics file closed (and plotted)."""
+    parts, cfg = run.parts, run.parts.cfg
+    run.save()
+    if cfg.checkpoint.export_hf:
+        parts.export_hf(os.path.join(cfg.out_dir, "hf"))
+    parts.wait_for_saves("at the end of the run")
+    if parts.ctx.rank == 0:
+        run.writer.close()
+        if cfg.logging.plot:
+            plot(run.writer.path, os.path.join(cfg.out_dir, "metrics.png"))
 
 
 def _save(parts: RunParts, state: LoopState, writer) -> None:
