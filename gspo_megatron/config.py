@@ -152,6 +152,20 @@ GRPO_EPS_WARN = 0.01  # a GRPO clip range this narrow is GSPO-sized: almost ever
 _REWARD_FN_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
+def _check_supervision(key: str, section, other_syncs: str) -> None:
+    """A rollout.<engine> section's max_restarts, health_interval_s and lost_timeout_s: a server
+    brought back must get the pushed weights again, which only disk sync can send to one server
+    (its last version directory) while the trainer is busy."""
+    if section.max_restarts is not None:
+        _positive(f"{key}.max_restarts", section.max_restarts, allow_zero=True)
+        if section.max_restarts > 0 and section.weight_sync != "disk":
+            raise ConfigError(f"{key}.max_restarts={section.max_restarts} with weight_sync={section.weight_sync}: a "
+                              f"restarted server cannot get the pushed weights back ({other_syncs} sync re-sends them "
+                              "only from the trainer); use weight_sync=disk for restarts, or max_restarts=0")
+    _positive(f"{key}.health_interval_s", section.health_interval_s)
+    _positive(f"{key}.lost_timeout_s", section.lost_timeout_s)
+
+
 def _positive(key: str, v, allow_zero: bool = False) -> None:
     # written so that NaN fails too (every comparison with NaN is false)
     if not (v > 0 or (allow_zero and v == 0)) or (isinstance(v, float) and not math.isfinite(v)):
@@ -432,6 +446,16 @@ class SGLangConfig:
     # Command that starts one server instead of [this python, -m, sglang.launch_server] (launch
     # only), e.g. [/opt/sglang-venv/bin/python, -m, sglang.launch_server]; the server arguments follow.
     server_command: list[str] = field(default_factory=list)
+    # Supervision (rollout/supervision.py): every server is health-checked (GET /health every
+    # health_interval_s, and its weight version once weights were pushed). A lost one is restarted
+    # (launched servers: by their node's local rank 0) or waited for up to lost_timeout_s (urls),
+    # then re-synced (the last pushed weights, labelled with their version) before it serves
+    # again, at most max_restarts times per run. null = 3 with weight_sync=disk, else 0 (a lost
+    # server stops the run in one line: distributed and tensor sync re-send weights only from the
+    # trainer, and an explicit max_restarts > 0 is refused with them).
+    max_restarts: Optional[int] = None
+    health_interval_s: float = 2.0
+    lost_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -486,12 +510,16 @@ class VLLMConfig:
     ready_timeout_s: float = 900.0
     max_retries: int = 3
     concurrency: int = 64
-    # A launched server that exits or fails max(3, ...) health checks in a row (GET /health every
-    # health_interval_s, also while requests are in flight) is restarted: its requests in flight
-    # are cut and re-sent, the last pushed weights reloaded (weight_sync=disk). At most
-    # max_restarts restarts per run (0 = never: a dead server stops the run in one line).
-    max_restarts: int = 3
+    # A server that exits or fails 3 health checks in a row (GET /health every health_interval_s,
+    # also while requests are in flight), or answers with other weights than the pushed ones, is
+    # restarted (launched) or waited for up to lost_timeout_s (urls): its requests in flight are
+    # cut and re-sent, the last pushed weights reloaded and labelled (rollout/supervision.py). At
+    # most max_restarts per run (0 = never: a lost server stops the run in one line); null = 3
+    # with weight_sync=disk, 0 with nccl (a restarted server cannot get the weights back over
+    # NCCL: an explicit max_restarts > 0 is refused with it).
+    max_restarts: Optional[int] = None
     health_interval_s: float = 2.0
+    lost_timeout_s: float = 300.0
     # More arguments for the launched server (e.g. [--tensor-parallel-size, "4"]).
     extra_args: list[str] = field(default_factory=list)
 
@@ -642,8 +670,7 @@ class RolloutConfig:
         _positive("rollout.vllm.request_timeout_s", v.request_timeout_s)
         _positive("rollout.vllm.ready_timeout_s", v.ready_timeout_s)
         _positive("rollout.vllm.max_retries", v.max_retries, allow_zero=True)
-        _positive("rollout.vllm.max_restarts", v.max_restarts, allow_zero=True)
-        _positive("rollout.vllm.health_interval_s", v.health_interval_s)
+        _check_supervision("rollout.vllm", v, "nccl")
         for k in ("max_model_len", "cpu_kv_cache_mb"):
             if getattr(v, k) is not None:
                 _positive(f"rollout.vllm.{k}", getattr(v, k))
@@ -688,6 +715,7 @@ class RolloutConfig:
         _positive("rollout.sglang.request_timeout_s", s.request_timeout_s)
         _positive("rollout.sglang.ready_timeout_s", s.ready_timeout_s)
         _positive("rollout.sglang.max_retries", s.max_retries, allow_zero=True)
+        _check_supervision("rollout.sglang", s, "distributed or tensor")
         if s.weight_sync == "tensor" and not s.launch:
             raise ConfigError(
                 "rollout.sglang.weight_sync=tensor passes CUDA IPC handles and needs colocated "

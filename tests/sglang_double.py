@@ -1226,7 +1226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--double-fail-path", default="/generate", help="the endpoint --double-fail-5xx applies to")
     ap.add_argument("--double-fail-5xx", type=int, default=0, help="answer HTTP 500 this many times there")
     args, unknown = ap.parse_known_args(_merge_config(list(sys.argv[1:] if argv is None else argv)))
-    print(f"[sglang test double] args={vars(args)} ignored={unknown}", flush=True)
+    print(f"[sglang test double] pid={os.getpid()} args={vars(args)} ignored={unknown}", flush=True)
     print(f"[sglang test double] SGLANG_RETURN_ORIGINAL_LOGPROB={os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB')}",
           flush=True)
     if args.double_exit_code is not None:

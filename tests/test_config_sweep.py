@@ -148,7 +148,8 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
         "rollout.sglang.request_timeout_s", "rollout.sglang.ready_timeout_s", "rollout.sglang.max_retries",
         "rollout.sglang.concurrency", "rollout.vllm.request_timeout_s",
         "rollout.vllm.ready_timeout_s", "rollout.vllm.max_retries", "rollout.vllm.max_restarts",
-        "rollout.vllm.health_interval_s",
+        "rollout.vllm.health_interval_s", "rollout.vllm.lost_timeout_s", "rollout.sglang.max_restarts",
+        "rollout.sglang.health_interval_s", "rollout.sglang.lost_timeout_s",
         "rollout.vllm.concurrency"),
     "where to find or how to start an engine (its own tests: test_sglang, test_train_sglang, test_vllm, "
     "test_vllm_launch, test_vllm_nccl); the cells use running servers": (

@@ -207,7 +207,7 @@ def test_a_dead_server_on_nccl_sync_fails_in_one_line_without_a_useless_restart(
     weights back without the trainer, yet the supervisor restarted it (a whole server start) and
     only then said so. Now it says so first and restarts nothing. (Fake engine and processes: the
     supervisor's own decision.)"""
-    from gspo_megatron.rollout.vllm_engine import _Supervisor
+    from gspo_megatron.rollout.supervision import ServerSupervisor
 
     class Server:
         url = "http://127.0.0.1:9"
@@ -234,17 +234,18 @@ def test_a_dead_server_on_nccl_sync_fails_in_one_line_without_a_useless_restart(
         def restart(self, i, grace_s=5.0):
             self.restarts.append(i)
 
-    class Engine:
-        servers = [Server()]
+    class Engine:  # what the shared supervisor reads of an engine, and the vLLM engine's own refusal
+        NAME, CONFIG, HEALTH_PATH = VLLMEngine.NAME, VLLMEngine.CONFIG, VLLMEngine.HEALTH_PATH
+        workers = [Server()]
         procs = Procs()
         metrics = {"restarts": 0}
-        cfg = {"ready_timeout_s": 5}
         _nccl = object()
         _synced = True
+        _resync_refusal = VLLMEngine._resync_refusal
 
-    sup = _Supervisor(Engine(), max_restarts=3, interval_s=60.0)
+    sup = ServerSupervisor(Engine(), max_restarts=3, interval_s=60.0, lost_timeout_s=5, ready_timeout_s=5)
     try:
-        sup._restart(0, "process exited with -9")
+        sup._recover(0, "process exited with -9")
     finally:
         sup.stop()
     assert Procs.restarts == [] and Engine.metrics["restarts"] == 0

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .http_servers import secret_from_env
 from .sglang_server import LaunchSpec, ServerClient, ServerProcesses, SGLangError
+from .supervision import ProcessKeeper, restarts_default
 
 log = logging.getLogger("gspo_megatron.rollout")
 
@@ -118,12 +119,17 @@ def _advertised(url: str, host: str | None) -> str:
 
 
 class NodeServers:
-    """The servers this node's local rank 0 started (None elsewhere); stopped by close()."""
+    """The servers this node's local rank 0 started (None elsewhere), and their keeper (a server
+    process that exits is started again; global rank 0's engine waits for it and re-syncs it:
+    rollout/supervision.py); stopped by close()."""
 
-    def __init__(self, procs: ServerProcesses | None):
-        self.procs = procs
+    def __init__(self, procs: ServerProcesses | None, keeper: ProcessKeeper | None = None):
+        self.procs, self.keeper = procs, keeper
 
     def close(self) -> None:
+        if self.keeper is not None:  # first: a server stopped below is not started again
+            self.keeper.stop()
+            self.keeper = None
         if self.procs is not None:
             self.procs.stop()
             self.procs = None
@@ -149,7 +155,7 @@ def start_colocated(cfg, ctx, *, make_engine) -> tuple[object | None, NodeServer
         dist.broadcast_object_list(box, src=0)
         api_key = box[0]
         log.info("colocated SGLang servers bind %s: they require a generated API key", sg.host)
-    procs, urls, error = None, [], None
+    procs, keeper, urls, error = None, None, [], None
     if layout.local_rank == 0:
         try:
             advertise = None
@@ -165,16 +171,23 @@ def start_colocated(cfg, ctx, *, make_engine) -> tuple[object | None, NodeServer
             clients = [ServerClient(u, api_key=api_key) for u in procs.urls]
             procs.wait_ready(clients, float(sg.ready_timeout_s))
             urls = [_advertised(u, advertise) for u in procs.urls]
+            restarts = restarts_default({"max_restarts": sg.max_restarts, "weight_sync": sg.weight_sync})
+            if restarts:
+                keeper = ProcessKeeper(procs, max_restarts=restarts, interval_s=float(sg.health_interval_s),
+                                       name="SGLang server")
             log.info("node %d: started %d colocated SGLang server(s): %s", layout.node_rank, len(urls), urls)
         except BaseException as e:  # tell the other ranks instead of leaving them in the gather
             error = f"node {layout.node_rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if keeper is not None:
+                keeper.stop()
+                keeper = None
             if procs is not None:
                 procs.stop()
                 procs = None
     gathered: list = [None] * ctx.world_size
     dist.all_gather_object(gathered, (urls, error))
     errors = [e for _, e in gathered if e]
-    node = NodeServers(procs)
+    node = NodeServers(procs, keeper)
     if errors:
         node.close()
         raise SGLangError("colocated SGLang servers did not start: " + "; ".join(errors))

@@ -9,9 +9,10 @@ line from every engine (EngineVersionError: an InputError, which entry points pr
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from gspo_megatron.errors import InputError
 
@@ -44,6 +45,9 @@ class HTTPEngine(RolloutEngine):
     workers: list  # the servers behind them (SGLang's router aside: its workers; else `servers`)
     procs: Any = None
     _closed: bool = False
+    _synced: bool = False  # True once the engine pushed weights
+    _supervisor: Any = None  # rollout/supervision.py ServerSupervisor, once _supervise ran
+    _push_seq: int = 0  # odd while a push is under way (pushes to one engine never overlap)
 
     def wait_ready(self, timeout_s: float | None = None) -> float:
         t = self.ready_timeout_s if timeout_s is None else timeout_s
@@ -105,6 +109,53 @@ class HTTPEngine(RolloutEngine):
                 out[s.url] = None
         return out
 
+    # ------------------------------------------------------------------ supervision
+    def _supervise(self, max_restarts: int, interval_s: float, lost_timeout_s: float) -> None:
+        """Watch every worker (rollout/supervision.py): a lost one is restarted (launched here) or
+        waited for (given), and re-synced (`_resync_server`), at most max_restarts times."""
+        from .supervision import ServerSupervisor
+
+        self._supervisor = ServerSupervisor(self, max_restarts=max_restarts, interval_s=interval_s,
+                                            lost_timeout_s=lost_timeout_s, ready_timeout_s=self.ready_timeout_s)
+
+    @contextlib.contextmanager
+    def _pushing_weights(self) -> Iterator[None]:
+        """Around a push: the supervisor does not read a server's weight version meanwhile (the
+        servers are relabelled one by one, before the engine's own version moves)."""
+        self._push_seq += 1
+        try:
+            yield
+        finally:
+            self._push_seq += 1
+
+    def _served_version_ok(self, i: int) -> bool | None:
+        """Whether worker i reports serving the weight version the engine pushed last; None when it
+        cannot be told now (nothing pushed yet, a push under way, no answer, no version reported)."""
+        seq = self._push_seq
+        if not self._synced or seq % 2:
+            return None
+        try:
+            r = self.workers[i].get(self.WEIGHT_VERSION_PATH, timeout_s=10, retries=0)
+        except EngineError:
+            return None
+        got = r.get("weight_version", r.get("version")) if isinstance(r, dict) else None
+        if got is None or self._push_seq != seq:
+            return None
+        return str(got) == str(self.weight_version)
+
+    def _resync_refusal(self) -> str | None:
+        """Why a lost server could not get the pushed weights back (None: it can, _resync_server)."""
+        return None
+
+    def _resync_server(self, i: int) -> None:
+        """Worker i, back after a loss: the last pushed weights, labelled with their version."""
+        raise NotImplementedError
+
+    def _inc(self, key: str, by: float = 1) -> None:
+        """metrics[key] += by, under the engine's lock (`self._lock`: generation runs in threads)."""
+        with self._lock:
+            self.metrics[key] = self.metrics.get(key, 0) + by
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineError(f"{type(self).__name__} is closed")
@@ -115,6 +166,8 @@ class HTTPEngine(RolloutEngine):
             return
         self._closed = True
         try:
+            if self._supervisor is not None:  # first: a server stopped below is not restarted
+                self._supervisor.stop()
             self._release()
         finally:
             if self.procs is not None:
@@ -122,4 +175,4 @@ class HTTPEngine(RolloutEngine):
                 self.procs = None
 
     def _release(self) -> None:
-        """What the engine holds besides its launched servers (weight-sync groups, supervisors)."""
+        """What the engine holds besides its launched servers and their supervisor (weight-sync groups)."""

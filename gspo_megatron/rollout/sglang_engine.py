@@ -130,6 +130,7 @@ from gspo_megatron.errors import InputError
 
 from .base import FINISH_REASONS, Capabilities, NamedTensors, RolloutEngine, Sample, SamplingParams, check_generate_args
 from .http_engine import EngineVersionError, HTTPEngine
+from .supervision import restarts_default
 from .http_servers import generate_response_cap, loads_answer, secret_from_env
 from .sglang_api import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SERVER_ARG, SGLANG_VERSION, version_matches
 from .sglang_api import payload as api_payload
@@ -278,7 +279,9 @@ class SGLangEngine(HTTPEngine):
     def capabilities(self) -> Capabilities:
         # memory release/resume (colocation: sleep/wake) and the routed experts of every token
         # (return_routed_experts, with the server flag) beside the supports_* flags
-        return dataclasses.replace(super().capabilities, sleep_wake=True, routing_return=True)
+        # a lost server brought back with the last weights (rollout/supervision.py): disk sync only
+        return dataclasses.replace(super().capabilities, sleep_wake=True, routing_return=True,
+                                   supervised_restarts=self.cfg["weight_sync"] == "disk")
 
     def __init__(
         self,
@@ -339,8 +342,9 @@ class SGLangEngine(HTTPEngine):
         self._lock = threading.Lock()
         self._interrupted = threading.Event()
         self._closed = False
+        self._asleep = False  # memory released (sleep) and not yet re-taken (wake)
         self.metrics: dict[str, float] = {
-            "requests": 0, "retries": 0, "dropped_groups": 0, "stale_samples": 0, "abort_calls": 0,
+            "restarts": 0, "requests": 0, "retries": 0, "dropped_groups": 0, "stale_samples": 0, "abort_calls": 0,
             "weight_syncs": 0, "last_sync_s": 0.0, "last_sync_bytes": 0, "flush_attempts": 0,
             "unversioned_samples": 0, "interrupted_rows": 0, "rejected": 0,
         }
@@ -404,6 +408,8 @@ class SGLangEngine(HTTPEngine):
                 self.check_version(strict=bool(c.get("check_version", True)))
             if self.return_routing and wait_ready:
                 self.check_routing_enabled()
+            if wait_ready:  # every worker health-checked; a lost one restarted or waited for, and re-synced
+                self._supervise(restarts_default(c), float(c["health_interval_s"]), float(c["lost_timeout_s"]))
         except BaseException:
             self.close()
             raise
@@ -618,6 +624,7 @@ class SGLangEngine(HTTPEngine):
                 if self._interrupted.is_set():
                     return self._empty_rows(gi, prompt, n)
                 last = e
+                self._settle(server)  # dead or alive? the supervisor's checks say, then retry
                 continue
             if status != 200 and cancel.is_set():
                 raise _Aborted()  # whatever an aborted request answers, we no longer need it
@@ -626,6 +633,7 @@ class SGLangEngine(HTTPEngine):
             if status >= 500:
                 last = SGLangServerError(f"HTTP {status}: {data[:300].decode('utf-8', 'replace')}",
                                          url=server.url, status=status)
+                self._settle(server)
                 continue
             if status != 200:
                 raise SGLangServerError(
@@ -633,7 +641,18 @@ class SGLangEngine(HTTPEngine):
                     f"{data[:300].decode('utf-8', 'replace')}", url=server.url, status=status,
                 )
             rows = parse_json(data, server.url, "/generate")
-            samples = self._parse_generate(rows, gi, prompt, n, server.url, sent=sent)
+            try:
+                samples = self._parse_generate(rows, gi, prompt, n, server.url, sent=sent)
+            except SGLangStaleWeightsError as e:
+                # a supervised server restarted between two of its checks serves the weights it
+                # started from (it says so: /model_info): the supervisor finds it by that version
+                # and re-syncs it, and the request is sent again. A server that claims the pushed
+                # version but answers with another one is refused as before.
+                if attempt == attempts - 1 or not self._restarted_unseen(server):
+                    raise
+                last = e
+                self._settle(server)
+                continue
             if any(s.finish_reason == "abort" for s in samples) and cancel.is_set():
                 raise _Aborted()
             bad = self._violations(samples, sp["max_new_tokens"], server.url, gi)
@@ -709,10 +728,34 @@ class SGLangEngine(HTTPEngine):
             out[s.url] = lps
         return out
 
+    def _settle(self, server: ServerClient) -> None:
+        """After a failed request to `server`: its supervisor's verdict (rollout/supervision.py)."""
+        sup = self._supervisor
+        if sup is not None and server in sup.servers:
+            sup.settle(sup.servers.index(server))
+
+    def _restarted_unseen(self, server: ServerClient) -> bool:
+        """Whether a supervised `server` reports serving other weights than the engine pushed."""
+        sup = self._supervisor
+        return sup is not None and server in sup.servers and \
+            self._served_version_ok(sup.servers.index(server)) is False
+
+    def _in_service(self) -> list[ServerClient]:
+        """The servers requests may go to: without the supervised ones being brought back (all of
+        them: waited for, bounded). A router's workers are its own to route around."""
+        sup = self._supervisor
+        if sup is None or sup.servers != self.servers:
+            return self.servers
+        up = [s for s, ok in zip(self.servers, sup.healthy) if ok.is_set()]
+        if not up:
+            sup.wait_all_healthy()
+            return self.servers
+        return up
+
     def _pick_server(self, avoid: str | None = None) -> ServerClient:
-        servers = self.servers
+        servers = self._in_service()
         if len(servers) > 1 and avoid is not None:
-            servers = [s for s in servers if s.url != avoid] or self.servers
+            servers = [s for s in servers if s.url != avoid] or servers
         k = next(self._rr)
         order = servers[k % len(servers):] + servers[: k % len(servers)]
         return min(order, key=lambda s: s.inflight)
@@ -873,10 +916,6 @@ class SGLangEngine(HTTPEngine):
         self._inc("stale_samples")
         return parsed if parsed is not None else -1
 
-    def _inc(self, key: str, by: float = 1) -> None:
-        with self._lock:
-            self.metrics[key] += by
-
     def _abort_all(self) -> None:
         self._inc("abort_calls")
 
@@ -970,13 +1009,16 @@ class SGLangEngine(HTTPEngine):
             )
         if self._syncer is None:
             self._syncer = self._make_syncer()
+        if self._supervisor is not None:  # a server being brought back gets this push too
+            self._supervisor.wait_all_healthy()
         t0 = time.perf_counter()
         self._inconsistent = "update in progress"
         try:
-            stats = self._syncer.update(named_tensors, version)
-            attempts = 0
-            for s in self.workers:
-                attempts += flush_cache(s, timeout_s=self.request_timeout_s)
+            with self._pushing_weights():
+                stats = self._sync(named_tensors, version)
+                attempts = 0
+                for s in self.workers:
+                    attempts += flush_cache(s, timeout_s=self.request_timeout_s)
         except BaseException as e:
             self._inconsistent = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise
@@ -987,6 +1029,25 @@ class SGLangEngine(HTTPEngine):
         self.metrics["flush_attempts"] = attempts
         self.metrics["last_sync_s"] = time.perf_counter() - t0
         self.metrics["last_sync_bytes"] = stats.get("bytes", 0)
+
+    def _sync(self, named_tensors: NamedTensors, version: int) -> dict:
+        """The syncer's push; a supervised server lost under it (disk sync: the version is written
+        once) is waited for, brought back with the previous version, then loads this one."""
+        restarts = self.metrics["restarts"]
+        try:
+            return self._syncer.update(named_tensors, version)
+        except SGLangError as e:
+            pending = self._syncer.pending if isinstance(self._syncer, DiskSync) else None
+            if self._supervisor is None or pending is None:
+                raise
+            bad = [s for s in self.workers if s.url == getattr(e, "url", None)]
+            for s in bad:
+                self._settle(s)
+            self._supervisor.wait_all_healthy()
+            if self.metrics["restarts"] == restarts:
+                raise
+            log.warning("SGLang weight push of version %d: loaded again after a server was brought back", version)
+            return self._syncer.retry_pending()
 
     supports_push_mid_generation = True
 
@@ -1023,6 +1084,23 @@ class SGLangEngine(HTTPEngine):
             self._inconsistent = f"a server was not continued after the push: {unpaused}"
             raise unpaused
 
+    # ------------------------------------------------------------------ supervision (rollout/supervision.py)
+    def _resync_refusal(self) -> str | None:
+        if self._synced and self.cfg["weight_sync"] != "disk":
+            return (f"with rollout.sglang.weight_sync={self.cfg['weight_sync']} a restarted server cannot get the "
+                    "pushed weights back (use weight_sync=disk for restarts)")
+        return None
+
+    def _resync_server(self, i: int) -> None:
+        """Worker i, back after a loss: the last pushed version directory reloaded and labelled,
+        its cache flushed, and its memory released again while the engines sleep (colocated)."""
+        s = self.workers[i]
+        if self._synced:
+            self._syncer.reload(s, self._weight_version)
+            flush_cache(s, timeout_s=self.request_timeout_s)
+        if self._asleep:
+            self._release_memory(s, None)
+
     def _control(self, s: ServerClient, path: str, body: dict) -> None:
         status, data = s.request_once("POST", path, body, timeout_s=self.request_timeout_s)
         if status != 200:
@@ -1034,11 +1112,15 @@ class SGLangEngine(HTTPEngine):
         """Free GPU memory on every server (weights + KV cache unless `tags` narrows it)."""
         self._check_open()
         for s in self.workers:
-            flush_cache(s, timeout_s=self.request_timeout_s)
-            r = s.post("/release_memory_occupation", api_payload("/release_memory_occupation", tags=tags),
-                       timeout_s=self.request_timeout_s,
-                       expect_json=False, ok_statuses=(200, 400))
-            check_not_failed(_lenient_json(r), s.url, "/release_memory_occupation")
+            self._release_memory(s, tags)
+        self._asleep = True
+
+    def _release_memory(self, s: ServerClient, tags: list[str] | None) -> None:
+        flush_cache(s, timeout_s=self.request_timeout_s)
+        r = s.post("/release_memory_occupation", api_payload("/release_memory_occupation", tags=tags),
+                   timeout_s=self.request_timeout_s,
+                   expect_json=False, ok_statuses=(200, 400))
+        check_not_failed(_lenient_json(r), s.url, "/release_memory_occupation")
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Re-allocate what sleep() released (all of it unless `tags`, e.g. ["weights"] before a
@@ -1049,6 +1131,7 @@ class SGLangEngine(HTTPEngine):
                        timeout_s=self.request_timeout_s,
                        expect_json=False, ok_statuses=(200, 400))
             check_not_failed(_lenient_json(r), s.url, "/resume_memory_occupation")
+        self._asleep = False
 
     # ------------------------------------------------------------------ lifecycle
     def _release(self) -> None:

@@ -56,6 +56,7 @@ from .http_servers import (EngineError, EngineProtocolError, EngineServerError, 
 from .validate import check_response, rejected_sample, vocab_size_of
 from .vllm_api import GENERATE, RELOAD_METHOD, VLLM_VERSION, version_matches
 from .http_engine import EngineVersionError, HTTPEngine
+from .supervision import restarts_default
 from .vllm_server import ServerClient, VLLMLaunchSpec, launch
 
 log = logging.getLogger("gspo_megatron.rollout")
@@ -171,10 +172,11 @@ class VLLMEngine(HTTPEngine):
 
     @property
     def capabilities(self):
-        # launched servers are watched and restarted with the last weights (_Supervisor)
+        # lost servers are brought back with the last weights (rollout/supervision.py) where the
+        # weights can be re-sent: disk sync (its last version directory)
         import dataclasses
 
-        return dataclasses.replace(super().capabilities, supervised_restarts=self.procs is not None)
+        return dataclasses.replace(super().capabilities, supervised_restarts=self._nccl is None)
 
     supports_interrupt = True
     # disk sync: the worker extension digests every tensor it reads (vllm_worker.py); the NCCL
@@ -216,7 +218,6 @@ class VLLMEngine(HTTPEngine):
                                           "interrupted_rows": 0, "rejected": 0}
         self.procs = None
         self._nccl = None
-        self._supervisor = None
         self.metrics["restarts"] = 0
         if c["weight_sync"] not in ("disk", "nccl"):
             raise ValueError(f"VLLMEngine: weight_sync must be disk or nccl, got {c['weight_sync']!r}")
@@ -264,9 +265,9 @@ class VLLMEngine(HTTPEngine):
             if wait_ready:
                 self.wait_ready()
                 self.check_version(strict=bool(c["check_version"]))
-            self._supervisor = None
-            if self.procs is not None:  # launched: health-checked (with max_restarts=0, a dead server fails fast)
-                self._supervisor = _Supervisor(self, int(c.get("max_restarts") or 0), float(c["health_interval_s"]))
+            # every server health-checked; a lost one restarted (launched) or waited for (urls) and
+            # re-synced, at most max_restarts times (0: a dead server fails the run fast)
+            self._supervise(restarts_default(c), float(c["health_interval_s"]), float(c["lost_timeout_s"]))
         except BaseException:
             self.close()
             raise
@@ -476,12 +477,16 @@ class VLLMEngine(HTTPEngine):
         """disk: write the tensors once as <shared_dir>/v<version>, then every server reloads them in
         place (paused meanwhile) and labels its weights `version`. nccl: broadcast them to every
         server worker (rollout/vllm_nccl.py), same pause and label."""
-        from .weight_sync import prune_versions, version_dir
-
         self._check_open()
         version = self._weight_version + 1 if version is None else int(version)
         if self._supervisor is not None:
             self._supervisor.wait_all_healthy()
+        with self._pushing_weights():
+            self._push(named_tensors, version)
+
+    def _push(self, named_tensors: NamedTensors, version: int) -> None:
+        from .weight_sync import prune_versions, version_dir
+
         if self._nccl is not None:
             t0 = time.perf_counter()
             try:
@@ -560,156 +565,22 @@ class VLLMEngine(HTTPEngine):
         _save_hf(named_tensors, path, self.hf_config, self.sync_dtype, self.cfg["model_path"])
 
     # ------------------------------------------------------------------ misc
-    def _inc(self, key: str, by: float = 1) -> None:
-        with self._lock:
-            self.metrics[key] = self.metrics.get(key, 0) + by
+    # ------------------------------------------------------------------ supervision (rollout/supervision.py)
+    def _resync_refusal(self) -> str | None:
+        if self._nccl is not None and self._synced:
+            return ("with rollout.vllm.weight_sync=nccl a restarted server cannot get the pushed weights back "
+                    "(use weight_sync=disk for restarts)")
+        return None
 
-    def _release(self) -> None:
-        if self._supervisor is not None:
-            self._supervisor.stop()
-
-
-class _Supervisor:
-    """Health of the launched servers, and their restarts (rollout.vllm.max_restarts).
-
-    A thread polls every server each `interval_s`: the process (exited?) and GET /health (3
-    failures in a row: dead). Polling runs while requests are in flight, so a server whose API
-    process lingers after its engine core died (vLLM then stops answering but keeps the
-    connections of the requests under way) is found in seconds, not after request_timeout_s.
-    A dead server's requests in flight are cut (they fail retryably and VLLMEngine re-sends them
-    once it is back); its process group is stopped (SIGTERM, then SIGKILL: a server stuck in its
-    own shutdown does not hold the restart) and started again with the same argv; once ready it
-    reloads the last pushed weights (weight_sync=disk: the last version directory, which the
-    engine keeps) and is labelled with their version before anything is sent to it. Restarts are
-    counted (metrics["restarts"]: `engine_restarts` in every row); past max_restarts, or when a
-    restart fails, the engine is failed: every caller gets one line naming the server and why.
-
-    A server it restarts is guarded as the first one was (rollout/process_guard.py: its shim
-    watches the trainer process, not this thread)."""
-
-    FAILURES = 3
-
-    def __init__(self, engine: "VLLMEngine", max_restarts: int, interval_s: float):
-        self.engine, self.max_restarts, self.interval_s = engine, max_restarts, interval_s
-        self.healthy = [threading.Event() for _ in engine.servers]
-        for e in self.healthy:
-            e.set()
-        self.failed: str | None = None
-        self.fails = [0] * len(engine.servers)  # health checks failed in a row, per server
-        self.checks = [0] * len(engine.servers)  # health checks completed, per server
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vllm-supervisor", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for e in self.healthy:
-            e.set()
-        self._thread.join(timeout=30)
-
-    def wait_all_healthy(self) -> None:
-        deadline = time.monotonic() + float(self.engine.cfg["ready_timeout_s"]) + 60
-        for e in self.healthy:
-            while not e.wait(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise EngineError("vLLM server restart did not complete within rollout.vllm.ready_timeout_s")
-        if self.failed is not None:
-            raise EngineError(self.failed)
-
-    def settle(self, i: int) -> None:
-        """After a failed request to server i: wait until the supervisor has checked it since
-        (healthy: the caller retries) or, found dead, has restarted it (bounded either way)."""
-        c0 = self.checks[i]
-        deadline = time.monotonic() + (self.FAILURES + 1) * (self.interval_s + self._health_timeout()) + 5
-        while time.monotonic() < deadline and not self._stop.is_set() and self.failed is None:
-            if not self.healthy[i].is_set():
-                self.wait_all_healthy()
-                return
-            if self.checks[i] >= c0 + 2 and self.fails[i] == 0:  # a whole check after the failure passed
-                return
-            time.sleep(0.05)
-
-    def _health_timeout(self) -> float:
-        return max(5.0, 2 * self.interval_s)
-
-    def _dead(self, i: int, fails: list[int]) -> str | None:
-        eng = self.engine
-        p = eng.procs.procs[i]
-        rc = p.poll()
-        if rc is not None:
-            return f"its process exited with code {rc}"
-        status = None
-        try:
-            status, _ = eng.servers[i].request_once("GET", "/health", timeout_s=self._health_timeout())
-        except EngineError as e:
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        else:
-            why = f"GET /health answered HTTP {status}"
-        if status == 200:
-            fails[i] = 0
-            self.checks[i] += 1
-            return None
-        fails[i] += 1
-        self.checks[i] += 1
-        return f"{fails[i]} health checks failed in a row (last: {why})" if fails[i] >= self.FAILURES else None
-
-    def _run(self) -> None:
-        eng = self.engine
-        fails = self.fails
-        while not self._stop.wait(self.interval_s):
-            if self.failed is not None:
-                continue
-            for i in range(len(eng.servers)):
-                if self._stop.is_set():
-                    return
-                try:
-                    why = self._dead(i, fails)
-                    if why is not None:
-                        self._restart(i, why)
-                        fails[i] = 0
-                except Exception as e:  # the supervisor itself must not die: fail the engine instead
-                    self.failed = (f"vLLM server {eng.servers[i].url}: restart failed: "
-                                   f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
-                    log.error("%s", self.failed)
-                    eng.servers[i].cut_inflight(self.failed)
-                    self.healthy[i].set()
-
-    def _restart(self, i: int, why: str) -> None:
-        eng = self.engine
-        s = eng.servers[i]
-        done = int(eng.metrics.get("restarts", 0))
-        if eng._nccl is not None and eng._synced:
-            # checked before a restart, not after one (issue 52): a restarted server cannot get the
-            # pushed weights back over NCCL without the trainer, so a restart only burns a start
-            self.failed = (f"vLLM server {s.url} is dead ({why}); with rollout.vllm.weight_sync=nccl a restarted "
-                           "server cannot get the pushed weights back (use weight_sync=disk for restarts)")
-            log.error("%s", self.failed)
-            s.cut_inflight(self.failed)
-            return
-        if done >= self.max_restarts:
-            self.failed = (f"vLLM server {s.url} is dead ({why}) and rollout.vllm.max_restarts={self.max_restarts} "
-                           "restarts are used up")
-            log.error("%s", self.failed)
-            s.cut_inflight(self.failed)
-            return
-        self.healthy[i].clear()
-        log.warning("vLLM server %s is dead (%s): restarting it (%d of at most %d)", s.url, why, done + 1,
-                    self.max_restarts)
-        cut = s.cut_inflight(f"the server was found dead ({why}) and is being restarted")
-        t0 = time.perf_counter()
-        eng.procs.restart(i)
-        from .http_servers import wait_until_ready
-
-        wait_until_ready([s], float(eng.cfg["ready_timeout_s"]), alive=lambda j: eng.procs.dead(i), path="/health")
-        if eng._written:  # the last pushed weights, labelled with their version, before it serves again
-            path = eng._written[-1]
-            r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": {"weights_dir": path}},
-                       timeout_s=eng.request_timeout_s, retries=1)
-            if not isinstance(r, dict) or not r.get("results"):
-                raise EngineProtocolError(f"vLLM server {s.url}: reload after the restart answered {str(r)[:200]}")
-            s.post("/update_weight_version", {"new_version": str(eng._weight_version)}, timeout_s=60, retries=1,
-                   expect_json=False)
-        eng._inc("restarts")
-        log.warning("vLLM server %s restarted in %.1f s (%d request(s) cut and re-sent), weights version %d reloaded",
-                    s.url, time.perf_counter() - t0, cut, eng._weight_version)
-        self.healthy[i].set()
+    def _resync_server(self, i: int) -> None:
+        """Server i, back after a loss: the last pushed weights (their version directory, which the
+        engine keeps), labelled with their version, before anything is sent to it."""
+        if not self._written:
+            return  # nothing pushed yet: it serves what it started from, as before
+        s = self.servers[i]
+        r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": {"weights_dir": self._written[-1]}},
+                   timeout_s=self.request_timeout_s, retries=1)
+        if not isinstance(r, dict) or not r.get("results"):
+            raise EngineProtocolError(f"vLLM server {s.url}: reload after the restart answered {str(r)[:200]}")
+        s.post("/update_weight_version", {"new_version": str(self._weight_version)}, timeout_s=60, retries=1,
+               expect_json=False)

@@ -315,28 +315,42 @@ class DiskSync:
         self._written: list[str] = []
 
     def update(self, named_tensors, version: int) -> dict:
+        """Write the tensors once as the version's directory, then every server loads it. If a
+        load fails the directory stays written (`pending`): retry_pending() loads it again."""
         t0 = time.perf_counter()
         path = version_dir(self.shared_dir, version)
         nbytes = _save_hf(named_tensors, path, self.hf_config, self.dtype, self.copy_from)
-        t_write = time.perf_counter() - t0
-        fields = {"model_path": path, "weight_version": str(version), "flush_cache": False}
-        if self.load_format:
-            fields["load_format"] = self.load_format
-        payload = api_payload("/update_weights_from_disk", **fields)
+        self.pending = (path, version, {"bytes": nbytes, "write_s": time.perf_counter() - t0, "path": path})
+        return self.retry_pending()
 
-        def load(s: ServerClient):
-            # not retried on 5xx beyond the client's policy: a reload is idempotent
-            return check_success(
-                s.post("/update_weights_from_disk", payload, timeout_s=self.timeout_s, ok_statuses=(200, 400)),
-                s.url, "/update_weights_from_disk",
-            )
+    pending: tuple[str, int, dict] | None = None  # a version written and not yet loaded everywhere
 
-        _parallel(self.servers, load)
+    def retry_pending(self) -> dict:
+        """Every server loads the written version (a server back after a loss included)."""
+        path, version, stats = self.pending
+        _parallel(self.servers, lambda s: self._load(s, path, version))
+        self.pending = None
         self._written.append(path)
         keep = self._written[-self.keep_versions :]
         prune_versions(self.shared_dir, keep)
         self._written = keep
-        return {"bytes": nbytes, "write_s": t_write, "path": path}
+        return stats
+
+    def _load(self, server: ServerClient, path: str, version: int) -> None:
+        fields = {"model_path": path, "weight_version": str(version), "flush_cache": False}
+        if self.load_format:
+            fields["load_format"] = self.load_format
+        # not retried on 5xx beyond the client's policy: a reload is idempotent
+        check_success(server.post("/update_weights_from_disk", api_payload("/update_weights_from_disk", **fields),
+                                  timeout_s=self.timeout_s, ok_statuses=(200, 400)),
+                      server.url, "/update_weights_from_disk")
+
+    def reload(self, server: ServerClient, version: int) -> None:
+        """One server (back after a loss, rollout/supervision.py) reloads the last version all
+        servers loaded, labelled `version` (the engine's: the one that directory holds)."""
+        if not self._written:
+            raise ValueError("disk weight sync: nothing written yet to reload")
+        self._load(server, self._written[-1], version)
 
     def close(self) -> None:
         pass
