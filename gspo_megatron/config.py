@@ -152,6 +152,18 @@ GRPO_EPS_WARN = 0.01  # a GRPO clip range this narrow is GSPO-sized: almost ever
 _REWARD_FN_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
+def _check_urls_file(key: str, section, other_sync: str) -> None:
+    """A urls_file: a joining server catches up from the last pushed version directory (disk)."""
+    if section.urls_file is None:
+        return
+    if not isinstance(section.urls_file, str) or not section.urls_file.strip():
+        raise ConfigError(f"{key}.urls_file must be a path, got {section.urls_file!r}")
+    if section.weight_sync != "disk":
+        raise ConfigError(f"{key}.urls_file with weight_sync={section.weight_sync}: a server that joins catches up "
+                          f"from the last pushed version directory, which only disk sync writes ({other_sync} sync "
+                          "sends weights only from the trainer, to the servers of its group)")
+
+
 def _check_supervision(key: str, section, other_syncs: str) -> None:
     """A rollout.<engine> section's max_restarts, health_interval_s and lost_timeout_s: a server
     brought back must get the pushed weights again, which only disk sync can send to one server
@@ -393,6 +405,11 @@ def _check_urls(key: str, urls: list[str]) -> None:
 class SGLangConfig:
     # Base URLs of running SGLang servers (http://host:port); used when launch is false.
     urls: list[str] = field(default_factory=list)
+    # Instead of urls: a file listing the servers, one URL per line (# comments), watched while the
+    # run goes on: a server added joins after a catch-up to the current weights and their version,
+    # a server removed gets no new request (its requests in flight finish or fail over); disk sync
+    # only (rollout/membership.py). Rewrite it with a rename, never in place.
+    urls_file: Optional[str] = None
     # Colocated engines instead of urls: every node's local rank 0 starts GPUs-per-node / (tp*dp)
     # servers on the trainer's own GPUs (--enable-memory-saver); their memory is released while the
     # trainer trains and resumed for the weight push and generation (rollout/colocate.py).
@@ -463,6 +480,8 @@ class VLLMConfig:
     # Base URLs of running vLLM servers (http://host:port, started with the flags of
     # rollout/vllm_server.py VLLMLaunchSpec); used when launch is false.
     urls: list[str] = field(default_factory=list)
+    # Instead of urls: a file listing the servers, watched (as rollout.sglang.urls_file).
+    urls_file: Optional[str] = None
     # Start one vLLM server ourselves (trainer rank 0, on its node) and stop it on every exit.
     launch: bool = False
     # Model the servers load at start; null = model.hf_dir.
@@ -655,9 +674,11 @@ class RolloutConfig:
 
     def _check_vllm(self):
         v = self.vllm
-        if bool(v.urls) == bool(v.launch):
-            raise ConfigError("rollout.backend=vllm needs either rollout.vllm.urls=[http://host:port,...] (running "
-                              "servers) or rollout.vllm.launch=true, not both")
+        if bool(v.urls) + bool(v.launch) + bool(v.urls_file) != 1:
+            raise ConfigError("rollout.backend=vllm needs one of rollout.vllm.urls=[http://host:port,...] (running "
+                              "servers), rollout.vllm.urls_file (a file listing them, watched) or "
+                              "rollout.vllm.launch=true, not both")
+        _check_urls_file("rollout.vllm", v, "nccl")
         _check_urls("rollout.vllm.urls", v.urls)
         _check_env_names("rollout.vllm", v.api_key_env, v.env_vars)
         if v.launch and v.host not in ("127.0.0.1", "localhost", "::1"):
@@ -692,16 +713,17 @@ class RolloutConfig:
 
     def _check_sglang(self):
         s = self.sglang
-        if s.urls and s.launch:
+        if bool(s.urls) + bool(s.launch) + bool(s.urls_file) > 1:
             raise ConfigError(
-                "rollout.sglang: set either urls (servers already running) or launch=true "
-                "(start them ourselves), not both"
+                "rollout.sglang: set one of urls (servers already running), urls_file (a file listing them, "
+                "watched) or launch=true (start them ourselves), not both"
             )
-        if not s.urls and not s.launch:
+        if not s.urls and not s.launch and not s.urls_file:
             raise ConfigError(
-                "rollout.backend=sglang needs rollout.sglang.urls=[http://host:port,...] or "
-                "rollout.sglang.launch=true"
+                "rollout.backend=sglang needs rollout.sglang.urls=[http://host:port,...], "
+                "rollout.sglang.urls_file or rollout.sglang.launch=true"
             )
+        _check_urls_file("rollout.sglang", s, "distributed")
         _check_urls("rollout.sglang.urls", s.urls)
         _check_env_names("rollout.sglang", s.api_key_env, s.env_vars)
         for k in ("tp", "dp", "ep", "bucket_mb", "concurrency"):

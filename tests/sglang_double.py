@@ -258,6 +258,7 @@ class SGLangDouble:
         self._pauses = 0  # pauses that ended (continue_generation)
         self._inflight = 0  # /generate requests past the pause gate, not yet answered
         self.holding = 0  # requests held by Faults.hold_after_tokens right now
+        self.delaying = 0  # requests in the delay of Faults.delay_s right now
         self._admitted = 0  # /generate requests that a retract pause would now set aside (or has)
         self._pause_calls = 0  # /pause_generation requests so far
         self.waits_timed_out = 0  # waits of Faults.pause_waits_for_requests / abort_all_waits_for_holding that gave up
@@ -383,8 +384,14 @@ class SGLangDouble:
         if f.delay_s > 0 and arrival >= f.delay_after and (not f.delay_requests
                                                           or arrival < f.delay_after + f.delay_requests):
             end = time.monotonic() + f.delay_s
-            while time.monotonic() < end and not self._is_aborted(epoch, rids):
-                time.sleep(0.01)
+            with self._meta:
+                self.delaying += 1
+            try:
+                while time.monotonic() < end and not self._is_aborted(epoch, rids):
+                    time.sleep(0.01)
+            finally:
+                with self._meta:
+                    self.delaying -= 1
         if self._is_aborted(epoch, rids) or self.take("server_abort"):
             out = [self._abort_row(r, rid) for r, rid in zip(rows, rids)]
         else:

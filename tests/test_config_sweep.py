@@ -153,7 +153,8 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
         "rollout.vllm.concurrency"),
     "where to find or how to start an engine (its own tests: test_sglang, test_train_sglang, test_vllm, "
     "test_vllm_launch, test_vllm_nccl); the cells use running servers": (
-        "rollout.sglang.urls", "rollout.sglang.launch", "rollout.sglang.port",
+        "rollout.sglang.urls", "rollout.sglang.urls_file", "rollout.vllm.urls_file", "rollout.sglang.launch",
+        "rollout.sglang.port",
         "rollout.sglang.host", "rollout.sglang.api_key_env", "rollout.sglang.env_vars", "rollout.sglang.model_path",
         "rollout.sglang.server_command", "rollout.sglang.extra_args", "rollout.sglang.check_version",
         "rollout.sglang.weight_sync", "rollout.sglang.mem_fraction",

@@ -111,7 +111,7 @@ def test_nothing_in_train_probes_an_engine_with_getattr():
 
 
 # the hooks an engine provides (HTTPEngine declares them; each engine writes its own)
-HOOKS = {"_release", "_resync_refusal", "_resync_server"}
+HOOKS = {"_release", "_resync_refusal", "_resync_server", "_set_servers"}
 
 
 def test_the_http_engines_share_their_common_methods_once():

@@ -245,7 +245,8 @@ def test_a_dead_server_on_nccl_sync_fails_in_one_line_without_a_useless_restart(
 
     sup = ServerSupervisor(Engine(), max_restarts=3, interval_s=60.0, lost_timeout_s=5, ready_timeout_s=5)
     try:
-        sup._recover(0, "process exited with -9")
+        s = Engine.workers[0]
+        sup._recover(s, sup._watch[s], "process exited with -9")
     finally:
         sup.stop()
     assert Procs.restarts == [] and Engine.metrics["restarts"] == 0

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import warnings
 from typing import Any, Callable, Iterator
 
 from gspo_megatron.errors import InputError
 
 from .base import RolloutEngine
-from .http_servers import EngineError, EngineProtocolError, wait_until_ready
+from .http_servers import EngineError, EngineProtocolError, ServerClient, wait_until_ready
 
 log = logging.getLogger("gspo_megatron.rollout")
 
@@ -39,6 +40,8 @@ class HTTPEngine(RolloutEngine):
     WEIGHT_VERSION_PATH = "/weight_info"  # GET: the weight version the server serves
     HEALTH_PATH = "/health"
     VERSION_ERROR: type[EngineVersionError] = EngineVersionError
+    CLIENT: type = ServerClient  # the engine's client class (its errors' names)
+    _client_kw: dict  # the keywords of every client of the engine (set in its __init__)
     version_matches: Callable[[Any], tuple[bool, str | None]]  # the API module's release check
 
     servers: list  # what requests go to
@@ -48,6 +51,7 @@ class HTTPEngine(RolloutEngine):
     _synced: bool = False  # True once the engine pushed weights
     _supervisor: Any = None  # rollout/supervision.py ServerSupervisor, once _supervise ran
     _push_seq: int = 0  # odd while a push is under way (pushes to one engine never overlap)
+    _members: Any = None  # rollout/membership.py Membership, with a urls_file
 
     def wait_ready(self, timeout_s: float | None = None) -> float:
         t = self.ready_timeout_s if timeout_s is None else timeout_s
@@ -115,27 +119,101 @@ class HTTPEngine(RolloutEngine):
         waited for (given), and re-synced (`_resync_server`), at most max_restarts times."""
         from .supervision import ServerSupervisor
 
+        tick = (lambda: self._members.refresh(block=False)) if self._members is not None else None
         self._supervisor = ServerSupervisor(self, max_restarts=max_restarts, interval_s=interval_s,
-                                            lost_timeout_s=lost_timeout_s, ready_timeout_s=self.ready_timeout_s)
+                                            lost_timeout_s=lost_timeout_s, ready_timeout_s=self.ready_timeout_s,
+                                            tick=tick)
+
+    @property
+    def _push_lock(self) -> threading.Lock:
+        return self.__dict__.setdefault("_push_lock_", threading.Lock())
 
     @contextlib.contextmanager
     def _pushing_weights(self) -> Iterator[None]:
-        """Around a push: the supervisor does not read a server's weight version meanwhile (the
-        servers are relabelled one by one, before the engine's own version moves)."""
-        self._push_seq += 1
-        try:
-            yield
-        finally:
+        """Around a push: no server joins meanwhile (it would miss the push), and the supervisor
+        does not read a server's weight version (the servers are relabelled one by one, before the
+        engine's own version moves)."""
+        with self._push_lock:
             self._push_seq += 1
+            try:
+                yield
+            finally:
+                self._push_seq += 1
 
-    def _served_version_ok(self, i: int) -> bool | None:
-        """Whether worker i reports serving the weight version the engine pushed last; None when it
+    # ------------------------------------------------------------------ servers that come and go
+    def _urls_from_file(self, path: str) -> list[str]:
+        """The servers a urls_file lists now; the file is watched from here on (rollout/membership.py)."""
+        from .membership import Membership
+
+        self._members = Membership(self, path)
+        return self._members.initial()
+
+    def _refresh_members(self) -> None:
+        """The urls_file's changes, applied before a generation (waiting for a push under way)."""
+        if self._members is not None:
+            self._members.refresh(block=True)
+
+    def _make_client(self, url: str):
+        """A client of one server, as all of the engine's (CLIENT with `_client_kw`: key, timeouts,
+        retries, caps)."""
+        return self.CLIENT(url, **self._client_kw)
+
+    def _set_servers(self, servers: list) -> None:
+        """Replace the server list (a new list: readers iterate the one they took)."""
+        self.servers = list(servers)
+        self.metrics["servers"] = len(self.servers)
+
+    def _join(self, url: str, block: bool) -> bool:
+        """Server `url` joins if it answers its health check and speaks the project's version,
+        after a catch-up to the weights the others serve (under the push lock); False: not now."""
+        s = self._make_client(url)
+        try:
+            status, _ = s.request_once("GET", self.HEALTH_PATH, timeout_s=10)
+        except EngineError:
+            status = None
+        if status != 200:
+            return False
+        try:
+            got = self._reported_version(s)
+        except EngineError:
+            got = None
+        if got is not None and not type(self).version_matches(got)[0]:
+            log.warning("%s server %s runs version %s; this project speaks %s: it does not join", self.NAME, url, got,
+                        self.SPOKEN_VERSION)
+            return False
+        if not self._push_lock.acquire(blocking=block):
+            return False
+        try:
+            self._resync_server(s)  # the weights and version label the others serve
+            self._set_servers(self.servers + [s])
+            if self._supervisor is not None:
+                self._supervisor.add(s)
+        finally:
+            self._push_lock.release()
+        self._inc("servers_joined")
+        log.warning("%s server %s joined at weight version %d (%d servers)", self.NAME, url, self.weight_version,
+                    len(self.servers))
+        return True
+
+    def _leave(self, server) -> None:
+        """`server` leaves: no new request, no push, and its requests in flight are cut: they are
+        sent again to the others (a retry each), so a server removed mid-generation loses no sample."""
+        self._set_servers([s for s in self.servers if s is not server])
+        if self._supervisor is not None:
+            self._supervisor.remove(server)
+        cut = server.cut_inflight("the server left the urls_file")
+        self._inc("servers_left")
+        log.warning("%s server %s left (%d servers; %d request(s) of it sent to the others)", self.NAME, server.url,
+                    len(self.servers), cut)
+
+    def _served_version_ok(self, server) -> bool | None:
+        """Whether `server` reports serving the weight version the engine pushed last; None when it
         cannot be told now (nothing pushed yet, a push under way, no answer, no version reported)."""
         seq = self._push_seq
         if not self._synced or seq % 2:
             return None
         try:
-            r = self.workers[i].get(self.WEIGHT_VERSION_PATH, timeout_s=10, retries=0)
+            r = server.get(self.WEIGHT_VERSION_PATH, timeout_s=10, retries=0)
         except EngineError:
             return None
         got = r.get("weight_version", r.get("version")) if isinstance(r, dict) else None
@@ -147,9 +225,26 @@ class HTTPEngine(RolloutEngine):
         """Why a lost server could not get the pushed weights back (None: it can, _resync_server)."""
         return None
 
-    def _resync_server(self, i: int) -> None:
-        """Worker i, back after a loss: the last pushed weights, labelled with their version."""
+    def _resync_server(self, server) -> None:
+        """`server`, back after a loss (or joining): the last pushed weights, labelled with their version."""
         raise NotImplementedError
+
+    def _settle(self, server) -> None:
+        """After a failed request to `server`: its supervisor's verdict (rollout/supervision.py)."""
+        if self._supervisor is not None:
+            self._supervisor.settle(server)
+
+    def _in_service(self) -> list:
+        """The servers requests may go to now: not those being brought back (when all are, the
+        wait for them, bounded). Servers the supervisor does not watch (a router) always."""
+        sup = self._supervisor
+        if sup is None:
+            return self.servers
+        up = sup.in_service(self.servers)
+        if not up:
+            sup.wait_all_healthy()
+            return self.servers
+        return up
 
     def _inc(self, key: str, by: float = 1) -> None:
         """metrics[key] += by, under the engine's lock (`self._lock`: generation runs in threads)."""

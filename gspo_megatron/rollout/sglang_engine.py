@@ -274,6 +274,7 @@ class SGLangEngine(HTTPEngine):
     NAME, CONFIG, VERSION_PATH, WEIGHT_VERSION_PATH = "SGLang", "rollout.sglang", "/server_info", "/model_info"
     SPOKEN_VERSION, API_MODULE, VERSION_ERROR = SGLANG_VERSION, "rollout/sglang_api.py", SGLangVersionError
     version_matches = staticmethod(version_matches)
+    CLIENT = ServerClient
 
     @property
     def capabilities(self) -> Capabilities:
@@ -316,8 +317,9 @@ class SGLangEngine(HTTPEngine):
         self.cfg = c
         if c["weight_sync"] not in WEIGHT_SYNC_MODES:
             raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {c['weight_sync']!r}")
-        if bool(c["urls"]) == bool(c["launch"]):
-            raise ValueError("SGLangEngine: give either urls (running servers) or launch=true, not both/neither")
+        if bool(c["urls"]) + bool(c["launch"]) + bool(c.get("urls_file")) != 1:
+            raise ValueError("SGLangEngine: give one of urls (running servers), urls_file (a file listing them, "
+                             "watched) or launch=true")
         if on_stale not in ("error", "count"):
             raise ValueError(f"on_stale must be 'error' or 'count', got {on_stale!r}")
         for k in ("concurrency", "bucket_mb"):
@@ -386,22 +388,20 @@ class SGLangEngine(HTTPEngine):
                 )
                 self.procs = ServerProcesses(spec)
                 urls = self.procs.start()
+            elif c.get("urls_file"):
+                urls = self._urls_from_file(c["urls_file"])
             else:
                 urls = list(c["urls"])
-            mk = lambda u: ServerClient(  # noqa: E731
-                u, api_key=api_key, timeout_s=self.request_timeout_s,
-                max_retries=self.max_retries, backoff_s=self.retry_backoff_s,
-                response_cap=self._response_cap,
-            )
-            self.servers = [mk(u) for u in urls]
+            self._client_kw = dict(api_key=api_key, timeout_s=self.request_timeout_s, max_retries=self.max_retries,
+                                   backoff_s=self.retry_backoff_s, response_cap=self._response_cap)
+            self._set_servers([self._make_client(u) for u in urls])
             if wait_ready:
                 self.wait_ready()
             # one URL may be an sglang-router: generation via it, control to its workers
-            self.workers = self.servers
-            if len(self.servers) == 1 and not c["launch"]:
+            if len(self.servers) == 1 and c["urls"]:
                 workers = self._router_workers(self.servers[0])
                 if workers:
-                    self.workers = [mk(u) for u in workers]
+                    self.workers = [self._make_client(u) for u in workers]
                     if wait_ready:
                         wait_until_ready(self.workers, self.ready_timeout_s)
             if wait_ready:
@@ -528,6 +528,7 @@ class SGLangEngine(HTTPEngine):
         # with their own generators (per-request seeds are not reproducible across server layouts)
     ) -> list[Sample]:
         self._check_open()
+        self._refresh_members()  # servers that joined or left the urls_file
         # during a mid-generation push the servers are paused: a request waits there for the new
         # weights (tokenizer_manager.py generate_request waits on is_pause_cond)
         if self._inconsistent is not None and self._pushing is None:
@@ -728,29 +729,10 @@ class SGLangEngine(HTTPEngine):
             out[s.url] = lps
         return out
 
-    def _settle(self, server: ServerClient) -> None:
-        """After a failed request to `server`: its supervisor's verdict (rollout/supervision.py)."""
-        sup = self._supervisor
-        if sup is not None and server in sup.servers:
-            sup.settle(sup.servers.index(server))
-
     def _restarted_unseen(self, server: ServerClient) -> bool:
         """Whether a supervised `server` reports serving other weights than the engine pushed."""
         sup = self._supervisor
-        return sup is not None and server in sup.servers and \
-            self._served_version_ok(sup.servers.index(server)) is False
-
-    def _in_service(self) -> list[ServerClient]:
-        """The servers requests may go to: without the supervised ones being brought back (all of
-        them: waited for, bounded). A router's workers are its own to route around."""
-        sup = self._supervisor
-        if sup is None or sup.servers != self.servers:
-            return self.servers
-        up = [s for s, ok in zip(self.servers, sup.healthy) if ok.is_set()]
-        if not up:
-            sup.wait_all_healthy()
-            return self.servers
-        return up
+        return sup is not None and sup.watches(server) and self._served_version_ok(server) is False
 
     def _pick_server(self, avoid: str | None = None) -> ServerClient:
         servers = self._in_service()
@@ -1085,16 +1067,23 @@ class SGLangEngine(HTTPEngine):
             raise unpaused
 
     # ------------------------------------------------------------------ supervision (rollout/supervision.py)
+    def _set_servers(self, servers: list) -> None:
+        # no router here (urls_file lists servers): the servers are the workers, and the disk
+        # sync's list follows (a leaving server gets no more pushes, a joining one every next one)
+        super()._set_servers(servers)
+        self.workers = self.servers
+        if self._syncer is not None:
+            self._syncer.servers = list(self.servers)
+
     def _resync_refusal(self) -> str | None:
         if self._synced and self.cfg["weight_sync"] != "disk":
             return (f"with rollout.sglang.weight_sync={self.cfg['weight_sync']} a restarted server cannot get the "
                     "pushed weights back (use weight_sync=disk for restarts)")
         return None
 
-    def _resync_server(self, i: int) -> None:
-        """Worker i, back after a loss: the last pushed version directory reloaded and labelled,
-        its cache flushed, and its memory released again while the engines sleep (colocated)."""
-        s = self.workers[i]
+    def _resync_server(self, s: ServerClient) -> None:
+        """A worker back after a loss (or joining): the last pushed version directory reloaded and
+        labelled, its cache flushed, and its memory released again while the engines sleep (colocated)."""
         if self._synced:
             self._syncer.reload(s, self._weight_version)
             flush_cache(s, timeout_s=self.request_timeout_s)

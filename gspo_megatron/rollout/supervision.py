@@ -41,36 +41,62 @@ def first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
+class _Watch:
+    """One supervised server: in service (healthy), health checks failed in a row, checks done."""
+
+    def __init__(self, launched_index: int | None):
+        self.healthy = threading.Event()
+        self.healthy.set()
+        self.fails = 0
+        self.checks = 0
+        self.launched = launched_index  # its index in engine.procs, when the engine launched it
+
+
 class ServerSupervisor:
-    """Health, restarts and re-syncs of `engine.workers` (module docstring). The engine provides:
-    NAME, CONFIG, HEALTH_PATH, `procs` (its launched ServerProcesses, or None), `metrics`,
-    `_resync_server(i)`, `_served_version_ok(i)` (None: not checkable now) and a `_sync_lock`
-    held through every push."""
+    """Health, restarts and re-syncs of the engine's workers (module docstring), and the servers
+    that join or leave while the run goes on (`add` / `remove`: rollout/membership.py). The
+    engine provides: NAME, CONFIG, HEALTH_PATH, `workers`, `procs` (its launched ServerProcesses, or
+    None), `metrics`, `_inc`, `weight_version`, `_resync_server(server)`,
+    `_served_version_ok(server)` (None: not checkable now) and `_resync_refusal()`."""
 
     FAILURES = 3
 
     def __init__(self, engine: Any, *, max_restarts: int, interval_s: float, lost_timeout_s: float,
-                 ready_timeout_s: float):
+                 ready_timeout_s: float, tick: Any = None):
         self.engine = engine
-        self.servers = list(engine.workers)
         self.max_restarts, self.interval_s = int(max_restarts), float(interval_s)
         self.lost_timeout_s, self.ready_timeout_s = float(lost_timeout_s), float(ready_timeout_s)
-        self.healthy = [threading.Event() for _ in self.servers]
-        for e in self.healthy:
-            e.set()
+        launched = engine.procs is not None
+        self._watch: dict[Any, _Watch] = {s: _Watch(i if launched else None) for i, s in enumerate(engine.workers)}
         self.failed: str | None = None
-        self.fails = [0] * len(self.servers)  # health checks failed in a row, per server
-        self.checks = [0] * len(self.servers)  # health checks completed, per server
+        self._tick = tick  # called once per round, in this thread (membership changes)
         engine.metrics.setdefault("restarts", 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{engine.NAME.lower()}-supervisor", daemon=True)
         self._thread.start()
 
+    # ------------------------------------------------------------------ membership
+    def add(self, server: Any) -> None:
+        """A server that joined (already re-synced by the caller): watched from now on."""
+        self._watch = {**self._watch, server: _Watch(None)}
+
+    def remove(self, server: Any) -> None:
+        """A server that left: no longer watched (its requests in flight finish or fail over)."""
+        self._watch = {s: w for s, w in self._watch.items() if s is not server}
+
+    def watches(self, server: Any) -> bool:
+        return server in self._watch
+
+    def in_service(self, servers: list) -> list:
+        """Of `servers`, the ones not being brought back (unwatched ones count as in service)."""
+        w = self._watch
+        return [s for s in servers if s not in w or w[s].healthy.is_set()]
+
     # ------------------------------------------------------------------ what callers wait on
     def stop(self) -> None:
         self._stop.set()
-        for e in self.healthy:
-            e.set()
+        for w in self._watch.values():
+            w.healthy.set()
         self._thread.join(timeout=30)
 
     def _bound_s(self) -> float:
@@ -80,24 +106,30 @@ class ServerSupervisor:
     def wait_all_healthy(self) -> None:
         """Until no server is out of service (bounded), or one line if the engine failed."""
         deadline = time.monotonic() + self._bound_s()
-        for e in self.healthy:
-            while not e.wait(timeout=1.0):
+        for w in list(self._watch.values()):
+            while not w.healthy.wait(timeout=1.0):
                 if time.monotonic() > deadline:
                     raise EngineError(f"{self.engine.NAME} server recovery did not complete within "
                                       f"{self._bound_s():.0f} s")
         if self.failed is not None:
             raise EngineError(self.failed)
 
-    def settle(self, i: int) -> None:
-        """After a failed request to server i: wait until the supervisor has checked it since
-        (healthy: the caller retries) or, found lost, has brought it back (bounded either way)."""
-        c0 = self.checks[i]
+    def settle(self, server: Any) -> None:
+        """After a failed request to `server`: wait until the supervisor has checked it since
+        (healthy: the caller retries) or, found lost, has brought it back (bounded either way).
+        A server no longer watched (it left) is not waited for."""
+        w = self._watch.get(server)
+        if w is None:
+            return
+        c0 = w.checks
         deadline = time.monotonic() + (self.FAILURES + 1) * (self.interval_s + self._health_timeout()) + 5
         while time.monotonic() < deadline and not self._stop.is_set() and self.failed is None:
-            if not self.healthy[i].is_set():
+            if server not in self._watch:
+                return
+            if not w.healthy.is_set():
                 self.wait_all_healthy()
                 return
-            if self.checks[i] >= c0 + 2 and self.fails[i] == 0:  # a whole check after the failure passed
+            if w.checks >= c0 + 2 and w.fails == 0:  # a whole check after the failure passed
                 return
             time.sleep(0.05)
         if self.failed is not None:
@@ -107,67 +139,74 @@ class ServerSupervisor:
     def _health_timeout(self) -> float:
         return max(5.0, 2 * self.interval_s)
 
-    def _lost(self, i: int) -> str | None:
-        """Why server i is out of service, or None while it is fine (and counts its checks)."""
+    def _lost(self, s: Any, w: _Watch) -> str | None:
+        """Why server s is out of service, or None while it is fine (and counts its checks)."""
         eng = self.engine
-        if eng.procs is not None:
-            rc = eng.procs.procs[i].poll()
+        if w.launched is not None:
+            rc = eng.procs.procs[w.launched].poll()
             if rc is not None:
                 return f"its process exited with code {rc}"
         status = None
         try:
-            status, _ = self.servers[i].request_once("GET", eng.HEALTH_PATH, timeout_s=self._health_timeout())
+            status, _ = s.request_once("GET", eng.HEALTH_PATH, timeout_s=self._health_timeout())
         except EngineError as e:
             why = first_line(e)
         else:
             why = f"GET {eng.HEALTH_PATH} answered HTTP {status}"
         if status != 200:
-            self.fails[i] += 1
-            self.checks[i] += 1
-            return (f"{self.fails[i]} health checks failed in a row (last: {why})"
-                    if self.fails[i] >= self.FAILURES else None)
-        self.fails[i] = 0
-        if eng._served_version_ok(i) is False:
-            self.healthy[i].clear()  # before the check counts: settle() then waits for the recovery
-            self.checks[i] += 1
+            w.fails += 1
+            w.checks += 1
+            return f"{w.fails} health checks failed in a row (last: {why})" if w.fails >= self.FAILURES else None
+        w.fails = 0
+        if eng._served_version_ok(s) is False:
+            w.healthy.clear()  # before the check counts: settle() then waits for the recovery
+            w.checks += 1
             return "it answers with other weights than the pushed ones (restarted)"
-        self.checks[i] += 1
+        w.checks += 1
         return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             if self.failed is not None:
                 continue
-            for i in range(len(self.servers)):
+            if self._tick is not None:
+                try:
+                    self._tick()
+                except Exception as e:  # noqa: BLE001 - a membership change is tried again next round
+                    log.warning("%s servers: membership change failed: %s", self.engine.NAME, first_line(e))
+            for s, w in list(self._watch.items()):
                 if self._stop.is_set():
                     return
+                if s not in self._watch:
+                    continue
                 try:
-                    why = self._lost(i)
+                    why = self._lost(s, w)
                     if why is not None:
-                        self._recover(i, why)
-                        self.fails[i] = 0
+                        self._recover(s, w, why)
+                        w.fails = 0
                 except Exception as e:  # the supervisor itself must not die: fail the engine instead
-                    self._fail(i, f"{self.engine.NAME} server {self.servers[i].url}: recovery failed: {first_line(e)}")
+                    self._fail(s, w, f"{self.engine.NAME} server {s.url}: recovery failed: {first_line(e)}")
 
-    def _fail(self, i: int, msg: str) -> None:
+    def _fail(self, s: Any, w: _Watch, msg: str) -> None:
         self.failed = msg
         log.error("%s", msg)
-        self.servers[i].cut_inflight(msg)
-        self.healthy[i].set()
+        s.cut_inflight(msg)
+        w.healthy.set()
 
-    def _recover(self, i: int, why: str) -> None:
-        eng, s = self.engine, self.servers[i]
+    def _recover(self, s: Any, w: _Watch, why: str) -> None:
+        eng = self.engine
         done = int(eng.metrics.get("restarts", 0))
         refusal = eng._resync_refusal()
         if refusal is not None:  # checked before a restart, not after one: a restart would only burn a start
-            return self._fail(i, f"{eng.NAME} server {s.url} is dead ({why}); {refusal}")
+            return self._fail(s, w, f"{eng.NAME} server {s.url} is dead ({why}); {refusal}")
         if done >= self.max_restarts:
-            return self._fail(i, f"{eng.NAME} server {s.url} is dead ({why}) and {eng.CONFIG}.max_restarts="
-                                 f"{self.max_restarts} restarts are used up")
-        self.healthy[i].clear()
+            return self._fail(s, w, f"{eng.NAME} server {s.url} is dead ({why}) and {eng.CONFIG}.max_restarts="
+                                    f"{self.max_restarts} restarts are used up")
+        w.healthy.clear()
         cut = s.cut_inflight(f"the server was found dead ({why}) and is being brought back")
         t0 = time.perf_counter()
-        if eng.procs is not None:
+        if w.launched is not None:
+            i = w.launched
             log.warning("%s server %s is dead (%s): restarting it (%d of at most %d)", eng.NAME, s.url, why, done + 1,
                         self.max_restarts)
             eng.procs.restart(i)
@@ -176,16 +215,16 @@ class ServerSupervisor:
             log.warning("%s server %s is lost (%s): waiting up to %.0f s (%s.lost_timeout_s) for it to answer again "
                         "(%d of at most %d)", eng.NAME, s.url, why, self.lost_timeout_s, eng.CONFIG, done + 1,
                         self.max_restarts)
-            self._wait_back(i)
-        eng._resync_server(i)
+            self._wait_back(s)
+        eng._resync_server(s)
         eng._inc("restarts")
         log.warning("%s server %s restarted in %.1f s (%d request(s) cut and re-sent), weights version %d reloaded",
                     eng.NAME, s.url, time.perf_counter() - t0, cut, eng.weight_version)
-        self.healthy[i].set()
+        w.healthy.set()
 
-    def _wait_back(self, i: int) -> None:
-        """Until server i answers its health check again (bounded by lost_timeout_s; a stop ends it)."""
-        s, path = self.servers[i], self.engine.HEALTH_PATH
+    def _wait_back(self, s: Any) -> None:
+        """Until server s answers its health check again (bounded by lost_timeout_s; a stop ends it)."""
+        path = self.engine.HEALTH_PATH
         deadline = time.monotonic() + self.lost_timeout_s
         while not self._stop.is_set():
             try:

@@ -161,6 +161,7 @@ class VLLMEngine(HTTPEngine):
     NAME, CONFIG, VERSION_PATH, WEIGHT_VERSION_PATH = "vLLM", "rollout.vllm", "/version", "/weight_info"
     SPOKEN_VERSION, API_MODULE, VERSION_ERROR = VLLM_VERSION, "rollout/vllm_api.py", VLLMVersionError
     version_matches = staticmethod(version_matches)
+    CLIENT = ServerClient
 
     @property
     def ready_timeout_s(self) -> float:
@@ -196,8 +197,9 @@ class VLLMEngine(HTTPEngine):
         if unknown:
             raise TypeError(f"VLLMEngine: unknown option(s) {unknown}; rollout.vllm fields are {sorted(c)}")
         c.update(overrides)
-        if bool(c["urls"]) == bool(c["launch"]):
-            raise ValueError("VLLMEngine: give either urls (running servers) or launch=true, not both/neither")
+        if bool(c["urls"]) + bool(c["launch"]) + bool(c.get("urls_file")) != 1:
+            raise ValueError("VLLMEngine: give one of urls (running servers), urls_file (a file listing them, "
+                             "watched) or launch=true")
         self.cfg = c
         self.tokenizer = tokenizer  # for stop strings (agents' session.generate(stop=...)), matched here
         self.hf_config = dict(hf_config) if hf_config else None
@@ -250,11 +252,13 @@ class VLLMEngine(HTTPEngine):
                                       trainer_dtype=self.sync_dtype, gpus=list(c.get("gpus") or []))
                 self.procs = launch(spec)
                 urls = self.procs.urls
+            elif c.get("urls_file"):
+                urls = self._urls_from_file(c["urls_file"])
             else:
                 urls = list(c["urls"])
-            self.servers = [ServerClient(u, api_key=api_key, timeout_s=self.request_timeout_s,
-                                         max_retries=self.max_retries, backoff_s=self.retry_backoff_s,
-                                         response_cap=_response_cap) for u in urls]
+            self._client_kw = dict(api_key=api_key, timeout_s=self.request_timeout_s, max_retries=self.max_retries,
+                                   backoff_s=self.retry_backoff_s, response_cap=_response_cap)
+            self._set_servers([self._make_client(u) for u in urls])
             if c["weight_sync"] == "nccl":
                 from .vllm_nccl import NcclWeightSync
 
@@ -308,6 +312,7 @@ class VLLMEngine(HTTPEngine):
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams, *,
                  seed: int | None = None) -> list[Sample]:
         self._check_open()
+        self._refresh_members()  # servers that joined or left the urls_file
         if self._inconsistent is not None:
             raise EngineError(f"vLLM servers hold different weights after a failed push ({self._inconsistent}); "
                               "push a complete update first")
@@ -383,23 +388,20 @@ class VLLMEngine(HTTPEngine):
                 log.warning("vLLM %s for prompt %d: retry %d of %d after %s", GENERATE, gi, attempt, self.max_retries,
                             str(last).splitlines()[0] if str(last) else type(last).__name__)
                 time.sleep(self.servers[0].backoff(attempt))
-            if self._supervisor is not None:  # a server being restarted: wait for it (bounded), then re-send
-                self._supervisor.wait_all_healthy()
-            server = min(self.servers, key=lambda s: s.inflight)
+            # not to a server being brought back (all of them: waited for, bounded)
+            server = min(self._in_service(), key=lambda s: s.inflight)
             self._inc("requests")
             body = {"request_id": uuid.uuid4().hex, "token_ids": prompt, "sampling_params": sp}
             try:
                 status, data = server.request_once("POST", GENERATE, body, timeout_s=self.request_timeout_s)
             except RetryableHTTPError as e:
                 last = e
-                if self._supervisor is not None:  # dead or alive? let its health checks say, then retry
-                    self._supervisor.settle(self.servers.index(server))
+                self._settle(server)  # dead or alive? let its health checks say, then retry
                 continue
             if status >= 500:
                 last = EngineServerError(f"vLLM server {server.url}: HTTP {status}: {data[:300]!r}", url=server.url,
                                          status=status)
-                if self._supervisor is not None:
-                    self._supervisor.settle(self.servers.index(server))
+                self._settle(server)
                 continue
             if status != 200:
                 raise EngineServerError(f"vLLM server {server.url}: POST {GENERATE} returned HTTP {status}: "
@@ -515,7 +517,7 @@ class VLLMEngine(HTTPEngine):
         kwargs = {"weights_dir": path, **({"digests": True} if verify else {})}
         done = []
         try:
-            for i, s in enumerate(self.servers):
+            for s in self.servers:
                 for tries in range(2):
                     try:
                         self._reload_on(s, kwargs, verify, sent, version)
@@ -526,7 +528,7 @@ class VLLMEngine(HTTPEngine):
                         if self._supervisor is None or tries:
                             raise
                         restarts = self.metrics.get("restarts", 0)
-                        self._supervisor.settle(i)
+                        self._supervisor.settle(s)
                         if self.metrics.get("restarts", 0) == restarts:
                             raise
                 done.append(s.url)
@@ -572,12 +574,11 @@ class VLLMEngine(HTTPEngine):
                     "(use weight_sync=disk for restarts)")
         return None
 
-    def _resync_server(self, i: int) -> None:
-        """Server i, back after a loss: the last pushed weights (their version directory, which the
-        engine keeps), labelled with their version, before anything is sent to it."""
+    def _resync_server(self, s: ServerClient) -> None:
+        """A server back after a loss (or joining): the last pushed weights (their version
+        directory, which the engine keeps), labelled with their version, before anything is sent to it."""
         if not self._written:
             return  # nothing pushed yet: it serves what it started from, as before
-        s = self.servers[i]
         r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": {"weights_dir": self._written[-1]}},
                    timeout_s=self.request_timeout_s, retries=1)
         if not isinstance(r, dict) or not r.get("results"):

@@ -804,6 +804,8 @@ def step_row(parts: RunParts, producer, step: int, rstats: dict, metrics: dict, 
         row["weights_verified"] = engine["verified_tensors"]
     if engine.get("restarts") is not None:  # servers the engine restarted so far (rollout.*.max_restarts)
         row["engine_restarts"] = engine["restarts"]
+    if engine.get("servers") is not None:  # the servers in use (rollout.*.urls_file: they come and go)
+        row["engine_servers"] = engine["servers"]
     return row
 
 
