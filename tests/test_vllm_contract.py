@@ -1318,3 +1318,24 @@ def test_the_judge_request_is_vllms_chat_completion(src, routes):
     failures = field_failures(src, mod, cls.name, REQUEST_FIELDS, "judge.REQUEST_FIELDS")
     assert not failures, "\n".join(failures)
     assert field_failures(src, mod, cls.name, ["max_new_tokens"], "mutated")  # can fail
+
+
+def test_the_reward_model_request_is_vllms_classification(src, routes):
+    """rollout/reward_servers.py's POST /classify (a reward model served by vLLM's pooling runner):
+    the route is mounted, every field the scorer sends is a field of the completion form of its
+    body (ClassificationCompletionRequest: `input` texts), and what it reads of the answer
+    (data[].index, data[].probs) is ClassificationResponse's."""
+    from gspo_megatron.rollout.reward_servers import CLASSIFY_FIELDS, CLASSIFY_ROUTE
+
+    _only(src, routes, "POST", CLASSIFY_ROUTE)
+    mod = "vllm.entrypoints.pooling.classify.protocol"
+    failures = field_failures(src, mod, "ClassificationCompletionRequest", CLASSIFY_FIELDS,
+                              "reward_servers.CLASSIFY_FIELDS")
+    assert not failures, "\n".join(failures)
+    assert field_failures(src, mod, "ClassificationCompletionRequest", ["activation"], "mutated")  # can fail
+    failures = response_failures(src, mod, (("ClassificationResponse", "data", "ClassificationData"),
+                                            ("ClassificationData", "index", None), ("ClassificationData", "probs", None)))
+    assert not failures, "\n".join(failures)
+    # use_activation=false is the raw classifier output (a reward), not its sigmoid
+    text = src.text("vllm.pooling_params")
+    assert "use_activation: bool | None = None" in text

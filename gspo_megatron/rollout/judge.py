@@ -26,7 +26,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from .http_servers import RetryableHTTPError, ServerClient, loads_answer, secret_from_env
+from .http_servers import RetryableHTTPError, loads_answer
+from .reward_servers import ServedScorer
+from .reward_servers import causes_text as _causes
 
 log = logging.getLogger("gspo_megatron.rollout")
 
@@ -35,30 +37,15 @@ CHAT_ROUTE = "/v1/chat/completions"
 REQUEST_FIELDS = ("model", "messages", "max_tokens", "temperature")
 
 
-def _causes(causes: list[str]) -> str:
-    """The failed attempts' causes in order, a run of equal ones once with its count:
-    "HTTP 500: ... (x2); then: ... timed out ..."."""
-    if not causes:
-        return "no attempt"
-    runs: list[list] = []
-    for c in causes:
-        if runs and runs[-1][0] == c:
-            runs[-1][1] += 1
-        else:
-            runs.append([c, 1])
-    return "; then: ".join(c if k == 1 else f"{c} (x{k})" for c, k in runs)
-
-
-class JudgeScorer:
-    """`scorer(texts, examples) -> (scores, raised)`; `last_errors` as RewardScorer's."""
+class JudgeScorer(ServedScorer):
+    """`scorer(texts, examples) -> (scores, raised)`; `last_errors` as RewardScorer's. Its server is
+    given by URL or launched by the trainer (reward.judge.launch: rollout/reward_servers.py)."""
 
     name = "judge"
+    NAME, CONFIG = "judge", "reward.judge"
 
     def __init__(self, cfg, *, prompt_key: str = "prompt", answer_key: str = "answer"):
-        self.cfg = cfg
-        key = secret_from_env(cfg.api_key_env, "reward.judge.api_key_env")
-        self.client = ServerClient(cfg.url, api_key=key, timeout_s=cfg.timeout_s, max_retries=cfg.retries,
-                                   label="judge")
+        self._serve(cfg)
         self.regex = re.compile(cfg.score_regex) if cfg.score_json_field is None else None
         self.prompt_key, self.answer_key = prompt_key, answer_key
         self.extra = json.loads(cfg.extra_body) if cfg.extra_body else {}  # checked by JudgeConfig
@@ -115,9 +102,11 @@ class JudgeScorer:
                 status, data = self.client.request_once("POST", CHAT_ROUTE, body, timeout_s=left)
             except RetryableHTTPError as e:
                 causes.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+                self.settle()  # a launched judge being restarted: its supervisor's verdict first
                 continue
             if status == 429 or status >= 500:
                 causes.append(f"HTTP {status}: {data[:120].decode('utf-8', 'replace')}")
+                self.settle()
                 continue
             if status != 200:
                 return None, f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}"
@@ -200,7 +189,17 @@ class CombinedScorer:
                     out[f"reward_{name}_mean"] = s / c
                 out[f"{name}_errors"] = e
             self._acc = {n: [0.0, 0, 0] for n in self._acc}
+        for name, scorer, _ in self.sources:  # a launched server's restarts so far (rollout/reward_servers.py)
+            if isinstance(scorer, ServedScorer) and scorer.server is not None and scorer.server.procs is not None:
+                out[f"{name}_restarts"] = scorer.server.metrics["restarts"]
         return out
+
+    def start_servers(self, log_dir: str) -> None:
+        """Start the launched servers of the served sources (reward.judge.launch, reward.model.launch);
+        on the rank that scores, once."""
+        for _, scorer, _ in self.sources:
+            if isinstance(scorer, ServedScorer):
+                scorer.start(log_dir)
 
     def close(self) -> None:
         for _, scorer, _ in self.sources:

@@ -189,7 +189,7 @@ def resolve_reward(cfg, task):
     from gspo_megatron.rollout.rewards import RewardScorer
 
     r = cfg.reward
-    judged = r.judge.url is not None
+    judged = r.served  # a judge or a reward model
     fn_weight = r.fn_weight if r.fn_weight is not None else (0.0 if judged else 1.0)
     sources = []
     if fn_weight != 0 or not judged:
@@ -205,11 +205,25 @@ def resolve_reward(cfg, task):
         if not judged:
             return scorer
         sources.append(("fn", scorer, fn_weight))
-    from gspo_megatron.rollout.judge import CombinedScorer, JudgeScorer
+    from gspo_megatron.rollout.judge import CombinedScorer
 
-    sources.append(("judge", JudgeScorer(r.judge, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key),
-                    r.judge.weight))
+    sources += served_reward_sources(cfg)
     return CombinedScorer(sources, r.max_error_frac)
+
+
+def served_reward_sources(cfg) -> list[tuple[str, object, float]]:
+    """The judge and the reward model that score the run's samples; launched servers start later,
+    on rank 0 (setup_run: CombinedScorer.start_servers; rollout/reward_servers.py)."""
+    from gspo_megatron.rollout.judge import JudgeScorer
+    from gspo_megatron.rollout.reward_servers import RewardModelScorer
+
+    r, keys = cfg.reward, dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+    out: list[tuple[str, object, float]] = []
+    if r.judge.enabled:
+        out.append(("judge", JudgeScorer(r.judge, **keys), r.judge.weight))
+    if r.model.enabled:
+        out.append(("model", RewardModelScorer(r.model, **keys), r.model.weight))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -609,6 +623,17 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
         from gspo_megatron.rollout.colocate import Colocation
 
         colocation = Colocation(ctx, engine, model, optimizer, dtype, node_servers)
+    if ctx.rank == 0:  # the reward servers the run launches (reward.judge.launch, reward.model.launch)
+        from gspo_megatron.rollout.judge import CombinedScorer
+
+        try:
+            if isinstance(score, CombinedScorer):
+                score.start_servers(os.path.join(cfg.out_dir, "reward_logs"))
+        except BaseException:
+            score.close()
+            if engine is not None:
+                engine.close()
+            raise
     stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     parts = RunParts(
         cfg=cfg, ctx=ctx, arch=arch, hf_config=hf_config, dtype=dtype, model=model, optimizer=optimizer,
