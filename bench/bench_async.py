@@ -66,7 +66,7 @@ def _hf_dir(path: str, **changes) -> str:
 
 
 def _run(out: str, hf_dir: str, url: str | None, steps: int, async_steps: int, shared: str, partial: bool = False,
-         nproc: int = 2) -> dict:
+         nproc: int = 2, keep: bool = True) -> dict:
     """One training run; url None: the run launches its own vLLM server (rollout.vllm.launch)."""
     from sglang_double import sglang_overrides
 
@@ -87,7 +87,7 @@ def _run(out: str, hf_dir: str, url: str | None, steps: int, async_steps: int, s
            "loss.old_logprobs=recompute",
            *(sglang_overrides(url, weight_sync="disk", shared_dir=shared) if url is not None else
              ["rollout.backend=vllm", "rollout.vllm.launch=true", "model.dtype=float32",
-              f"rollout.vllm.shared_dir={shared}"])]
+              f"rollout.vllm.shared_dir={shared}", f"rollout.vllm.push_mid_generation={str(keep).lower()}"])]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, env=env, cwd=REPO)
@@ -97,7 +97,8 @@ def _run(out: str, hf_dir: str, url: str | None, steps: int, async_steps: int, s
     rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"gspo"' in x]
     peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     mean = lambda k: sum(x.get(k, 0.0) for x in rows) / len(rows)  # noqa: E731
-    return {"async_steps": async_steps, "partial": partial, "carried": sum(x.get("samples_carried", 0) for x in rows),
+    return {"async_steps": async_steps, "partial": partial, "keep": keep,
+            "carried": sum(x.get("samples_carried", 0) for x in rows),
             "wall_s": wall, "steps": len(rows), "t_step": mean("t_step"),
             "t_rollout": mean("t_rollout"), "t_train": mean("t_train"), "t_old": mean("t_old_logprobs"),
             "t_wait_rollout": mean("t_wait_rollout"), "t_sync": mean("t_weight_sync"),
@@ -108,11 +109,11 @@ def _run(out: str, hf_dir: str, url: str | None, steps: int, async_steps: int, s
 
 
 def _table(res: list[dict], ideal: float) -> None:
-    print(f"{'async_steps':>11} {'partial':>7} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} "
+    print(f"{'async_steps':>11} {'partial':>7} {'mid-push':>8} {'wall s':>8} {'t_step':>8} {'rollout':>8} {'pi_old':>8} {'train':>8} "
           f"{'push':>8} {'push wait':>9} {'stale max':>9} {'dropped':>7} {'carried':>7} {'peak MiB':>9} {'/ideal':>7} "
           f"{'overlap':>7}")
     for r in res:
-        print(f"{r['async_steps']:>11} {str(r['partial']):>7} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} "
+        print(f"{r['async_steps']:>11} {str(r['partial']):>7} {str(r['keep']):>8} {r['wall_s']:>8.1f} {r['t_step']:>8.2f} "
               f"{r['t_rollout']:>8.2f} {r['t_old']:>8.2f} {r['t_train']:>8.2f} {r['t_sync']:>8.2f} "
               f"{r['t_push_wait']:>9.2f} {r['staleness_max']:>9} {r['dropped']:>7} {r['carried']:>7} "
               f"{r['peak_rss_mib']:>9.0f} {r['t_step'] / ideal:>7.2f} {r['overlap']:>7.2f}")
@@ -214,26 +215,29 @@ def main() -> None:
 def _main_vllm(args) -> None:
     """The same runs against the real vLLM server each run launches (rollout/vllm_server.py): it
     computes on this CPU next to the trainer, so the overlap is short of a cluster's, where the
-    servers have GPUs of their own; vLLM takes no push mid-generation, so plain async pushes wait
-    for the generation in flight (push wait) and partial rollouts interrupt it."""
+    servers have GPUs of their own. Async runs push mid-generation (rollout.vllm.push_mid_generation:
+    a keep pause, no push wait), and once more with the push waiting for the generation in flight
+    (push_mid_generation=false), side by side; partial rollouts interrupt it."""
     import statistics
 
     layout = "2 trainer processes (TP2+SP)" if args.nproc == 2 else "1 trainer process (TP1)"
-    modes = ((0, False), (1, False), (1, True))
+    modes = ((0, False, True), (1, False, True), (1, False, False), (1, True, True))
     summary: dict = {}
     report = {"steps": args.steps, "nproc": args.nproc, "engine": "vllm", "cells": []}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = _hf_dir(os.path.join(tmp, "hf"), head_dim=32)  # vLLM's CPU attention: 32, 64, 80, ...
         for rep in range(args.repeats):
-            res = [_run(os.path.join(tmp, f"v{rep}_{k}{'p' * p}"), hf_dir, None, args.steps, k,
-                        os.path.join(tmp, f"vs{rep}_{k}{'p' * p}"), partial=p, nproc=args.nproc) for k, p in modes]
+            res = [_run(os.path.join(tmp, f"v{rep}_{k}{'p' * p}{'w' * (not keep)}"), hf_dir, None, args.steps, k,
+                        os.path.join(tmp, f"vs{rep}_{k}{'p' * p}{'w' * (not keep)}"), partial=p, nproc=args.nproc,
+                        keep=keep) for k, p, keep in modes]
             sync = res[0]
             ideal = max(sync["t_rollout"], sync["t_step"] - sync["t_rollout"])
             print(f"\n{args.steps} steps, {layout}, the real vLLM server on this CPU, run {rep + 1} (wall includes "
                   "each run's server start)")
             _table(res, ideal)
             for r in res[1:]:
-                name = "async + partial rollouts" if r["partial"] else "async"
+                name = ("async + partial rollouts" if r["partial"] else
+                        "async, push mid-generation" if r["keep"] else "async, push waits")
                 print(f"speed-up {name} / sync: step time {sync['t_step'] / r['t_step']:.2f}x; step time / ideal "
                       f"{r['t_step'] / ideal:.2f} (ideal {ideal:.2f} s; rollout:train {sync['t_rollout'] / max(sync['t_step'] - sync['t_rollout'], 1e-9):.2f})")
                 summary.setdefault(name, []).append(r["t_step"] / ideal)

@@ -539,6 +539,11 @@ class VLLMConfig:
     max_restarts: Optional[int] = None
     health_interval_s: float = 2.0
     lost_timeout_s: float = 300.0
+    # Asynchronous rollouts (rollout.async_steps > 0): a push freezes the requests in flight
+    # (/pause?mode=keep), reloads, and continues them under the new weights (their prefixes
+    # recomputed, their tokens carrying each version) instead of waiting for them. false = every
+    # push waits for the generation in flight (mode=wait).
+    push_mid_generation: bool = True
     # More arguments for the launched server (e.g. [--tensor-parallel-size, "4"]).
     extra_args: list[str] = field(default_factory=list)
 

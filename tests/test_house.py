@@ -111,7 +111,7 @@ def test_nothing_in_train_probes_an_engine_with_getattr():
 
 
 # the hooks an engine provides (HTTPEngine declares them; each engine writes its own)
-HOOKS = {"_release", "_resync_refusal", "_resync_server", "_set_servers"}
+HOOKS = {"_release", "_resync_refusal", "_resync_server", "_set_servers", "_probe_rows", "_probe_logprob"}
 
 
 def test_the_http_engines_share_their_common_methods_once():
@@ -119,7 +119,8 @@ def test_the_http_engines_share_their_common_methods_once():
     shared = {n.split(".", 1)[1] for n in base if n.startswith("HTTPEngine.")} - HOOKS
     # the methods issue 54 found written twice, and what supervision added since
     assert {"wait_ready", "check_version", "server_software_checks", "server_weight_versions",
-            "_check_open", "close", "_inc", "_supervise", "_served_version_ok", "_pushing_weights"} <= shared
+            "_check_open", "close", "_inc", "_supervise", "_served_version_ok", "_pushing_weights",
+            "probe_logprobs"} <= shared
     for mod, cls in (("sglang_engine", "SGLangEngine"), ("vllm_engine", "VLLMEngine")):
         own = {n.split(".", 1)[1] for n in functions(os.path.join(REPO, "gspo_megatron", "rollout", f"{mod}.py"))
                if n.startswith(f"{cls}.")}

@@ -230,6 +230,70 @@ def test_partial_rollout_carries_samples_over_a_push(server, models, tmp_path):
 
 
 
+@pytest.mark.timeout(600)
+def test_a_push_mid_generation_freezes_the_requests_and_does_not_wait_for_them(server, models, tmp_path):
+    """rollout.vllm.push_mid_generation (issue 54): a push (A -> B) while a generation is in flight
+    on the real server pauses it with mode=keep, reloads and resumes, without waiting for the
+    generation: by construction (the gate of tests/vllm_plugins/gspo_vllm_gate.py holds the engine
+    after 2 tokens until our pause is queued), the rows still running continue after the push, and
+    their tokens say so: A's version for the first ones (A's log-probs, <= 1e-4), B's for the rest,
+    with B's log-probs given the whole prefix (<= 1e-4; A's differ by > 0.05): the pause's cache
+    reset preempts the frozen requests and their prefixes are recomputed with B
+    (rollout/vllm_engine.py update_weights_mid_generation)."""
+    from gspo_megatron.rollout.base import SamplingParams
+
+    ATTEMPTS = 3
+    url, key, gate = server
+    _, a, b = models
+    sp = SamplingParams(temperature=1.0, max_new_tokens=400)
+    with _engine(url, key, tmp_path / "sync") as eng:
+        assert eng.capabilities.push_mid_generation  # the default: what the async loop asks
+        for attempt in range(ATTEMPTS):
+            va, vb = 2 * attempt + 1, 2 * attempt + 2
+            eng.update_weights(_hub(a), va)
+            for f in ("held", "released"):
+                (gate / f).unlink(missing_ok=True)
+            (gate / "arm").write_text("")
+            box: dict = {}
+            t = threading.Thread(target=lambda: box.setdefault("out", eng.generate(PROMPTS, 2, sp, seed=11 + attempt)),
+                                 daemon=True)
+            t0 = time.perf_counter()
+            t.start()
+            try:
+                _wait_until(lambda: (gate / "held").exists(), 60, "the server holding a step after 2 tokens")
+                t1 = time.perf_counter()
+                eng.update_weights_mid_generation(_hub(b), vb)
+                t_push = time.perf_counter() - t1
+                running_after_push = t.is_alive()
+                t.join(300)
+            finally:
+                (gate / "arm").unlink(missing_ok=True)
+            assert not t.is_alive()
+            t_gen = time.perf_counter() - t0
+            assert (gate / "released").read_text() == "pause"  # our keep pause let the gate go
+            carried = [s for s in box["out"] if s.token_versions and len(set(s.token_versions)) > 1]
+            print(f"attempt {attempt}: push {t_push:.2f} s inside a generation of {t_gen:.2f} s; still running after "
+                  f"the push: {running_after_push}; rows carried over it: {len(carried)} of {len(box['out'])}, "
+                  f"lengths {[len(s.response_ids) for s in box['out']]}")
+            if carried:
+                break  # else every row ended by EOS before the hold: try again
+        else:
+            pytest.fail(f"in {ATTEMPTS} attempts every row ended by EOS before the hold")
+    assert eng.weight_version == vb
+    for s in carried:
+        i = s.token_versions.index(vb)
+        assert set(s.token_versions[:i]) == {va} and set(s.token_versions[i:]) == {vb} and i >= 2
+        got = torch.tensor(s.response_logprobs)
+        lp_a = teacher_forced_logprobs(a, s.prompt_ids, s.response_ids, 1.0)
+        lp_b = teacher_forced_logprobs(b, s.prompt_ids, s.response_ids, 1.0)
+        print(f"  row of {len(s.response_ids)} tokens, {i} of A: after the push |served - B| max "
+              f"{(got[i:] - lp_b[i:]).abs().max():.3g}, |served - A| max {(got[i:] - lp_a[i:]).abs().max():.3g}")
+        assert (got[:i] - lp_a[:i]).abs().max() <= 1e-4  # A generated these
+        assert (got[i:] - lp_b[i:]).abs().max() <= 1e-4  # B, given the whole prefix (recomputed with B)
+        assert (got[i:] - lp_a[i:]).abs().max() > 0.05  # and the attribution could fail
+        assert s.weight_version == va  # the oldest: what staleness counts
+
+
 @pytest.mark.timeout(1500)
 def test_trainer_launches_vllm_trains_survives_a_server_kill_and_resumes(vllm_python, server, models, tmp_path):
     from gspo_megatron import resolve

@@ -1339,3 +1339,27 @@ def test_the_reward_model_request_is_vllms_classification(src, routes):
     # use_activation=false is the raw classifier output (a reward), not its sigmoid
     text = src.text("vllm.pooling_params")
     assert "use_activation: bool | None = None" in text
+
+
+def test_a_keep_pause_resets_the_cache_and_preempts_the_running_requests(src):
+    """rollout/vllm_engine.py update_weights_mid_generation relies on it: /pause?mode=keep with the
+    route's default clear_cache=true ends in _finish_pause(clear_cache) for every mode (the route's
+    docstring says it is ignored for keep; the engine core's code does not), whose _reset_caches
+    preempts every running request (their KV dropped, their prefixes recomputed on resume: with
+    the new weights)."""
+    import re
+
+    router = src.text("vllm.entrypoints.rl.online.api_router")
+    assert re.search(r"clear_cache: Annotated\[bool, Query\(\)\] = True", router)
+    core = src.text("vllm.v1.engine.core")
+    proc = core[core.rindex("def pause_scheduler("):]
+    proc = proc[:proc.index("\n    def ", 10)]
+    assert "if self._pause_complete():\n            self._finish_pause(clear_cache)" in proc
+    assert "engine._finish_pause(clear_cache)" in proc  # the deferred completion, same call
+    fin = core[core.index("def _finish_pause("):][:400]
+    assert "if clear_cache:\n            self._reset_caches()" in fin
+    reset = core[core.index("def _reset_caches("):][:500]
+    assert "reset_running_requests: bool = True" in reset
+    sched = src.text("vllm.v1.core.sched.scheduler")
+    rp = sched[sched.index("def reset_prefix_cache("):][:1500]
+    assert "while self.running:" in rp and "self._preempt_request(request" in rp

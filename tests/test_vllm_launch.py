@@ -383,7 +383,8 @@ def test_both_http_engines_refuse_another_release_in_the_same_one_line_and_decla
         assert lines[0] == lines[1] == ("E server http://stand-in:1 runs version G; this project speaks W (M): use that "
                                         "server version, or set S.check_version=false to try anyway"), lines
         # disk sync: a lost server, launched or given by URL, is brought back with the last weights
-        assert v.capabilities == Capabilities(interrupt=True, weight_digests=True, supervised_restarts=True)
+        assert v.capabilities == Capabilities(interrupt=True, push_mid_generation=True, weight_digests=True,
+                                              supervised_restarts=True)  # keep pauses (rollout.vllm.push_mid_generation)
         assert s.capabilities == Capabilities(interrupt=True, push_mid_generation=True, sleep_wake=True,
                                               routing_return=True, supervised_restarts=True)
         assert v.metrics is not s.metrics and "retries" in s.metrics

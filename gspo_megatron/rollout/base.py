@@ -115,7 +115,11 @@ class Capabilities:
     sleep_wake: release and re-take accelerator memory (colocation);
     weight_digests: report a digest of every tensor a push delivered (verified refits);
     routing_return: return the experts each token was routed to (routing replay R3);
-    supervised_restarts: servers it launched are watched and restarted with the last weights."""
+    supervised_restarts: a server that goes away is brought back (restarted, or waited for) with
+        the last weights, and servers may join mid-run (rollout/supervision.py, membership.py);
+    lora: serve LoRA adapters pushed on their own (none does yet: pushes are merged weights);
+    weight_groups_reform: a weight-update group (NCCL broadcast) re-forms with a restarted server
+        on both sides (none does yet: the config refuses restarts with those syncs)."""
 
     interrupt: bool = False
     push_mid_generation: bool = False
@@ -123,6 +127,8 @@ class Capabilities:
     weight_digests: bool = False
     routing_return: bool = False
     supervised_restarts: bool = False
+    lora: bool = False
+    weight_groups_reform: bool = False
 
 
 class RolloutEngine(abc.ABC):
@@ -198,9 +204,8 @@ class RolloutEngine(abc.ABC):
     # that sets supports_push_mid_generation implements update_weights_mid_generation: its
     # servers set the requests in flight aside, take the new weights, recompute those requests'
     # prefixes with them and continue, and report which weight version generated each token
-    # (Sample.token_versions; weight_version is the oldest). Engines whose servers would continue
-    # from keys/values of the old weights (vLLM 0.32's /pause?mode=keep, SGLang's in_place pause)
-    # do not set it: their continued tokens would be no single policy's.
+    # (Sample.token_versions; weight_version is the oldest): SGLang's retract pause, vLLM 0.32's
+    # keep pause with its cache reset (rollout/vllm_engine.py update_weights_mid_generation).
     supports_push_mid_generation = False
 
     def update_weights_mid_generation(self, named_tensors: NamedTensors, version: int) -> None:

@@ -113,6 +113,30 @@ class HTTPEngine(RolloutEngine):
                 out[s.url] = None
         return out
 
+    # ------------------------------------------------------------------ the refit probe
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """Every worker's log-probs at temperature 1 of token_ids[1:], each given the tokens before
+        it (train/refit_check.py): one request per worker (each holds its own copy of the
+        weights), `_probe_rows` its per-position entries, `_probe_logprob` each entry's value."""
+        self._check_open()
+        ids = [int(t) for t in token_ids]
+        out = {}
+        for s in self.workers:
+            rows = self._probe_rows(s, ids)
+            if not isinstance(rows, list) or len(rows) != len(ids):
+                raise EngineProtocolError(f"{self.NAME} server {s.url}: the log-prob probe answered no per-token "
+                                          f"log-probs for {len(ids)} tokens: {str(rows)[:300]}")
+            out[s.url] = [self._probe_logprob(s, row, t) for t, row in zip(ids[1:], rows[1:])]
+        return out
+
+    def _probe_rows(self, server, ids: list[int]) -> Any:
+        """The per-position entries of one probe request (engine-specific route and field)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a probe sequence")
+
+    def _probe_logprob(self, server, row: Any, token: int) -> float:
+        """The log-prob of `token` in one entry (EngineProtocolError naming the server if absent)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ supervision
     def _supervise(self, max_restarts: int, interval_s: float, lost_timeout_s: float) -> None:
         """Watch every worker (rollout/supervision.py): a lost one is restarted (launched here) or

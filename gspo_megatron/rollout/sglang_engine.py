@@ -702,32 +702,22 @@ class SGLangEngine(HTTPEngine):
             extra += 4 * ((raw + 2) // 3)
         return generate_response_cap(len(rows), max_new, extra_row_bytes=extra)
 
-    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
-        """Each worker's input log-probs of `token_ids`: /generate with return_logprob and
-        logprob_start_len 0, one new token at temperature 1. meta_info.input_token_logprobs holds
-        [logprob, token id, text] per prompt token, None for the first
-        (scheduler_components/logprob_result_processor.py:37-38). Workers, not a router: each
-        holds its own copy of the weights."""
-        self._check_open()
-        ids = [int(t) for t in token_ids]
+    def _probe_rows(self, server: ServerClient, ids: list[int]) -> Any:
+        """The probe (HTTPEngine.probe_logprobs) as SGLang answers it: /generate with return_logprob
+        and logprob_start_len 0, one new token at temperature 1; meta_info.input_token_logprobs
+        holds [logprob, token id, text] per prompt token, None for the first
+        (scheduler_components/logprob_result_processor.py:37-38)."""
         body = api_payload("/generate", input_ids=ids, return_logprob=True, logprob_start_len=0,
                            sampling_params={"temperature": 1.0, "max_new_tokens": 1})
-        out = {}
-        for s in self.workers:
-            r = s.post("/generate", body, timeout_s=self.request_timeout_s, retries=self.max_retries)
-            rows = (r.get("meta_info") or {}).get("input_token_logprobs") if isinstance(r, dict) else None
-            if not isinstance(rows, list) or len(rows) != len(ids):
-                raise SGLangProtocolError(f"SGLang server {s.url}: /generate with logprob_start_len=0 answered no "
-                                          f"input_token_logprobs for {len(ids)} tokens: {str(r)[:300]}")
-            lps = []
-            for t, row in zip(ids[1:], rows[1:]):
-                ok = isinstance(row, (list, tuple)) and len(row) >= 2 and isinstance(row[0], (int, float))
-                if not ok or int(row[1]) != t:
-                    raise SGLangProtocolError(f"SGLang server {s.url}: input_token_logprobs entry {row!r} is not "
-                                              f"[logprob, {t}, ...]")
-                lps.append(float(row[0]))
-            out[s.url] = lps
-        return out
+        r = server.post("/generate", body, timeout_s=self.request_timeout_s, retries=self.max_retries)
+        return (r.get("meta_info") or {}).get("input_token_logprobs") if isinstance(r, dict) else r
+
+    def _probe_logprob(self, server: ServerClient, row: Any, token: int) -> float:
+        ok = isinstance(row, (list, tuple)) and len(row) >= 2 and isinstance(row[0], (int, float))
+        if not ok or int(row[1]) != token:
+            raise SGLangProtocolError(f"SGLang server {server.url}: input_token_logprobs entry {row!r} is not "
+                                      f"[logprob, {token}, ...]")
+        return float(row[0])
 
     def _restarted_unseen(self, server: ServerClient) -> bool:
         """Whether a supervised `server` reports serving other weights than the engine pushed."""

@@ -336,30 +336,22 @@ class VLLMEngine(HTTPEngine):
             out = [cut_at_stop_string(s, self.tokenizer, tuple(sampling.stop)) for s in out]
         return out
 
-    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
-        """Each server's prompt log-probs of `token_ids` (sampling_params.prompt_logprobs=0: the
-        given token's own; the answer's prompt_logprobs holds None for the first token and a
-        {token id: {logprob, ...}} dict for every later one, token_in_token_out/protocol.py:507;
-        -inf is clamped to -9999, serving.py:498)."""
-        self._check_open()
+    def _probe_rows(self, server: ServerClient, ids: list[int]) -> Any:
+        """The probe (HTTPEngine.probe_logprobs) as vLLM answers it: the prompt log-probs of `ids`
+        (sampling_params.prompt_logprobs=0: the given token's own; the answer's prompt_logprobs
+        holds None for the first token and a {token id: {logprob, ...}} dict for every later one,
+        token_in_token_out/protocol.py:507; -inf is clamped to -9999, serving.py:498)."""
         sp = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 1, "logprobs": 0,
               "prompt_logprobs": 0, "detokenize": False, "seed": 0}
-        out = {}
-        for server in self.servers:
-            body = {"request_id": uuid.uuid4().hex, "token_ids": [int(t) for t in token_ids], "sampling_params": sp}
-            r = server.post(GENERATE, body, timeout_s=self.request_timeout_s, retries=self.max_retries)
-            rows = r.get("prompt_logprobs") if isinstance(r, dict) else None
-            if not isinstance(rows, list) or len(rows) != len(token_ids):
-                raise EngineProtocolError(f"vLLM server {server.url}: {GENERATE} with prompt_logprobs answered no "
-                                          f"prompt_logprobs for {len(token_ids)} tokens: {str(r)[:300]}")
-            lps = []
-            for t, row in zip(token_ids[1:], rows[1:]):
-                got = row.get(str(int(t))) if isinstance(row, dict) else None
-                if not isinstance(got, dict) or not isinstance(got.get("logprob"), (int, float)):
-                    raise EngineProtocolError(f"vLLM server {server.url}: prompt_logprobs lack token {t}: {str(row)[:200]}")
-                lps.append(float(got["logprob"]))
-            out[server.url] = lps
-        return out
+        body = {"request_id": uuid.uuid4().hex, "token_ids": ids, "sampling_params": sp}
+        r = server.post(GENERATE, body, timeout_s=self.request_timeout_s, retries=self.max_retries)
+        return r.get("prompt_logprobs") if isinstance(r, dict) else r
+
+    def _probe_logprob(self, server: ServerClient, row: Any, token: int) -> float:
+        got = row.get(str(int(token))) if isinstance(row, dict) else None
+        if not isinstance(got, dict) or not isinstance(got.get("logprob"), (int, float)):
+            raise EngineProtocolError(f"vLLM server {server.url}: prompt_logprobs lack token {token}: {str(row)[:200]}")
+        return float(got["logprob"])
 
     def _empty_rows(self, gi: int, prompt: list[int], n: int) -> list[Sample]:
         self._inc("interrupted_rows", n)
@@ -477,22 +469,46 @@ class VLLMEngine(HTTPEngine):
 
     def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
         """disk: write the tensors once as <shared_dir>/v<version>, then every server reloads them in
-        place (paused meanwhile) and labels its weights `version`. nccl: broadcast them to every
-        server worker (rollout/vllm_nccl.py), same pause and label."""
+        place (paused meanwhile: /pause?mode=wait lets the requests in flight finish first) and
+        labels its weights `version`. nccl: broadcast them to every server worker
+        (rollout/vllm_nccl.py), same pause and label."""
+        self._update(named_tensors, version, "wait")
+
+    @property
+    def supports_push_mid_generation(self) -> bool:
+        return bool(self.cfg["push_mid_generation"])
+
+    def update_weights_mid_generation(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+        """update_weights without waiting for the requests in flight (rollout.vllm.push_mid_generation):
+        every server pauses with mode=keep (the scheduler stops stepping and freezes its requests;
+        /pause returns without waiting for them), reloads, labels the new version and resumes; the
+        frozen requests continue under the new weights and their answers say which version produced
+        which tokens (weight_versions spans: Sample.token_versions).
+
+        Their prefixes are recomputed with the new weights, as SGLang's retract pause does: the
+        route's clear_cache (default true; its docstring says "ignored when mode=keep", but vLLM
+        0.32's engine core finishes every pause with _finish_pause(clear_cache), v1/engine/core.py
+        :2097, whose _reset_caches preempts the running requests and drops their KV cache,
+        core.py:906 -> v1/core/sched/scheduler.py:2858). tests/test_vllm_contract.py reads that
+        source; tests/test_vllm.py measures the continued tokens at the new weights' log-probs."""
+        self._update(named_tensors, version, "keep")
+
+    def _update(self, named_tensors: NamedTensors, version: int | None, pause: str) -> None:
         self._check_open()
         version = self._weight_version + 1 if version is None else int(version)
         if self._supervisor is not None:
             self._supervisor.wait_all_healthy()
         with self._pushing_weights():
-            self._push(named_tensors, version)
+            self._push(named_tensors, version, pause)
 
-    def _push(self, named_tensors: NamedTensors, version: int) -> None:
+    def _push(self, named_tensors: NamedTensors, version: int, pause: str = "wait") -> None:
         from .weight_sync import prune_versions, version_dir
 
         if self._nccl is not None:
             t0 = time.perf_counter()
             try:
-                self._nccl.push(named_tensors, version, dtype=self.sync_dtype, resume=not self._interrupted.is_set())
+                self._nccl.push(named_tensors, version, dtype=self.sync_dtype, resume=not self._interrupted.is_set(),
+                                pause=pause)
             except BaseException as e:
                 self._inconsistent = f"NCCL push of version {version} failed: {str(e).splitlines()[0] if str(e) else e!r}"
                 raise
@@ -520,7 +536,7 @@ class VLLMEngine(HTTPEngine):
             for s in self.servers:
                 for tries in range(2):
                     try:
-                        self._reload_on(s, kwargs, verify, sent, version)
+                        self._reload_on(s, kwargs, verify, sent, version, pause)
                         break
                     except EngineServerError:
                         # a supervised server that died under the push: once it is back (restarted
@@ -545,10 +561,12 @@ class VLLMEngine(HTTPEngine):
         self._inc("weight_syncs")
         self.metrics["last_sync_s"] = time.perf_counter() - t0
 
-    def _reload_on(self, s: ServerClient, kwargs: dict, verify: bool, sent: dict, version: int) -> None:
-        """One server of a disk push: pause, reload from the version directory (digests checked
-        before the version is labelled and served), label, resume."""
-        s.post("/pause?mode=wait", {}, timeout_s=self.request_timeout_s, retries=1, expect_json=False)
+    def _reload_on(self, s: ServerClient, kwargs: dict, verify: bool, sent: dict, version: int,
+                   pause: str = "wait") -> None:
+        """One server of a disk push: pause (`pause`: wait for the requests in flight, or keep them
+        frozen), reload from the version directory (digests checked before the version is labelled
+        and served), label, resume."""
+        s.post(f"/pause?mode={pause}", {}, timeout_s=self.request_timeout_s, retries=1, expect_json=False)
         r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": kwargs},
                    timeout_s=self.request_timeout_s, retries=0)
         results = r.get("results") if isinstance(r, dict) else None

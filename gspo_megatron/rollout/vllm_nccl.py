@@ -294,7 +294,7 @@ class NcclWeightSync:
 
     # ------------------------------------------------------------------ a push
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, dtype: torch.dtype | None,
-             resume: bool = True) -> int:
+             resume: bool = True, pause: str = "wait") -> int:
         """Broadcast every tensor to every server worker and label the weights `version`. Returns the
         number of tensors sent. A failure leaves the group unusable (the servers may sit in a
         broadcast): later pushes refuse with the first error."""
@@ -307,7 +307,7 @@ class NcclWeightSync:
             if self.comm is None:
                 self.connect()
             for s in self.servers:
-                s.post("/pause?mode=wait", {}, timeout_s=self.timeout_s, retries=1, expect_json=False)
+                s.post(f"/pause?mode={pause}", {}, timeout_s=self.timeout_s, retries=1, expect_json=False)
             for s in self.servers:
                 s.post(START, {}, timeout_s=self.timeout_s, retries=0, expect_json=False)
             sent = 0

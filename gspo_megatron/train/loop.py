@@ -153,7 +153,7 @@ def push_weights(parts: RunParts, version: int, producer=None) -> float:
             parts.engine.update_weights(stream, version)
         elif parts.cfg.rollout.partial:  # interrupt the generation in progress instead of waiting for it
             producer.push(lambda: parts.engine.update_weights(stream, version), interrupt=parts.engine)
-        elif parts.engine.supports_push_mid_generation:  # the engine continues it with the new weights
+        elif parts.engine.capabilities.push_mid_generation:  # the engine continues it with the new weights
             producer.push(lambda: parts.engine.update_weights_mid_generation(stream, version), concurrent=True)
         else:  # wait for the generation in progress
             producer.push(lambda: parts.engine.update_weights(stream, version))
