@@ -196,14 +196,15 @@ def test_bench_async_smoke(smokes):
     out = _ok(smokes, "bench_async.py")
     assert re.search(r"^2 steps, 1 trainer process \(TP1\), stand-in: canned tokens \(no compute\) at 2 ms/token, "
                      r"run 1$", out, re.M), out
-    _row(out, r"^async_steps\s+partial\s+wall s\s+t_step\s+rollout\s+pi_old\s+train\s+push\s+push wait\s+stale max"
+    _row(out, r"^async_steps\s+partial\s+mid-push\s+wall s\s+t_step\s+rollout\s+pi_old\s+train\s+push\s+push wait\s+stale max"
               r"\s+dropped\s+carried\s+peak MiB\s+/ideal\s+overlap$")
     rows = {}
     assert not re.search(r"^\s+1\s+False\s", out, re.M), out  # the smoke leaves plain async out
     for k, partial in (("0", "False"), ("1", "True")):
         row = _row(out, rf"^\s+{k}\s+{partial}\s")
-        run_total, t_step, *phases = (_num(x) for x in row[2:8])
-        push_wait, stale, dropped, carried, peak, over_ideal, overlap = (_num(x) for x in row[8:15])
+        assert row[2] == "True", row  # the double takes pushes mid-generation (a capability)
+        run_total, t_step, *phases = (_num(x) for x in row[3:9])
+        push_wait, stale, dropped, carried, peak, over_ideal, overlap = (_num(x) for x in row[9:16])
         assert 0 < overlap <= 1, row  # the run's own overlap_efficiency, a fraction
         assert 0 <= push_wait <= phases[-1] + 0.01, row  # a part of the push (2-decimal rounding)
         # every measurement was printed (a zero total or peak is a column the bench failed to fill);
