@@ -13,7 +13,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
-class _H(BaseHTTPRequestHandler):
+class JSONHandler(BaseHTTPRequestHandler):
+    """A quiet handler answering JSON (tests/test_reward_model.py's classifier stand-in too)."""
+
     def log_message(self, *a):
         pass
 
@@ -25,6 +27,8 @@ class _H(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+
+class _H(JSONHandler):
     def do_GET(self):
         self._send(200 if self.path == "/health" else 404, {})
 

@@ -248,7 +248,9 @@ def test_a_samples_retries_share_its_one_budget(monkeypatch, failure):
         def sleep(s):
             clock["t"] += max(0.0, s)
 
-    monkeypatch.setattr(judge_mod, "time", FakeTime)
+    from gspo_megatron.rollout import reward_servers
+
+    monkeypatch.setattr(reward_servers, "time", FakeTime)  # the retry loop (ServedScorer.exchange) lives there
     j = judge_mod.JudgeScorer(JudgeConfig(url="http://127.0.0.1:1", timeout_s=10.0, retries=5))
     given: list[tuple[float, float]] = []  # (timeout_s given, budget left at that moment)
     start = clock["t"]

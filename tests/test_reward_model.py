@@ -16,12 +16,13 @@ import json
 import math
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
 
 from gspo_megatron.resolve import load_config
+from judge_standin import JSONHandler
 from testlib import REPO
 
 TINY = os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml")
@@ -34,10 +35,7 @@ class Classifier:
         self.how, self.requests, self.fail_first = how, [], 1 if how == "500_then_ok" else 0
         outer = self
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
+        class H(JSONHandler):
             def do_GET(self):
                 self._send(200, {})
 
@@ -45,14 +43,6 @@ class Classifier:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append((self.path, body))
                 self._send(*outer.answer(body))
-
-            def _send(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

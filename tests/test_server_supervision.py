@@ -236,3 +236,28 @@ def test_restarts_where_the_weights_cannot_be_re_sent_are_refused_at_config_time
     assert restarts_default({"max_restarts": None, "weight_sync": sync}) == 0
     assert restarts_default({"max_restarts": None, "weight_sync": "disk"}) == DEFAULT_RESTARTS
     load_config(TINY, base + [f"rollout.{engine}.max_restarts=0"])
+
+
+def test_every_preset_supervises_its_servers_as_its_weight_sync_allows():
+    """The new fields' defaults from every preset in launch/configs: max_restarts null resolves to 3
+    with disk sync and 0 with a group broadcast (distributed / tensor / nccl: the GPU presets, which
+    then stop in one line when a server is lost), no urls_file, no reward servers; the presets
+    load unchanged (the config's own checks pass)."""
+    import glob
+
+    from gspo_megatron import config as C
+    from gspo_megatron.rollout.supervision import DEFAULT_RESTARTS, restarts_default
+
+    presets = sorted(glob.glob(os.path.join(REPO, "launch", "configs", "*.yaml")))
+    assert len(presets) >= 12
+    seen = set()
+    for p in presets:
+        cfg = C.load_config(p, [])
+        for name in ("sglang", "vllm"):
+            s = getattr(cfg.rollout, name)
+            assert s.max_restarts is None and s.urls_file is None, p
+            want = DEFAULT_RESTARTS if s.weight_sync == "disk" else 0
+            assert restarts_default({"max_restarts": None, "weight_sync": s.weight_sync}) == want, p
+            seen.add((name, s.weight_sync))
+        assert not cfg.reward.model.enabled and not cfg.reward.judge.launch, p
+    assert ("sglang", "distributed") in seen and ("sglang", "disk") in seen, seen  # both kinds of preset

@@ -150,6 +150,13 @@ class _RoundRecorder:
         return out
 
 
+def _arm_gate(gate) -> None:
+    """tests/vllm_plugins/gspo_vllm_gate.py: hold the server's next step after 2 tokens (until a pause)."""
+    for f in ("held", "released"):
+        (gate / f).unlink(missing_ok=True)
+    (gate / "arm").write_text("")
+
+
 def _wait_until(cond, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -184,9 +191,7 @@ def test_partial_rollout_carries_samples_over_a_push(server, models, tmp_path):
         for attempt in range(ATTEMPTS):
             va, vb = 2 * attempt + 1, 2 * attempt + 2
             eng.update_weights(_hub(a), va)
-            for f in ("held", "released"):
-                (gate / f).unlink(missing_ok=True)
-            (gate / "arm").write_text("")
+            _arm_gate(gate)
             rec = _RoundRecorder(eng)
             lock = threading.Condition()
             box: list = []
@@ -251,9 +256,7 @@ def test_a_push_mid_generation_freezes_the_requests_and_does_not_wait_for_them(s
         for attempt in range(ATTEMPTS):
             va, vb = 2 * attempt + 1, 2 * attempt + 2
             eng.update_weights(_hub(a), va)
-            for f in ("held", "released"):
-                (gate / f).unlink(missing_ok=True)
-            (gate / "arm").write_text("")
+            _arm_gate(gate)
             box: dict = {}
             t = threading.Thread(target=lambda: box.setdefault("out", eng.generate(PROMPTS, 2, sp, seed=11 + attempt)),
                                  daemon=True)

@@ -22,13 +22,11 @@ import logging
 import math
 import re
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from .http_servers import RetryableHTTPError, loads_answer
+from .http_servers import loads_answer
 from .reward_servers import ServedScorer
-from .reward_servers import causes_text as _causes
 
 log = logging.getLogger("gspo_megatron.rollout")
 
@@ -87,41 +85,20 @@ class JudgeScorer(ServedScorer):
         c = self.cfg
         body = {**self.extra, "model": c.model, "messages": [{"role": "user", "content": self.render(text, example)}],
                 "max_tokens": c.max_tokens, "temperature": 0.0}
-        deadline = time.monotonic() + c.timeout_s
-        causes: list[str] = []  # every failed attempt's, in order: a late retry's timeout must not hide a 500
-        for attempt in range(c.retries + 1):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            if attempt:
-                time.sleep(min(self.client.backoff(attempt), max(left - 0.05, 0.0)))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-            try:
-                status, data = self.client.request_once("POST", CHAT_ROUTE, body, timeout_s=left)
-            except RetryableHTTPError as e:
-                causes.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
-                self.settle()  # a launched judge being restarted: its supervisor's verdict first
-                continue
-            if status == 429 or status >= 500:
-                causes.append(f"HTTP {status}: {data[:120].decode('utf-8', 'replace')}")
-                self.settle()
-                continue
-            if status != 200:
-                return None, f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}"
-            try:
-                content = loads_answer(data)["choices"][0]["message"]["content"]
-                if not isinstance(content, str):
-                    raise TypeError
-            except (ValueError, KeyError, IndexError, TypeError) as e:
-                why = f" ({e})" if isinstance(e, ValueError) else ""
-                return None, f"not a chat completion{why}: {data[:200].decode('utf-8', 'replace')!r}"
-            try:
-                return self.parse(content), None
-            except ValueError as e:
-                return None, str(e)
-        return None, f"no answer within reward.judge.timeout_s={c.timeout_s:g} s ({_causes(causes)})"
+        data, why = self.exchange(CHAT_ROUTE, body)
+        if data is None:
+            return None, why
+        try:
+            content = loads_answer(data)["choices"][0]["message"]["content"]
+            if not isinstance(content, str):
+                raise TypeError
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            why = f" ({e})" if isinstance(e, ValueError) else ""
+            return None, f"not a chat completion{why}: {data[:200].decode('utf-8', 'replace')!r}"
+        try:
+            return self.parse(content), None
+        except ValueError as e:
+            return None, str(e)
 
     def __call__(self, texts: Sequence[str], examples: Sequence[dict]) -> tuple[list[float], list[bool]]:
         n = len(texts)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import threading
 import time
@@ -138,6 +137,38 @@ class ServedScorer:
             raise EngineError(f"{self.CONFIG}.launch=true: the server was not started (ServedScorer.start)")
         return self.server.client
 
+    def exchange(self, route: str, body: dict) -> tuple[bytes | None, str | None]:
+        """POST `body` to `route`, retried within one budget (cfg.timeout_s for all attempts
+        together): connection errors, timeouts, HTTP 429 and 5xx are retried (cfg.retries, with
+        backoff; a launched server's supervisor gives its verdict first); any other answer is
+        final. Returns (the 200 answer's bytes, None) or (None, why)."""
+        c, client = self.cfg, self.client
+        deadline = time.monotonic() + c.timeout_s
+        failed: list[str] = []  # every failed attempt's cause, in order: a late timeout must not hide a 500
+        for attempt in range(c.retries + 1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if attempt:
+                time.sleep(min(client.backoff(attempt), max(left - 0.05, 0.0)))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+            try:
+                status, data = client.request_once("POST", route, body, timeout_s=left)
+            except RetryableHTTPError as e:
+                failed.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+                self.settle()
+                continue
+            if status == 429 or status >= 500:
+                failed.append(f"HTTP {status}: {data[:120].decode('utf-8', 'replace')}")
+                self.settle()
+                continue
+            if status != 200:
+                return None, f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}"
+            return data, None
+        return None, f"no answer within {self.CONFIG}.timeout_s={c.timeout_s:g} s ({causes_text(failed)})"
+
     def settle(self) -> None:
         """After a failed request: the supervisor's verdict on a launched server (bounded)."""
         try:
@@ -233,37 +264,13 @@ class RewardModelScorer(ServedScorer):
         return out  # type: ignore[return-value]
 
     def _batch(self, inputs: list[str]) -> tuple[list[float] | None, str | None]:
-        c = self.cfg
-        body = {"model": c.model, "input": inputs, "use_activation": False}
-        client = self.client
-        deadline = time.monotonic() + c.timeout_s
-        causes: list[str] = []
-        for attempt in range(c.retries + 1):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            if attempt:
-                time.sleep(min(client.backoff(attempt), max(left - 0.05, 0.0)))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-            try:
-                status, data = client.request_once("POST", CLASSIFY_ROUTE, body, timeout_s=left)
-            except RetryableHTTPError as e:
-                causes.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
-                self.settle()
-                continue
-            if status == 429 or status >= 500:
-                causes.append(f"HTTP {status}: {data[:120].decode('utf-8', 'replace')}")
-                self.settle()
-                continue
-            if status != 200:
-                return None, f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}"
-            try:
-                return self.parse(loads_answer(data), len(inputs)), None
-            except ValueError as e:
-                return None, str(e)
-        return None, f"no answer within reward.model.timeout_s={c.timeout_s:g} s ({causes_text(causes)})"
+        data, why = self.exchange(CLASSIFY_ROUTE, {"model": self.cfg.model, "input": inputs, "use_activation": False})
+        if data is None:
+            return None, why
+        try:
+            return self.parse(loads_answer(data), len(inputs)), None
+        except ValueError as e:
+            return None, str(e)
 
     def __call__(self, texts: Sequence[str], examples: Sequence[dict]) -> tuple[list[float], list[bool]]:
         n = len(texts)

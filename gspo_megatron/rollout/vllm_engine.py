@@ -43,7 +43,6 @@ import secrets
 import threading
 import time
 import uuid
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
