@@ -121,6 +121,8 @@ class ServerSupervisor:
         w = self._watch.get(server)
         if w is None:
             return
+        if w.healthy.is_set() and self._answers_now(server):
+            return  # alive and serving the pushed weights: a transient failure, retried at once
         c0 = w.checks
         deadline = time.monotonic() + (self.FAILURES + 1) * (self.interval_s + self._health_timeout()) + 5
         while time.monotonic() < deadline and not self._stop.is_set() and self.failed is None:
@@ -134,6 +136,15 @@ class ServerSupervisor:
             time.sleep(0.05)
         if self.failed is not None:
             raise EngineError(self.failed)
+
+    def _answers_now(self, server: Any) -> bool:
+        """One health check of `server` now, and its weight version where it can be told: a
+        request that failed on a server that still answers needs no supervisor round to retry."""
+        try:
+            status, _ = server.request_once("GET", self.engine.HEALTH_PATH, timeout_s=self._health_timeout())
+        except EngineError:
+            return False
+        return status == 200 and self.engine._served_version_ok(server) is not False
 
     # ------------------------------------------------------------------ the thread
     def _health_timeout(self) -> float:
