@@ -77,6 +77,25 @@ def test_nccl_push_reaches_every_server_in_order_and_labels_the_version(servers)
         eng.close()
 
 
+def test_a_push_mid_generation_over_nccl_pauses_every_server_with_keep(servers):
+    """rollout.vllm.push_mid_generation with weight_sync=nccl: the async loop's push freezes the
+    requests in flight (/pause?mode=keep) instead of waiting for them (mode=wait, a plain push),
+    and the broadcast, label and resume are the same."""
+    net, double = servers
+    eng = engine(net)
+    try:
+        assert eng.capabilities.push_mid_generation
+        eng.update_weights(tensors(1), 1)
+        eng.update_weights_mid_generation(tensors(2), 2)
+        for url in (A, B):
+            st = double.state[url]
+            assert st["pause_modes"] == ["wait", "keep"] and st["version"] == "2" and not st["paused"], st
+            assert torch.equal(st["weights"]["lm_head.weight"], dict(tensors(2))["lm_head.weight"].to(torch.bfloat16))
+        assert eng.weight_version == 2
+    finally:
+        eng.close()
+
+
 def test_a_server_that_joins_after_the_trainers_warm_up_still_forms_the_group(servers):
     """NCCL's warm-up all_reduce waits for every rank: a server worker that joins late (a loaded
     machine schedules its request thread after the trainer's) still receives it. The double once

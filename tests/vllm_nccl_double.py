@@ -146,6 +146,7 @@ class VLLMNcclDouble:
         if path == "/pause":
             if query.get("mode") not in ("abort", "wait", "keep"):
                 raise ValueError(f"bad pause mode {query}")
+            st.setdefault("pause_modes", []).append(query["mode"])
             st["paused"] = True
             return {"status": "paused"}
         if path == "/resume":
