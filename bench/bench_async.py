@@ -5,6 +5,7 @@ side by side in one run.
     python bench/bench_async.py --ratios 0.5,1,2 --repeats 3 --json out.json   # issue 42's table
     python bench/bench_async.py --model-rollouts           # the double generates on this CPU
     python bench/bench_async.py --engine vllm --steps 10   # each run launches the real vLLM server
+    python bench/bench_async.py --engine vllm --nproc 1 --pin --new-tokens 24   # trainer CPU 0, server CPU 1
     python bench/bench_async.py --smoke                    # 2 steps, 1 trainer process: the harness runs
 
 Setup
@@ -65,9 +66,18 @@ def _hf_dir(path: str, **changes) -> str:
     return path
 
 
+def _vllm_pinned_command() -> list[str]:
+    """The launched vLLM server's command, bound to CPU 1 (taskset; its processes inherit it)."""
+    from gspo_megatron.rollout.vllm_api import API_SERVER_MODULE
+    from gspo_megatron.rollout.vllm_env import default_dir, venv_python
+
+    return ["taskset", "-c", "1", venv_python(default_dir()), "-m", API_SERVER_MODULE]
+
+
 def _run(out: str, hf_dir: str, url: str | None, steps: int, async_steps: int, shared: str, partial: bool = False,
-         nproc: int = 2, keep: bool = True) -> dict:
-    """One training run; url None: the run launches its own vLLM server (rollout.vllm.launch)."""
+         nproc: int = 2, keep: bool = True, pin: bool = False, extra: tuple = ()) -> dict:
+    """One training run; url None: the run launches its own vLLM server (rollout.vllm.launch).
+    pin: the trainer on CPU 0, its launched vLLM server on CPU 1 (a server with compute of its own)."""
     from sglang_double import sglang_overrides
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -87,10 +97,14 @@ def _run(out: str, hf_dir: str, url: str | None, steps: int, async_steps: int, s
            "loss.old_logprobs=recompute",
            *(sglang_overrides(url, weight_sync="disk", shared_dir=shared) if url is not None else
              ["rollout.backend=vllm", "rollout.vllm.launch=true", "model.dtype=float32",
-              f"rollout.vllm.shared_dir={shared}", f"rollout.vllm.push_mid_generation={str(keep).lower()}"])]
+              f"rollout.vllm.shared_dir={shared}", f"rollout.vllm.push_mid_generation={str(keep).lower()}"]),
+           *extra]
+    if pin:
+        cmd.append("rollout.vllm.server_command=[" + ",".join(_vllm_pinned_command()) + "]")
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, env=env, cwd=REPO)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3000, env=env, cwd=REPO,
+                       preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if pin else None)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"run {out} failed:\n{r.stderr[-3000:]}")
@@ -136,6 +150,11 @@ def main() -> None:
                          "head_dim 32, fp32); no decode delay to set, so --ratios does not apply")
     ap.add_argument("--nproc", type=int, choices=(1, 2), default=2,
                     help="trainer processes: 2 = TP2+SP as tiny_cpu.yaml, 1 = TP1")
+    ap.add_argument("--pin", action="store_true",
+                    help="--engine vllm: the trainer on CPU 0, the server it launches on CPU 1 (taskset), as a "
+                         "server with devices of its own; use with --nproc 1")
+    ap.add_argument("--new-tokens", type=int, default=None,
+                    help="--engine vllm: rollout.max_new_tokens (sets the rollout:train ratio; default tiny_cpu's 8)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true",
                     help="--steps 2 --nproc 1 --per-token-s 0.002 (no calibration), runs sync and async + partial: "
@@ -221,15 +240,19 @@ def _main_vllm(args) -> None:
     import statistics
 
     layout = "2 trainer processes (TP2+SP)" if args.nproc == 2 else "1 trainer process (TP1)"
+    if args.pin:
+        layout += " on CPU 0, the server on CPU 1"
     modes = ((0, False, True), (1, False, True), (1, False, False), (1, True, True))
     summary: dict = {}
-    report = {"steps": args.steps, "nproc": args.nproc, "engine": "vllm", "cells": []}
+    extra = (f"rollout.max_new_tokens={args.new_tokens}",) if args.new_tokens else ()
+    report = {"steps": args.steps, "nproc": args.nproc, "engine": "vllm", "pin": args.pin,
+              "new_tokens": args.new_tokens, "cells": []}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = _hf_dir(os.path.join(tmp, "hf"), head_dim=32)  # vLLM's CPU attention: 32, 64, 80, ...
         for rep in range(args.repeats):
             res = [_run(os.path.join(tmp, f"v{rep}_{k}{'p' * p}{'w' * (not keep)}"), hf_dir, None, args.steps, k,
                         os.path.join(tmp, f"vs{rep}_{k}{'p' * p}{'w' * (not keep)}"), partial=p, nproc=args.nproc,
-                        keep=keep) for k, p, keep in modes]
+                        keep=keep, pin=args.pin, extra=extra) for k, p, keep in modes]
             sync = res[0]
             ideal = max(sync["t_rollout"], sync["t_step"] - sync["t_rollout"])
             print(f"\n{args.steps} steps, {layout}, the real vLLM server on this CPU, run {rep + 1} (wall includes "

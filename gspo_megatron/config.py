@@ -164,6 +164,26 @@ def _check_urls_file(key: str, section, other_sync: str) -> None:
                           "sends weights only from the trainer, to the servers of its group)")
 
 
+def _check_replicas(v) -> None:
+    """rollout.vllm.replicas / replicas_file / max_replicas: launched servers, a count in
+    [1, max_replicas]; a replica added mid-run catches up from the last version directory (disk)."""
+    _positive("rollout.vllm.replicas", v.replicas)
+    _positive("rollout.vllm.max_replicas", v.max_replicas)
+    if v.replicas > v.max_replicas:
+        raise ConfigError(f"rollout.vllm.replicas={v.replicas} is more than rollout.vllm.max_replicas={v.max_replicas}")
+    if (v.replicas != 1 or v.replicas_file is not None) and not v.launch:
+        raise ConfigError("rollout.vllm.replicas and replicas_file count launched servers (rollout.vllm.launch=true); "
+                          "servers already running are listed in rollout.vllm.urls or urls_file")
+    if v.replicas_file is None:
+        return
+    if not isinstance(v.replicas_file, str) or not v.replicas_file.strip():
+        raise ConfigError(f"rollout.vllm.replicas_file must be a path, got {v.replicas_file!r}")
+    if v.weight_sync != "disk":
+        raise ConfigError(f"rollout.vllm.replicas_file with weight_sync={v.weight_sync}: a server that joins catches "
+                          "up from the last pushed version directory, which only disk sync writes (nccl sync sends "
+                          "weights only to the servers of its group)")
+
+
 def _check_supervision(key: str, section, other_syncs: str) -> None:
     """A rollout.<engine> section's max_restarts, health_interval_s and lost_timeout_s: a server
     brought back must get the pushed weights again, which only disk sync can send to one server
@@ -482,8 +502,18 @@ class VLLMConfig:
     urls: list[str] = field(default_factory=list)
     # Instead of urls: a file listing the servers, watched (as rollout.sglang.urls_file).
     urls_file: Optional[str] = None
-    # Start one vLLM server ourselves (trainer rank 0, on its node) and stop it on every exit.
+    # Start the vLLM server(s) ourselves (trainer rank 0, on its node) and stop them on every exit.
     launch: bool = False
+    # Launched servers: how many (server i listens on port + i; on CUDA each takes its own GPUs,
+    # its tensor x pipeline x data parallel sizes of them, from rollout.vllm.gpus or else the GPUs
+    # after the trainer's), and a file holding the number wanted, watched while the run goes on
+    # (rollout/membership.py Replicas): servers added start, then join after a catch-up to the
+    # current weights and their version; servers removed leave from the highest index (their
+    # requests in flight sent to the others), then stop. The file's number, when it exists at
+    # start, replaces replicas; it must stay in [1, max_replicas]. replicas_file: disk sync only.
+    replicas: int = 1
+    replicas_file: Optional[str] = None
+    max_replicas: int = 8
     # Model the servers load at start; null = model.hf_dir.
     model_path: Optional[str] = None
     # Command that starts the server, the arguments follow; empty = the python of the venv that
@@ -684,6 +714,7 @@ class RolloutConfig:
                               "servers), rollout.vllm.urls_file (a file listing them, watched) or "
                               "rollout.vllm.launch=true, not both")
         _check_urls_file("rollout.vllm", v, "nccl")
+        _check_replicas(v)
         _check_urls("rollout.vllm.urls", v.urls)
         _check_env_names("rollout.vllm", v.api_key_env, v.env_vars)
         if v.launch and v.host not in ("127.0.0.1", "localhost", "::1"):

@@ -164,7 +164,8 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
         "rollout.vllm.host", "rollout.vllm.api_key_env", "rollout.vllm.env_vars", "rollout.vllm.model_path",
         "rollout.vllm.server_command", "rollout.vllm.extra_args", "rollout.vllm.check_version",
         "rollout.vllm.weight_sync", "rollout.vllm.dtype", "rollout.vllm.max_model_len", "rollout.vllm.cpu_kv_cache_mb",
-        "rollout.vllm.gpus", "rollout.return_routing", "rollout.vllm.push_mid_generation"),
+        "rollout.vllm.gpus", "rollout.return_routing", "rollout.vllm.push_mid_generation",
+        "rollout.vllm.replicas", "rollout.vllm.replicas_file", "rollout.vllm.max_replicas"),
     "the device and world (CPU here; GPU paths: make gpu-check)": (
         "parallel.device", "parallel.world_size", "parallel.etp"),
     "data and reward sources (test_data_records, test_reward_scorer, test_reward_safety, test_evaluation)": (

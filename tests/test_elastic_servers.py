@@ -50,6 +50,39 @@ def test_the_servers_file_admits_urls_only(tmp_path):
         read_urls_file(str(tmp_path / "missing"))
 
 
+def test_the_replicas_file_admits_one_count_only(tmp_path):
+    from gspo_megatron.rollout.membership import read_replicas_file
+
+    p = tmp_path / "replicas"
+    for text, n in (("2\n", 2), ("# wanted\n\n 3  # after the scale-up\n", 3), ("0", 0)):
+        p.write_text(text)
+        assert read_replicas_file(str(p)) == n
+    for bad in ("", "two", "2 3", "2\n3\n", "-1", "2.5", "0x2", "# nothing\n"):
+        p.write_text(bad)
+        with pytest.raises(InputError) as e:
+            read_replicas_file(str(p))
+        assert str(e.value).startswith(f"{p}: a replicas file holds one number") and "\n" not in str(e.value), bad
+    p.write_bytes(b"\xff\xfe")
+    with pytest.raises(InputError, match="cannot read the replicas file"):
+        read_replicas_file(str(p))
+
+
+def test_replicas_are_for_launched_vllm_servers_on_disk_sync():
+    from gspo_megatron.config import ConfigError
+    from gspo_megatron.resolve import load_config
+    from test_vllm_launch import TINY
+
+    base = ["rollout.backend=vllm", "rollout.vllm.launch=true"]
+    assert load_config(TINY, [*base, "rollout.vllm.replicas=2", "rollout.vllm.replicas_file=/r"]).rollout.vllm.replicas == 2
+    for extra, words in ((["rollout.vllm.replicas=3", "rollout.vllm.max_replicas=2"], "more than"),
+                         (["rollout.vllm.replicas=0"], "rollout.vllm.replicas"),
+                         (["rollout.vllm.replicas_file=/r", "rollout.vllm.weight_sync=nccl"], "only disk sync"),
+                         (["rollout.vllm.launch=false", "rollout.vllm.urls=[http://h:1]", "rollout.vllm.replicas=2"],
+                          "count launched servers")):
+        with pytest.raises(ConfigError, match=words):
+            load_config(TINY, [*base, *extra])
+
+
 def test_a_server_joins_after_a_catch_up_and_one_removed_mid_request_loses_nothing(model_dir, prompts, model_b,
                                                                                      tmp_path):
     from gspo_megatron.rollout.base import SamplingParams

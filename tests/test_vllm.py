@@ -283,9 +283,12 @@ def test_a_push_mid_generation_freezes_the_requests_and_does_not_wait_for_them(s
         else:
             pytest.fail(f"in {ATTEMPTS} attempts every row ended by EOS before the hold")
     assert eng.weight_version == vb
+    # the gate holds once the *furthest* row has 2 tokens; a row admitted a step or two later (the
+    # batch's other sample, a chunked prefill) carries fewer of A's tokens, but at least one
+    assert max(s.token_versions.index(vb) for s in carried) >= 2
     for s in carried:
         i = s.token_versions.index(vb)
-        assert set(s.token_versions[:i]) == {va} and set(s.token_versions[i:]) == {vb} and i >= 2
+        assert set(s.token_versions[:i]) == {va} and set(s.token_versions[i:]) == {vb} and i >= 1
         got = torch.tensor(s.response_logprobs)
         lp_a = teacher_forced_logprobs(a, s.prompt_ids, s.response_ids, 1.0)
         lp_b = teacher_forced_logprobs(b, s.prompt_ids, s.response_ids, 1.0)
@@ -295,6 +298,89 @@ def test_a_push_mid_generation_freezes_the_requests_and_does_not_wait_for_them(s
         assert (got[i:] - lp_b[i:]).abs().max() <= 1e-4  # B, given the whole prefix (recomputed with B)
         assert (got[i:] - lp_a[i:]).abs().max() > 0.05  # and the attribution could fail
         assert s.weight_version == va  # the oldest: what staleness counts
+
+
+def _write_atomic(path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@pytest.mark.timeout(900)
+def test_launched_replicas_grow_with_a_catch_up_and_shrink_without_losing_a_sample(vllm_python, models, tmp_path):
+    """rollout.vllm.replicas_file (issue 54, elastic capacity of launched servers), on real vLLM-CPU
+    servers the engine launches (rollout/membership.py Replicas, in the supervisor's thread):
+
+    * grow: the file says 2 after a push of B (version 1): the second server starts, joins only
+      after its catch-up (the last version directory, labelled 1): its first answer to the
+      version route is the trainer's label, and its log-probs (the refit probe, every server)
+      are B's within 1e-4 (A's differ by > 0.05); a generation's rows carry version 1;
+    * shrink: the file says 1 while the second server holds a request mid-generation (by
+      construction: the gate of tests/vllm_plugins/gspo_vllm_gate.py armed for its port only):
+      it leaves, its requests are sent to the first (every row comes back whole, none aborted,
+      all from the first server), and its process group is stopped (no process left)."""
+    from gspo_megatron.rollout.base import SamplingParams
+    from gspo_megatron.rollout.http_servers import group_members
+    from gspo_megatron.rollout.vllm_api import API_SERVER_MODULE
+    from gspo_megatron.rollout.vllm_engine import VLLMEngine
+
+    root, a, b = models
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    replicas = tmp_path / "replicas"
+    hf = {**HF, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    port = vllm_port()
+    eng = VLLMEngine({"launch": True, "model_path": str(root / "A"), "port": port, "replicas_file": str(replicas),
+                      "max_replicas": 2, "health_interval_s": 0.2, "shared_dir": str(tmp_path / "sync"),
+                      "server_command": [vllm_python, "-m", API_SERVER_MODULE], "request_timeout_s": 300,
+                      "extra_args": ["--scheduler-cls", "gspo_vllm_gate.HoldUntilPauseScheduler"],
+                      "dtype": "float32", "max_model_len": 512, "cpu_kv_cache_mb": 32}, hf_config=hf,
+                     server_env={"PYTHONPATH": os.pathsep.join([REPO, vllm_fixtures.GATE_PLUGINS]),
+                                 "GSPO_VLLM_GATE_DIR": str(gate)}, log_dir=str(tmp_path / "logs"))
+    with eng:
+        assert len(eng.servers) == 1 and eng.metrics["servers"] == 1  # no file yet: rollout.vllm.replicas
+        eng.update_weights(_hub(b), 1)
+        url0, url1 = eng.procs.spec.url(0), eng.procs.spec.url(1)
+        # grow
+        _write_atomic(replicas, "2\n")
+        _wait_until(lambda: eng.metrics.get("servers_joined", 0) == 1, 600, "the second server to join")
+        assert [s.url for s in eng.servers] == [url0, url1] and len(eng.procs.procs) == 2
+        joined = eng.servers[1]
+        assert joined.get("/weight_info", timeout_s=10)["weight_version"] == "1"  # the trainer's label
+        ids = [1, 60, 65, 50, 7, 33, 12, 90, 4, 41]
+        lp_b = teacher_forced_logprobs(b, ids[:1], ids[1:], 1.0)
+        lp_a = teacher_forced_logprobs(a, ids[:1], ids[1:], 1.0)
+        probe = eng.probe_logprobs(ids)
+        errs = {u: float((torch.tensor(v) - lp_b).abs().max()) for u, v in probe.items()}
+        print(f"after the join, |served - B| max per server: {errs}; |B - A| max "
+              f"{float((lp_b - lp_a).abs().max()):.3g}")
+        assert set(errs) == {url0, url1} and max(errs.values()) <= 1e-4 and float((lp_b - lp_a).abs().max()) > 0.05
+        out = eng.generate(PROMPTS * 2, 2, SamplingParams(temperature=1.0, max_new_tokens=16), seed=5)
+        assert {s.weight_version for s in out} == {1} and _max_err(out, b, 1.0) <= 1e-4
+        # shrink while the second server holds a request mid-generation
+        pid1 = eng.procs.procs[1].pid
+        (gate / "arm").write_text(str(port + 1))
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("out", eng.generate(
+            PROMPTS * 3, 2, SamplingParams(temperature=1.0, max_new_tokens=64), seed=7)), daemon=True)
+        t.start()
+        try:
+            _wait_until(lambda: (gate / "held").exists(), 120, "the second server holding a request")
+            retries = eng.metrics["retries"]
+            _write_atomic(replicas, "1\n")
+            t.join(300)
+        finally:
+            (gate / "arm").unlink(missing_ok=True)
+        assert not t.is_alive()
+        out = box["out"]
+        assert len(out) == 12 and all(s.finish_reason in ("stop", "length") for s in out)
+        assert {s.meta["server"] for s in out} == {url0} and eng.metrics["retries"] > retries
+        assert _max_err(out, b, 1.0) <= 1e-4
+        assert [s.url for s in eng.servers] == [url0] and len(eng.procs.procs) == 1
+        assert eng.metrics["servers_left"] == 1 and eng.metrics["servers"] == 1
+        assert group_members(pid1) == []  # the second server's processes are gone
+        eng.update_weights(_hub(a), 2)  # the next push goes to the one server left
+        assert eng.server_weight_versions() == {url0: "2"}
 
 
 @pytest.mark.timeout(1500)

@@ -309,6 +309,49 @@ def test_cuda_launch_takes_gpus_disjoint_from_the_trainers_or_is_refused(monkeyp
         prepare(VLLMLaunchSpec(model_path="m"))
 
 
+def test_launched_replicas_on_cuda_each_take_gpus_of_their_own(tmp_path, monkeypatch):
+    """rollout.vllm.replicas (issue 54): on CUDA server i takes the i-th slice of the GPU pool
+    (rollout.vllm.gpus, else the GPUs after the trainer's), through the real spawn path
+    (ServerProcesses.start / add with a stand-in server that records its environment); a replica
+    the pool has no room for is refused in one line and leaves the fleet as it was."""
+    from gspo_megatron.rollout.http_servers import ServerProcesses
+    from gspo_megatron.rollout.vllm_server import VLLMLaunchError, VLLMLaunchSpec, prepare
+
+    script = tmp_path / "record.py"
+    script.write_text("import json, os, sys\n"
+                      "port = sys.argv[sys.argv.index('--port') + 1]\n"
+                      "with open(os.path.join(sys.argv[1], port + '.json'), 'w') as f:\n"
+                      "    json.dump(os.environ.get('CUDA_VISIBLE_DEVICES'), f)\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,9")  # the trainer's view: indices into this list
+    spec = prepare(VLLMLaunchSpec(model_path="m", device="cuda", node_gpus=8, trainer_gpus=2, num_servers=2, port=9000,
+                                  extra_args=["--tensor-parallel-size", "2"], trainer_dtype=torch.bfloat16,
+                                  command=[sys.executable, str(script), str(tmp_path)], log_dir=str(tmp_path / "logs")))
+    assert [spec.replica_env(i)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["2,3", "4,5", "6,9"]
+    with pytest.raises(VLLMLaunchError) as e:
+        spec.replica_env(3)
+    assert "\n" not in str(e.value) and "vLLM server 3: needs 2 GPU(s)" in str(e.value) and "hold 3 server(s)" in str(e.value)
+    procs = ServerProcesses(spec)
+    try:
+        procs.start()
+        assert procs.add() == 2 and procs.urls == [spec.url(i) for i in range(3)]
+        for p in procs.procs:
+            p.wait(timeout=60)
+        got = {port: json.loads((tmp_path / f"{port}.json").read_text()) for port in (9000, 9001, 9002)}
+        assert got == {9000: "2,3", 9001: "4,5", 9002: "6,9"}
+        with pytest.raises(VLLMLaunchError, match="vLLM server 3"):
+            procs.add()
+        assert len(procs.procs) == len(procs.log_paths) == 3  # nothing half-added
+        procs.stop_last(grace_s=1)
+        assert procs.urls == [spec.url(0), spec.url(1)] and len(procs.log_paths) == 2
+    finally:
+        procs.stop(grace_s=1)
+    # rollout.vllm.gpus lists the pool; two servers need 4 of them
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(VLLMLaunchError, match="needs 4 GPUs"):
+        prepare(VLLMLaunchSpec(model_path="m", device="cuda", node_gpus=8, trainer_gpus=2, num_servers=2,
+                               gpus=[5, 6, 7], extra_args=["--tensor-parallel-size", "2"]))
+
+
 # ----------------------------------------------------------------------------------------- versions
 def test_versions_compare_by_release_with_a_note_for_a_local_build():
     from gspo_megatron.rollout import sglang_api, vllm_api

@@ -52,6 +52,7 @@ class HTTPEngine(RolloutEngine):
     _supervisor: Any = None  # rollout/supervision.py ServerSupervisor, once _supervise ran
     _push_seq: int = 0  # odd while a push is under way (pushes to one engine never overlap)
     _members: Any = None  # rollout/membership.py Membership, with a urls_file
+    _replicas: Any = None  # rollout/membership.py Replicas, with a replicas_file
 
     def wait_ready(self, timeout_s: float | None = None) -> float:
         t = self.ready_timeout_s if timeout_s is None else timeout_s
@@ -143,7 +144,7 @@ class HTTPEngine(RolloutEngine):
         waited for (given), and re-synced (`_resync_server`), at most max_restarts times."""
         from .supervision import ServerSupervisor
 
-        tick = (lambda: self._members.refresh(block=False)) if self._members is not None else None
+        tick = self._membership_tick if (self._members is not None or self._replicas is not None) else None
         self._supervisor = ServerSupervisor(self, max_restarts=max_restarts, interval_s=interval_s,
                                             lost_timeout_s=lost_timeout_s, ready_timeout_s=self.ready_timeout_s,
                                             tick=tick)
@@ -172,6 +173,21 @@ class HTTPEngine(RolloutEngine):
         self._members = Membership(self, path)
         return self._members.initial()
 
+    def _membership_tick(self) -> None:
+        """Once per supervisor round: the urls_file's and the replicas file's changes."""
+        if self._members is not None:
+            self._members.refresh(block=False)
+        if self._replicas is not None:
+            self._replicas.refresh()
+
+    def _replicas_from_file(self, path: str, default: int, max_replicas: int) -> int:
+        """How many servers to launch (a replicas file's number, else `default`); the file is
+        watched from here on, in the supervisor's thread (rollout/membership.py Replicas)."""
+        from .membership import Replicas
+
+        self._replicas = Replicas(self, path, max_replicas)
+        return self._replicas.initial(default)
+
     def _refresh_members(self) -> None:
         """The urls_file's changes, applied before a generation (waiting for a push under way)."""
         if self._members is not None:
@@ -187,9 +203,10 @@ class HTTPEngine(RolloutEngine):
         self.servers = list(servers)
         self.metrics["servers"] = len(self.servers)
 
-    def _join(self, url: str, block: bool) -> bool:
+    def _join(self, url: str, block: bool, launched: int | None = None) -> bool:
         """Server `url` joins if it answers its health check and speaks the project's version,
-        after a catch-up to the weights the others serve (under the push lock); False: not now."""
+        after a catch-up to the weights the others serve (under the push lock); False: not now.
+        `launched`: its index in `procs` (a launched replica: restarted, not waited for, if lost)."""
         s = self._make_client(url)
         try:
             status, _ = s.request_once("GET", self.HEALTH_PATH, timeout_s=10)
@@ -211,7 +228,7 @@ class HTTPEngine(RolloutEngine):
             self._resync_server(s)  # the weights and version label the others serve
             self._set_servers(self.servers + [s])
             if self._supervisor is not None:
-                self._supervisor.add(s)
+                self._supervisor.add(s, launched)
         finally:
             self._push_lock.release()
         self._inc("servers_joined")
@@ -219,13 +236,13 @@ class HTTPEngine(RolloutEngine):
                     len(self.servers))
         return True
 
-    def _leave(self, server) -> None:
+    def _leave(self, server, why: str = "the server left the urls_file") -> None:
         """`server` leaves: no new request, no push, and its requests in flight are cut: they are
         sent again to the others (a retry each), so a server removed mid-generation loses no sample."""
         self._set_servers([s for s in self.servers if s is not server])
         if self._supervisor is not None:
             self._supervisor.remove(server)
-        cut = server.cut_inflight("the server left the urls_file")
+        cut = server.cut_inflight(why)
         self._inc("servers_left")
         log.warning("%s server %s left (%d servers; %d request(s) of it sent to the others)", self.NAME, server.url,
                     len(self.servers), cut)

@@ -560,7 +560,7 @@ def _stop_all_at_exit() -> None:  # pragma: no cover - exercised only when an ow
 
 class ServerProcesses:
     """The server processes this trainer started (never anything else). `spec`: url(i), argv(i),
-    num_servers, env, env_vars, unset_env, log_dir, log_name, api_key, secret_env(),
+    replica_env(i), num_servers, env, env_vars, unset_env, log_dir, log_name, api_key, secret_env(),
     secret_args(private_dir) (sglang_server.LaunchSpec, vllm_server.VLLMLaunchSpec).
 
     Where a key may go, by construction: never into argv (the log's first line, `ps`), never into
@@ -588,7 +588,9 @@ class ServerProcesses:
 
     @property
     def urls(self) -> list[str]:
-        return [self.spec.url(i) for i in range(self.spec.num_servers)]
+        """The servers' URLs: num_servers before start, then every server started (`add` /
+        `stop_last` change how many)."""
+        return [self.spec.url(i) for i in range(len(self.procs) or self.spec.num_servers)]
 
     def start(self) -> list[str]:
         if self.procs:
@@ -599,23 +601,61 @@ class ServerProcesses:
 
             log_dir = tempfile.mkdtemp(prefix=f"{getattr(self.spec, 'log_name', 'server')}-logs-")
         os.makedirs(log_dir, exist_ok=True)
+        self._log_dir = log_dir
         _LIVE.add(self)
         try:
-            for i in range(self.spec.num_servers):
-                path = os.path.join(log_dir, f"{getattr(self.spec, 'log_name', 'server')}_{i}.log")
-                log = open(path, "ab")
-                self._logs.append(log)
-                self._log_locks.append(threading.Lock())
-                self.log_paths.append(path)
-                self.procs.append(self._spawn(i))
+            for _ in range(self.spec.num_servers):
+                self._start_next()
         except BaseException:
             self.stop(grace_s=2.0)
             raise
         return self.urls
 
+    def _start_next(self) -> int:
+        """Start server len(procs) (its log appended to: a replica started again keeps one log)."""
+        i = len(self.procs)
+        path = os.path.join(self._log_dir, f"{getattr(self.spec, 'log_name', 'server')}_{i}.log")
+        self._logs.append(open(path, "ab"))
+        self._log_locks.append(threading.Lock())
+        self.log_paths.append(path)
+        try:
+            self.procs.append(self._spawn(i))
+        except BaseException:
+            self._logs.pop().close()
+            self._log_locks.pop()
+            self.log_paths.pop()
+            raise
+        return i
+
+    def add(self) -> int:
+        """One more server while the run goes on (a launched replica: url(i), the spec's
+        replica_env(i)); its index. The caller waits for it and makes it join."""
+        if not self.procs:
+            raise RuntimeError("servers not started")
+        return self._start_next()
+
+    def stop_last(self, grace_s: float = 15.0) -> None:
+        """Stop the last server started (SIGTERM its group, SIGKILL after `grace_s`) and forget it:
+        the fleet shrinks from the top, so every other server keeps its index, port and log."""
+        if len(self.procs) <= 1:
+            raise RuntimeError("the last server is not stopped by stop_last (stop() ends them all)")
+        p = self.procs.pop()
+        _stop_group(p, grace_s)
+        left = wait_group_gone(p.pid)
+        if left:
+            log.warning("server %d: %d process(es) still running after %.0f s (pids %s)", len(self.procs), len(left),
+                        GROUP_EXIT_TIMEOUT_S, left[:5])
+        lock = self._log_locks.pop()
+        with lock:
+            f = self._logs.pop()
+            f.write(f"--- stopped by the trainer (the fleet shrank; exit code {p.poll()}) ---\n".encode())
+            f.close()
+        self.log_paths.pop()
+
     def _spawn(self, i: int) -> subprocess.Popen:
         env = server_environment(self.spec.env_vars, self.spec.unset_env)
         env.update(self.spec.env or {})
+        env.update(self.spec.replica_env(i))  # server i's own devices (vLLM on CUDA: its GPUs)
         env.update(self.spec.secret_env())
         if self._secrets and self._private_dir is None:
             import tempfile

@@ -1,4 +1,6 @@
-"""Rollout capacity that changes while the run goes on (rollout.<engine>.urls_file).
+"""Rollout capacity that changes while the run goes on: servers listed in a file
+(rollout.<engine>.urls_file, `Membership`) and launched replicas (rollout.vllm.replicas_file,
+`Replicas`, at the end).
 
 The file lists the servers, one URL per line (blank lines and `#` comments ignored); whoever
 scales the rollout fleet (an autoscaler, a person, a job script) rewrites it (write a temp file
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -114,6 +117,140 @@ class Membership:
             return
         self._seen = stamp
         self._warned = None
+
+    def _warn(self, msg: str) -> None:
+        if msg != self._warned:
+            self._warned = msg
+            log.warning("%s", msg)
+
+
+def read_replicas_file(path: str) -> int:
+    """The number of launched servers a replicas file asks for (one integer; `#` comments and
+    blank lines ignored); a bad file is one line naming it (InputError)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(4096)
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read the replicas file: {first_line(e)}") from e
+    words = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    words = [w for w in words if w]
+    if len(words) != 1 or not words[0].isdigit():
+        raise InputError(f"{path}: a replicas file holds one number (the launched servers wanted), got "
+                         f"{text.strip()[:100]!r}")
+    return int(words[0])
+
+
+class Replicas:
+    """The launched servers of one engine, as many as a replicas file asks for (rollout.vllm.
+    replicas_file), changed only in the engine's supervisor thread (its tick), so a change never
+    overlaps a restart of the same server:
+
+      * more: the next servers start (ServerProcesses.add: port + i, their own GPUs on CUDA) and
+        each joins once it answers its health check, after the catch-up every joining server gets
+        (HTTPEngine._join: the last pushed weights and their version label, under the push lock),
+        so its first answer carries the trainer's version. One that dies or is not ready within
+        the engine's ready_timeout_s is stopped with its cause in one warning, and not started
+        again until the file changes.
+      * fewer: the servers with the highest indices leave first (HTTPEngine._leave: no new request,
+        their requests in flight sent to the others: no sample lost) and are then stopped. A
+        server being restarted by the supervisor leaves after its recovery.
+      * a count outside [1, max_replicas] or an unreadable file: warned, the fleet kept.
+    """
+
+    def __init__(self, engine: Any, path: str, max_replicas: int):
+        self.engine, self.path, self.max = engine, os.path.abspath(path), int(max_replicas)
+        self._seen: tuple | None = None
+        self.want = 0
+        self._started: dict[int, float] = {}  # index -> when a replica not joined yet was started
+        self._given_up: tuple | None = None  # the file version whose replicas failed to start
+        self._warned: str | None = None
+
+    def initial(self, default: int) -> int:
+        """How many servers to launch: the file's number when it exists (a resumed run keeps its
+        fleet), else `default` (rollout.vllm.replicas)."""
+        self._seen = self._stamp()
+        self.want = int(default)
+        if self._seen is not None:
+            self._read()
+        return self.want
+
+    def _stamp(self) -> tuple | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _read(self) -> None:
+        try:
+            n = read_replicas_file(self.path)
+        except InputError as e:
+            return self._warn(f"{e}; the launched servers stay as they are")
+        if not 1 <= n <= self.max:
+            return self._warn(f"{self.path} asks for {n} launched servers: it must be in [1, {self.max}] "
+                              f"({self.engine.CONFIG}.max_replicas); the servers stay as they are")
+        self.want, self._warned = n, None
+
+    def refresh(self) -> None:
+        """One round (the supervisor's tick): read the file if it changed, then start, join or
+        stop servers toward the number it asks for."""
+        stamp = self._stamp()
+        if stamp is not None and stamp != self._seen:
+            self._seen = stamp
+            self._read()
+        procs = self.engine.procs
+        if procs is None:
+            return
+        if self._given_up is None or self._given_up != self._seen:
+            self._given_up = None
+            while len(procs.procs) < self.want:
+                try:
+                    i = procs.add()
+                except InputError as e:  # no room for it (vLLM on CUDA: no GPUs of its own left)
+                    log.warning("%s; the fleet stays at %d until %s changes", e, len(procs.procs), self.path)
+                    self._given_up = self._seen
+                    break
+                self._started[i] = time.monotonic()
+                log.warning("%s server %d started (%s): it joins once it is ready", self.engine.NAME, i,
+                            procs.spec.url(i))
+        self._join_started(procs)
+        self._shrink(procs)
+
+    def _join_started(self, procs: Any) -> None:
+        eng = self.engine
+        joined = {s.url for s in eng.servers}
+        for i in sorted(self._started):
+            url = procs.spec.url(i)
+            if url in joined or i >= len(procs.procs):
+                self._started.pop(i, None)
+                continue
+            dead = procs.dead(i)
+            late = time.monotonic() - self._started[i] > eng.ready_timeout_s
+            if dead is not None or late:
+                why = dead.splitlines()[0] if dead else f"not ready after {eng.ready_timeout_s:g} s"
+                log.warning("%s server %d (%s) %s: stopped; the fleet stays at %d until %s changes", eng.NAME, i, url,
+                            why, i, self.path)
+                while len(procs.procs) > i:
+                    procs.stop_last(grace_s=5.0)
+                self._started = {j: t for j, t in self._started.items() if j < i}
+                self._given_up = self._seen
+                return
+            if eng._join(url, block=False, launched=i):
+                self._started.pop(i)
+
+    def _shrink(self, procs: Any) -> None:
+        eng = self.engine
+        while len(procs.procs) > max(self.want, 1):
+            i = len(procs.procs) - 1
+            url = procs.spec.url(i)
+            server = next((s for s in eng.servers if s.url == url), None)
+            if server is not None:
+                if len(eng.servers) <= 1:
+                    return
+                eng._leave(server, f"the launched servers shrank to {self.want} ({self.path})")
+            self._started.pop(i, None)
+            procs.stop_last()
+            log.warning("%s server %d (%s) stopped (%d launched)", eng.NAME, i, url, len(procs.procs))
 
     def _warn(self, msg: str) -> None:
         if msg != self._warned:

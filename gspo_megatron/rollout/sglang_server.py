@@ -119,6 +119,9 @@ class LaunchSpec:
             host = f"[{host}]"
         return f"http://{host}:{self.port + i}"
 
+    def replica_env(self, i: int) -> dict[str, str]:
+        return {}  # server i's GPUs are its --base-gpu-id (argv), not its environment
+
     def secret_env(self) -> dict[str, str]:
         return {}  # SGLang 0.5.23 reads no key from its environment (srt/environ.py); see secret_args
 

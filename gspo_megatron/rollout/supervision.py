@@ -76,9 +76,10 @@ class ServerSupervisor:
         self._thread.start()
 
     # ------------------------------------------------------------------ membership
-    def add(self, server: Any) -> None:
-        """A server that joined (already re-synced by the caller): watched from now on."""
-        self._watch = {**self._watch, server: _Watch(None)}
+    def add(self, server: Any, launched_index: int | None = None) -> None:
+        """A server that joined (already re-synced by the caller): watched from now on; a launched
+        replica (its index in engine.procs) is restarted if lost, others waited for."""
+        self._watch = {**self._watch, server: _Watch(launched_index)}
 
     def remove(self, server: Any) -> None:
         """A server that left: no longer watched (its requests in flight finish or fail over)."""

@@ -242,13 +242,17 @@ class VLLMEngine(HTTPEngine):
                         raise EngineError(f"no vLLM environment at {default_dir()}: build it with `python -m "
                                           "gspo_megatron.rollout.vllm_env` or set rollout.vllm.server_command")
                     python = venv_python(default_dir())
+                replicas = int(c["replicas"])
+                if c.get("replicas_file"):  # its number, when the file exists, replaces replicas
+                    replicas = self._replicas_from_file(c["replicas_file"], replicas, int(c["max_replicas"]))
                 spec = VLLMLaunchSpec(model_path=model, port=int(c["port"]), host=c["host"], api_key=api_key,
                                       dtype=c["dtype"], max_model_len=c["max_model_len"],
                                       cpu_kv_cache_mb=c["cpu_kv_cache_mb"], extra_args=list(c["extra_args"] or []),
                                       command=cmd, python=python, env=server_env, log_dir=log_dir,
                                       env_vars=tuple(c["env_vars"]),
                                       weight_transfer="nccl" if c["weight_sync"] == "nccl" else None,
-                                      trainer_dtype=self.sync_dtype, gpus=list(c.get("gpus") or []))
+                                      trainer_dtype=self.sync_dtype, gpus=list(c.get("gpus") or []),
+                                      num_servers=replicas)
                 self.procs = launch(spec)
                 urls = self.procs.urls
             elif c.get("urls_file"):

@@ -106,6 +106,11 @@ class VLLMLaunchSpec:
     node_gpus: int | None = None
     trainer_gpus: int | None = None
     prepared: bool = False
+    # on CUDA, set by `prepare`: the GPUs servers may take (rollout.vllm.gpus, else every GPU after
+    # the trainer's), as CUDA_VISIBLE_DEVICES entries, and how many one server takes: server i
+    # takes entries [i * per_server, (i + 1) * per_server) (replica_env)
+    gpu_pool: list[str] = field(default_factory=list)
+    gpus_per_server: int = 0
 
     def _cpu(self) -> bool:
         """A CPU server with its KV cache size (after `prepare`, every CPU server has one)."""
@@ -127,6 +132,19 @@ class VLLMLaunchSpec:
         if self.weight_transfer:
             args += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         return prefix + args + [str(a) for a in self.extra_args]
+
+    def replica_env(self, i: int) -> dict[str, str]:
+        """Server i's own devices: on CUDA its slice of the GPU pool (CUDA_VISIBLE_DEVICES), a
+        VLLMLaunchError line when the pool has no room for it; nothing on CPU."""
+        if not self.gpus_per_server:
+            return {}
+        k = self.gpus_per_server
+        take = self.gpu_pool[i * k:(i + 1) * k]
+        if len(take) < k:
+            raise VLLMLaunchError(f"vLLM server {i}: needs {k} GPU(s) of its own, and the {len(self.gpu_pool)} GPU(s) "
+                                  f"servers may take here ({','.join(self.gpu_pool)}: rollout.vllm.gpus, else the GPUs "
+                                  f"after the trainer's) hold {len(self.gpu_pool) // k} server(s)")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(take)}
 
     def secret_env(self) -> dict[str, str]:
         """The key, as the server's own environment variable (http_servers.ServerProcesses)."""
@@ -233,14 +251,14 @@ def server_gpus(requested: Sequence[int], *, node_gpus: int, trainer_gpus: int, 
             raise VLLMLaunchError(f"rollout.vllm.gpus={gpus}: GPU(s) {shared} are the trainer's (its {trainer_gpus} "
                                   f"local rank(s) hold {held}); list GPUs >= {trainer_gpus}")
         if len(gpus) < needed:
-            raise VLLMLaunchError(f"rollout.vllm.gpus={gpus}: the server needs {needed} GPUs (tensor x pipeline x "
-                                  "data parallel sizes in rollout.vllm.extra_args)")
+            raise VLLMLaunchError(f"rollout.vllm.gpus={gpus}: the launch needs {needed} GPUs (tensor x pipeline x "
+                                  "data parallel sizes in rollout.vllm.extra_args, times rollout.vllm.replicas)")
         return gpus
     free = list(range(trainer_gpus, node_gpus))
     if len(free) < needed:
         raise VLLMLaunchError(
             f"rollout.vllm.launch=true on CUDA: the trainer's {trainer_gpus} local rank(s) hold {held} of the "
-            f"{node_gpus} this node shows, and the server needs {needed} GPU(s) of its own (vLLM would otherwise "
+            f"{node_gpus} this node shows, and the server(s) need {needed} GPU(s) of their own (vLLM would otherwise "
             "share trainer rank 0's); run fewer trainer processes per node, or start servers elsewhere and set "
             "rollout.vllm.urls")
     return free[:needed]
@@ -288,13 +306,16 @@ def prepare(spec: VLLMLaunchSpec) -> VLLMLaunchSpec:
 
         node = torch.cuda.device_count() if spec.node_gpus is None else int(spec.node_gpus)
         trainer = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if spec.trainer_gpus is None else int(spec.trainer_gpus)
-        if spec.num_servers != 1:  # one CUDA_VISIBLE_DEVICES for all of them: they would share GPUs
-            raise VLLMLaunchError(f"vLLM launch on CUDA: one server per run (got {spec.num_servers}); start more "
-                                  "yourself and list them in rollout.vllm.urls")
         need = parallel_size(spec.extra_args)
-        gpus = server_gpus(spec.gpus, node_gpus=node, trainer_gpus=trainer, needed=need)
-        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        log.info("vLLM server on CUDA: GPUs %s of this node (the trainer holds 0-%d)", gpus, trainer - 1)
+        # every server its own GPUs: the first num_servers slices of the pool, checked here; a
+        # replica added later (rollout.vllm.replicas_file) takes the next slice (replica_env)
+        server_gpus(spec.gpus, node_gpus=node, trainer_gpus=trainer, needed=need * spec.num_servers)
+        pool = [int(g) for g in spec.gpus] if spec.gpus else list(range(trainer, node))
+        spec.gpu_pool = cuda_visible_devices(pool, os.environ.get("CUDA_VISIBLE_DEVICES")).split(",")
+        spec.gpus_per_server = need
+        env.update(spec.replica_env(0))  # server 0's, as the one-server launch always had
+        log.info("vLLM server(s) on CUDA: %d GPU(s) each from GPUs %s of this node (the trainer holds 0-%d)", need,
+                 pool, trainer - 1)
     spec.extra_args = list(spec.extra_args) + family_server_args(_model_config(str(spec.model_path)), spec)
     spec.env = env
     spec.prepared = True

@@ -16,6 +16,10 @@ busy loop (vllm/v1/engine/core.py:1547-1558) handles queued client requests only
 and the socket thread enqueues them while a step runs (core.py:1931), so a pause seen in the queue
 is handled right after this step, one token later. The reason for the release is written to
 ``<dir>/released`` ("pause" or "timeout"), for the test to assert on.
+
+An arm file holding a port number arms only the server listening there (several servers may share
+one gate folder: a trainer's launched replicas share their environment): the engine core reads its
+port from its parent's command line (the API server's ``--port N``).
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ def _write(path: str, text: str) -> None:
 class HoldUntilPauseScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         gate = os.environ.get("GSPO_VLLM_GATE_DIR")
-        if gate and os.path.exists(os.path.join(gate, "arm")) \
+        if gate and _armed_here(os.path.join(gate, "arm")) \
                 and any(r.num_output_tokens >= HOLD_AFTER for r in self.running):
             self._hold(gate)
         return super().schedule(*args, **kwargs)
@@ -56,6 +60,26 @@ class HoldUntilPauseScheduler(Scheduler):
                 break
             time.sleep(0.002)
         _write(os.path.join(gate, "released"), reason if queue is not None else "no engine core input queue")
+
+
+def _armed_here(arm: str) -> bool:
+    """The arm file exists and names no port, or this server's."""
+    try:
+        with open(arm) as f:
+            want = f.read().strip()
+    except OSError:
+        return False
+    return not want or want == _my_port()
+
+
+def _my_port() -> str | None:
+    """The --port of the API server that started this engine core (its parent), else None."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return argv[argv.index("--port") + 1] if "--port" in argv[:-1] else None
 
 
 def _engine_input_queue():
