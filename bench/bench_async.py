@@ -155,6 +155,9 @@ def main() -> None:
                          "server with devices of its own; use with --nproc 1")
     ap.add_argument("--new-tokens", type=int, default=None,
                     help="--engine vllm: rollout.max_new_tokens (sets the rollout:train ratio; default tiny_cpu's 8)")
+    ap.add_argument("--async-steps", type=int, default=1,
+                    help="--engine vllm: rollout.async_steps of the async runs (2: the server generates the batch "
+                         "after next while a push reloads it)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true",
                     help="--steps 2 --nproc 1 --per-token-s 0.002 (no calibration), runs sync and async + partial: "
@@ -242,10 +245,11 @@ def _main_vllm(args) -> None:
     layout = "2 trainer processes (TP2+SP)" if args.nproc == 2 else "1 trainer process (TP1)"
     if args.pin:
         layout += " on CPU 0, the server on CPU 1"
-    modes = ((0, False, True), (1, False, True), (1, False, False), (1, True, True))
+    d = args.async_steps
+    modes = ((0, False, True), (d, False, True), (d, False, False), (d, True, True))
     summary: dict = {}
     extra = (f"rollout.max_new_tokens={args.new_tokens}",) if args.new_tokens else ()
-    report = {"steps": args.steps, "nproc": args.nproc, "engine": "vllm", "pin": args.pin,
+    report = {"steps": args.steps, "nproc": args.nproc, "engine": "vllm", "pin": args.pin, "async_steps": d,
               "new_tokens": args.new_tokens, "cells": []}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = _hf_dir(os.path.join(tmp, "hf"), head_dim=32)  # vLLM's CPU attention: 32, 64, 80, ...

@@ -37,11 +37,14 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 class CpuGroupedExperts(SequentialMLP):
     """``SequentialMLP`` whose forward runs the local experts as two grouped GEMMs (see module doc)."""
 
+    lora_adapted = False  # LoRA adapters on the experts' linears (model/lora.py): their hooks need the loop
+
     def grouped_path(self, hidden: torch.Tensor) -> bool:
         """Whether forward takes the grouped GEMMs (else SequentialMLP.forward)."""
         c = self.config
         return (
-            self.num_local_experts > 1
+            not self.lora_adapted
+            and self.num_local_experts > 1
             and self.tp_group.size() == 1
             and c.gated_linear_unit
             and c.activation_func is F.silu

@@ -1,0 +1,294 @@
+"""LoRA adapters on Megatron's parallel linear layers (issue 55): W x -> W x + (alpha / r) B A x, with
+A (r x in) and B (out x r) split the way Megatron splits W, so that the adapted layer computes
+exactly what one device holding the merged W + (alpha / r) B A would, at every TP / SP / EP / PP /
+CP layout.
+
+Where the adapters go (`targets`, rollout names in config.LoraConfig):
+  * "attention": every linear_* of a layer's self_attention (qkv and the output projection; MLA's
+    down/up projections), never the router;
+  * "mlp": the linear_fc1 / linear_fc2 of dense MLP layers;
+  * "shared_experts": the shared experts' linear_fc1 / linear_fc2;
+  * "experts": each routed expert's linear_fc1 / linear_fc2 - one adapter per expert (never one
+    shared by an EP rank's local experts: the model trained would change with the EP degree).
+
+An adapter is two parameters registered on the linear module itself (`<linear>.lora_A`,
+`<linear>.lora_B`) and a forward hook that adds its output: the base module, its parameter names
+and its checkpoint layout are untouched, and the base is frozen (requires_grad False: no gradient
+buffer, no optimizer state).
+
+How each layer is split (y = W x on one device; A, B as above; s = alpha / r):
+  * column-parallel (W split on its output rows: linear_qkv, linear_fc1): A whole on every TP rank,
+    B split on its rows as W is. With sequence parallelism the hook's input is this rank's
+    sequence shard: z = A x_shard is gathered over the sequence (backward: reduce-scatter), then
+    y_rank += s B_rank z. Without it, z = A x goes through Megatron's copy-to-TP region (backward:
+    all-reduce), so dA sums every rank's B_rank^T dy_rank. With SP each rank's dA covers its
+    tokens only: A is marked `sequence_parallel`, which finalize_model_grads sums over TP
+    (megatron/core/distributed/finalize_model_grads.py:354-357).
+  * row-parallel (W split on its input columns: linear_proj, linear_fc2): A split on its columns
+    as W is, B whole. u_rank = A_rank x_rank is a partial sum: reduced over TP (all-reduce, or with
+    SP reduce-scatter to this rank's sequence shard) before y += s B u. With SP, dB covers this
+    rank's tokens only: B is marked `sequence_parallel` (summed over TP as above).
+  * routed experts with expert-TP 1: A and B whole per expert, y += s B A x on the expert's own
+    tokens; their gradients are reduced over the expert-data-parallel group like the expert's
+    weights (`allreduce=False`, Megatron DDP's expert buffers). Expert-TP > 1 is refused: Megatron
+    leaves the expert fc2's output a partial sum for the token dispatcher to reduce
+    (tensor_parallel/layers.py:1286-1288, explicit_expert_comm), which the adapter would have to
+    follow (Megatron-Bridge's expert LoRA adds its full delta there and counts it ETP times,
+    NVIDIA-NeMo/Megatron-Bridge#5634).
+
+Initialisation (PEFT's): A uniform(-1/sqrt(in), 1/sqrt(in)) of the *whole* matrix from a generator
+seeded by (seed, the layer's global name), then sliced; B zero: the adapted model starts as the base
+model, and every layout starts from the same adapters.
+"""
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from gspo_megatron.errors import ConfigError
+
+TARGETS = ("attention", "mlp", "shared_experts", "experts")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = TARGETS
+    seed: int = 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
+
+
+def target_of(name: str) -> str | None:
+    """Which target group a module name (as named_modules gives it) belongs to, or None."""
+    if ".self_attention." in name and name.rsplit(".", 1)[-1].startswith("linear_"):
+        return "attention"
+    if _EXPERT.search(name):
+        return "experts"
+    if name.endswith((".mlp.shared_experts.linear_fc1", ".mlp.shared_experts.linear_fc2")):
+        return "shared_experts"
+    if name.endswith((".mlp.linear_fc1", ".mlp.linear_fc2")):
+        return "mlp"
+    return None
+
+
+def _kind(module) -> str:
+    """"column" or "row": how Megatron splits this linear's weight."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(module, ColumnParallelLinear):
+        return "column"
+    if isinstance(module, RowParallelLinear):
+        return "row"
+    kind = type(module).__name__
+    raise ConfigError(f"lora: {kind} is not a Megatron ColumnParallelLinear / RowParallelLinear; LoRA on it is not "
+                      "supported yet (the Transformer Engine spec's fused layers: use the local spec)")
+
+
+def _uniform(shape: tuple[int, int], bound: float, key: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
+    return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * bound
+
+
+class _Adapter:
+    """The forward hook of one adapted linear (module docstring)."""
+
+    def __init__(self, kind: str, spec: LoraSpec, expert: bool):
+        self.kind, self.scale, self.dropout, self.expert = kind, spec.scale, spec.dropout, expert
+
+    def __call__(self, module, args, output):
+        x = args[0]
+        out, bias = output
+        if self.dropout and module.training:
+            x = torch.nn.functional.dropout(x, self.dropout)
+        a, b = module.lora_A, module.lora_B
+        if self.expert or module.tp_group.size() == 1:
+            delta = (x @ a.t()) @ b.t()
+        elif self.kind == "column":
+            delta = self._column(x @ a.t(), module) @ b.t()
+        else:
+            delta = self._row(x @ a.t(), module) @ b.t()
+        return out + self.scale * delta.to(out.dtype), bias
+
+    @staticmethod
+    def _column(z, module):
+        """A x (whole A) -> the z every TP rank's B slice takes: the whole sequence under SP."""
+        from megatron.core.tensor_parallel import mappings as m
+
+        if module.sequence_parallel:
+            return m.gather_from_sequence_parallel_region(z, group=module.tp_group)
+        return m.copy_to_tensor_model_parallel_region(z, group=module.tp_group)
+
+    @staticmethod
+    def _row(u, module):
+        """A_rank x_rank, a partial sum over TP -> its sum (this rank's sequence shard under SP)."""
+        from megatron.core.tensor_parallel import mappings as m
+
+        if module.sequence_parallel:
+            return m.reduce_scatter_to_sequence_parallel_region(u, group=module.tp_group)
+        return m.reduce_from_tensor_model_parallel_region(u, group=module.tp_group)
+
+
+def apply_lora(chunks, spec: LoraSpec, *, ep_rank: int = 0) -> int:
+    """Freeze every parameter of `chunks` and add an adapter to each targeted linear; the number of
+    adapted linears on this rank. Each adapter's init key is its layer's name on one device (the
+    global layer number, the global expert index), so every layout starts from the same adapters."""
+    if spec.rank < 1:
+        raise ConfigError(f"lora.rank must be >= 1, got {spec.rank}")
+    unknown = sorted(set(spec.targets) - set(TARGETS))
+    if unknown:
+        raise ConfigError(f"lora.target_modules: unknown {unknown}; one or more of {list(TARGETS)} (routers never)")
+    n = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+        for name, module in list(chunk.named_modules()):
+            group = target_of(name)
+            if group is None or group not in spec.targets:
+                continue
+            key = _layer_key(chunk, _expert_global(chunk, name, ep_rank))
+            _add(module, key, group, spec)
+            if group == "experts":  # their grouped-GEMM fast path (parallel/cpu_experts.py) would skip the hooks
+                chunk.get_submodule(name.split(".local_experts.")[0]).lora_adapted = True
+            n += 1
+    return n
+
+
+def _expert_global(chunk, name: str, ep_rank: int) -> str:
+    """A routed expert's module name with its local index made global (EP rank r holds experts
+    r * num_local_experts ...); any other name unchanged."""
+    m = _EXPERT.search(name)
+    if m is None:
+        return name
+    experts = chunk.get_submodule(name[:m.start(1) - len(".local_experts.")])
+    g = ep_rank * int(experts.num_local_experts) + int(m.group(1))
+    return name[:m.start(1)] + str(g) + name[m.end(1):]
+
+
+def _layer_key(chunk, name: str) -> str:
+    """`decoder.layers.<i>.` with the chunk's local layer index made global (the layer's 1-based
+    layer_number: a pipeline stage's or virtual chunk's layers start past the earlier ones)."""
+    m = re.match(r"^(.*?\blayers)\.(\d+)\.", name)
+    if m is None:
+        return name
+    number = int(chunk.get_submodule(f"{m.group(1)}.{m.group(2)}").layer_number)
+    return f"{m.group(1)}.{number - 1}." + name[m.end():]
+
+
+def _add(module, key: str, group: str, spec: LoraSpec) -> None:
+    kind = _kind(module)
+    expert = group == "experts"
+    tp = module.tp_group.size()
+    if expert and tp > 1:
+        raise ConfigError("lora on routed experts with expert tensor parallelism > 1 (parallel.etp) is not supported: "
+                          "Megatron leaves the experts' fc2 output a partial sum for the token dispatcher; use etp=1")
+    w = module.weight
+    out_local, in_local = w.shape
+    if expert or tp == 1:
+        out_full, in_full = out_local, in_local
+    elif kind == "column":
+        out_full, in_full = out_local * tp, in_local
+    else:
+        out_full, in_full = out_local, in_local * tp
+    rank = module.tp_group.rank()
+    a_full = _uniform((spec.rank, in_full), 1.0 / math.sqrt(in_full), key, spec.seed)
+    if kind == "row" and not expert and tp > 1:
+        a = a_full[:, rank * in_local:(rank + 1) * in_local]
+    else:
+        a = a_full
+    b = torch.zeros(out_local if (kind == "column" and not expert) else out_full, spec.rank, dtype=torch.float64)
+    module.lora_A = torch.nn.Parameter(a.to(device=w.device, dtype=w.dtype).contiguous())
+    module.lora_B = torch.nn.Parameter(b.to(device=w.device, dtype=w.dtype).contiguous())
+    sp = bool(getattr(module, "sequence_parallel", False)) and tp > 1 and not expert
+    replicated = module.lora_B if kind == "row" else module.lora_A  # whole on every TP rank
+    split = module.lora_A if kind == "row" else module.lora_B
+    if sp:
+        setattr(replicated, "sequence_parallel", True)  # its gradient covers this rank's tokens: summed over TP
+    if tp > 1 and not expert:
+        # what Megatron's own split weights carry (checkpoints and grad-norm accounting read it)
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        set_tensor_model_parallel_attributes(split, True, 1 if kind == "row" else 0, 1)
+    if expert:
+        for p in (module.lora_A, module.lora_B):
+            setattr(p, "allreduce", False)  # the expert-data-parallel group, as the expert's weights
+    module._lora = {"kind": kind, "group": group, "key": key}
+    module.register_forward_hook(_Adapter(kind, spec, expert))
+
+
+def adapters(chunks) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(module name, adapted linear) for every adapter of `chunks`, chunk by chunk."""
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if getattr(module, "_lora", None) is not None:
+                yield name, module
+
+
+def merged_weight(module) -> torch.Tensor:
+    """This rank's slice of W + (alpha / r) B A for an adapted linear (what a merged push sends)."""
+    scale = next(h.scale for h in module._forward_hooks.values() if isinstance(h, _Adapter))
+    return module.weight + scale * (module.lora_B @ module.lora_A).to(module.weight.dtype)
+
+
+def hf_modules(module, arch) -> tuple:
+    """(mapping rule, the HF module names one adapted Megatron linear stands for): linear_qkv is
+    q_proj, k_proj and v_proj, a linear_fc1 gate_proj and up_proj, anything else one module."""
+    from gspo_megatron.model import mapping
+
+    m = mapping.match(module._lora["key"] + ".weight", arch)
+    return m.rule, [n[: -len(".weight")] for n in m.rule.hf_names(m.layer, m.expert)]
+
+
+def hf_to_local(module, arch, tensors, *, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (A, B) of one adapted linear from HF-layout adapters (PEFT's names:
+    `<hf module>.lora_A.weight` r x in, `.lora_B.weight` out x r). A linear that fuses several HF
+    modules holds one A: theirs must be equal (else one line naming them); their B's are stacked
+    and split as Megatron stacks and splits the weights (model/mapping.py)."""
+    from gspo_megatron.model import mapping
+
+    rule, names = hf_modules(module, arch)
+    try:
+        a_list = [tensors[f"{n}.lora_A.weight"] for n in names]
+        b_list = [tensors[f"{n}.lora_B.weight"] for n in names]
+    except KeyError as e:
+        raise ConfigError(f"lora adapters: {e.args[0]} is missing") from None
+    for n, a in zip(names[1:], a_list[1:]):
+        if not torch.equal(a, a_list[0]):
+            raise ConfigError(f"lora adapters: {n}.lora_A.weight differs from {names[0]}.lora_A.weight; Megatron's fused "
+                              f"{module._lora['key'].rsplit('.', 1)[-1]} holds one A for {', '.join(names)}")
+    expert = module._lora["group"] == "experts"
+    rank, size = (0, 1) if expert else (tp_rank, module.tp_group.size())
+    if module._lora["kind"] == "column":
+        a = a_list[0]
+        b = mapping.shard(rule, mapping.hf_to_full(rule, b_list, arch, 0), rank, size)
+    else:
+        a = mapping.shard(rule, a_list[0], rank, size)
+        b = b_list[0]
+    return a, b
+
+
+def load_hf_adapters(chunks, arch, tensors, *, tp_rank: int) -> int:
+    """Set every adapter of `chunks` from HF-layout adapters (hf_to_local); how many were set."""
+    n = 0
+    with torch.no_grad():
+        for _, module in adapters(chunks):
+            a, b = hf_to_local(module, arch, tensors, tp_rank=tp_rank)
+            for p, t in ((module.lora_A, a), (module.lora_B, b)):
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ConfigError(f"lora adapters of {module._lora['key']}: shape {tuple(t.shape)} where this rank "
+                                      f"holds {tuple(p.shape)}")
+                p.copy_(t)
+            n += 1
+    return n
