@@ -6,7 +6,8 @@ for q/k/v, one per expert for gate/up; model/lora.py). Per layout: the per-token
 Megatron's schedules, and the gradient of the mean token NLL with respect to every adapter of every
 rank (Megatron DDP + finalize_model_grads), against the reference's gradients mapped to that rank's
 split by model/lora.py hf_to_local - the same function that loaded the adapters, so a wrong split
-shows as wrong log-probs first. The base weights carry no gradient.
+shows as wrong log-probs first. The base weights carry no gradient, and the weights a push sends
+(model/export.py iter_hf_tensors of the adapted policy) are the reference's merged ones.
 """
 from __future__ import annotations
 
@@ -86,6 +87,18 @@ def _reference(hf_dir: str, seqs, adapters: dict[str, torch.Tensor]):
         elif name.endswith(".weight") and f"{name[:-len('.weight')]}.lora_A.weight" in leaf:
             w = w + delta(name[: -len(".weight")])
         params[name] = w
+    merged = {}  # the merged weights under Hub names (experts one by one), what a merged push sends
+    for name, w in params.items():
+        w = w.detach().float()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e in range(w.shape[0]):
+                base = name[: -len("gate_up_proj")] + f"{e}."
+                merged[base + "gate_proj.weight"], merged[base + "up_proj.weight"] = w[e].chunk(2, 0)
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(w.shape[0]):
+                merged[name[: -len("down_proj")] + f"{e}.down_proj.weight"] = w[e]
+        else:
+            merged[name] = w
     lps = []
     for seq in seqs:
         logits = functional_call(model, params, (torch.tensor([seq]),)).logits[0]
@@ -93,7 +106,7 @@ def _reference(hf_dir: str, seqs, adapters: dict[str, torch.Tensor]):
     loss = -sum(x.sum() for x in lps) / sum(len(x) for x in lps)
     names = list(leaf)
     grads = torch.autograd.grad(loss, [leaf[k] for k in names])
-    return [x.detach().float() for x in lps], {k: g.float() for k, g in zip(names, grads)}
+    return [x.detach().float() for x in lps], {k: g.float() for k, g in zip(names, grads)}, merged
 
 
 def _inject(bug: str, chunks) -> None:
@@ -136,6 +149,7 @@ def _rank(rank, world, hf_dir, layout, seqs, adapters, ref_grads, bug=None):
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model import lora
     from gspo_megatron.model.arch import MoeArch
+    from gspo_megatron.model.export import iter_hf_tensors
     from gspo_megatron.model.factory import build_policy
     from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
@@ -156,6 +170,7 @@ def _rank(rank, world, hf_dir, layout, seqs, adapters, ref_grads, bug=None):
         trainable = [name for c in chunks for name, p in c.named_parameters() if p.requires_grad]
         assert trainable and all(".lora_" in name for name in trainable), trainable
         lps = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size, micro_batch_tokens=48)
+        merged = dict(iter_hf_tensors(chunks, ctx, arch))  # rank 0: what a weight push sends
         model = wrap_ddp(chunks, tcfg)
         for m in model:
             m.train()
@@ -175,7 +190,7 @@ def _rank(rank, world, hf_dir, layout, seqs, adapters, ref_grads, bug=None):
                 errs[key] = err
         base_grads = [p.main_grad for c in model for name, p in c.named_parameters()
                       if ".lora_" not in name and getattr(p, "main_grad", None) is not None]
-        return lps if rank == 0 else None, errs, n, len(base_grads)
+        return (lps, merged) if rank == 0 else None, errs, n, len(base_grads)
     finally:
         destroy_parallel()
 
@@ -188,8 +203,8 @@ def reference(tmp_path_factory):
     make_tiny_hf(d)
     seqs = random_sequences(300, LENGTHS)
     adapters = _hf_adapters(tiny_hf_config())
-    lps, grads = _reference(str(d), seqs, adapters)
-    return str(d), seqs, adapters, lps, grads
+    lps, grads, merged = _reference(str(d), seqs, adapters)
+    return str(d), seqs, adapters, lps, grads, merged
 
 
 LAYOUTS = [
@@ -202,21 +217,26 @@ LAYOUTS = [
 
 
 def _errors(out, ref_lps) -> tuple[float, dict]:
-    lp_err = max(float((torch.as_tensor(a) - b).abs().max()) for a, b in zip(out[0][0], ref_lps))
+    lp_err = max(float((torch.as_tensor(a) - b).abs().max()) for a, b in zip(out[0][0][0], ref_lps))
     return lp_err, {k: v for r in out for k, v in r[1].items()}
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world,layout", LAYOUTS)
 def test_lora_logprobs_and_adapter_grads_match_the_float64_merged_reference(reference, world, layout):
-    hf_dir, seqs, adapters, ref_lps, ref_grads = reference
+    hf_dir, seqs, adapters, ref_lps, ref_grads, ref_merged = reference
     out = run_distributed(_rank, world, hf_dir, layout, seqs, adapters, ref_grads, timeout=300)
     lp_err, errs = _errors(out, ref_lps)
     worst = max(errs, key=errs.get)
     print(f"{layout}: log-prob |err| max {lp_err:.2e}; adapter grad rel err max {errs[worst]:.2e} ({worst}); "
           f"{sum(r[2] for r in out)} adapters over {world} rank(s)")
+    merged = out[0][0][1]
+    assert sorted(merged) == sorted(ref_merged)  # every weight, no adapter tensor among them
+    w_err = max(float((merged[k] - ref_merged[k]).abs().max()) for k in merged)
+    print(f"  merged weights (the push's) |err| max {w_err:.2e} over {len(merged)} tensors")
     assert lp_err <= LOGPROB_TOL
     assert errs[worst] <= GRAD_RTOL, worst
+    assert w_err <= 1e-6
     assert all(r[3] == 0 for r in out)  # the frozen base has no gradient buffer
 
 
@@ -229,7 +249,7 @@ def test_lora_logprobs_and_adapter_grads_match_the_float64_merged_reference(refe
 def test_three_deliberate_lora_bugs_are_caught(reference, bug, world, layout):
     """Each defect (_inject) breaks what the layout test asserts: the log-probs or an adapter's
     gradient leave their tolerance by orders of magnitude."""
-    hf_dir, seqs, adapters, ref_lps, ref_grads = reference
+    hf_dir, seqs, adapters, ref_lps, ref_grads, ref_merged = reference
     out = run_distributed(_rank, world, hf_dir, layout, seqs, adapters, ref_grads, bug, timeout=300)
     lp_err, errs = _errors(out, ref_lps)
     worst = max(errs, key=errs.get)
@@ -240,7 +260,7 @@ def test_three_deliberate_lora_bugs_are_caught(reference, bug, world, layout):
 def test_expert_tensor_parallel_lora_is_refused_in_one_line(reference):
     """ETP > 1: Megatron leaves the experts' fc2 output a partial sum for the token dispatcher
     (explicit_expert_comm); an adapter there is refused rather than counted ETP times."""
-    hf_dir, seqs, adapters, ref_lps, ref_grads = reference
+    hf_dir, seqs, adapters, ref_lps, ref_grads, ref_merged = reference
     with pytest.raises(Exception) as e:
         run_distributed(_rank, 2, hf_dir, dict(tp=2, etp=2, sequence_parallel=True), seqs, adapters, ref_grads,
                         timeout=300)

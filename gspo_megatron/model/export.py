@@ -102,13 +102,19 @@ def grad_tensor(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 class _LocalIndex:
-    """(rule hf-key, global layer, local expert) -> local parameter, for this rank's chunks."""
+    """(rule hf-key, global layer, local expert) -> local parameter, for this rank's chunks; and
+    the linears that carry LoRA adapters (model/lora.py), by their weight."""
 
     def __init__(self, chunks, arch: MoeArch):
+        from gspo_megatron.model import lora
+
         self.by_key: dict[tuple, torch.nn.Parameter] = {}
+        self.adapted = {id(m.weight): m for _, m in lora.adapters(chunks)}
         for chunk in chunks:
             off = layer_offset(chunk)
             for name, p in named_local_params(chunk, arch):
+                if lora.is_adapter_param(name):
+                    continue  # not a weight of the model: exported merged into its linear's
                 m = mapping.match(name, arch)
                 layer = None if m.layer is None else m.layer + off
                 self.by_key[(m.rule.hf, layer, m.expert)] = (m.rule, p)
@@ -125,12 +131,19 @@ def iter_hf_tensors(
     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = param_tensor,
     dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, full tensor) on global rank 0, on the model's device; nothing elsewhere.
+    """Yield (hf_name, full tensor) on global rank 0, on the model's device; nothing elsewhere. A
+    policy with LoRA adapters (model/lora.py) yields its merged weights W + (alpha / r) B A.
 
     ``dtype`` casts floating tensors on the rank that holds each shard, before any transfer: the
     casts run in parallel and a narrower dtype moves fewer bytes (fp32 -> bf16 in
     bench_weight_sync: 17-18% of a bf16 memcpy, against 10-12% casting the gathered tensors on
     rank 0)."""
+    index = _LocalIndex(chunks, arch)
+    if index.adapted and tensor_of is param_tensor:  # a LoRA policy's weights: W + (alpha / r) B A
+        from gspo_megatron.model.lora import merged_weight
+
+        tensor_of = (lambda p, _plain=tensor_of: merged_weight(index.adapted[id(p)]).detach()
+                     if id(p) in index.adapted else _plain(p))
     hint = _dtype_hint(chunks, tensor_of)
     if dtype is not None:
         tensor_of = _cast_to(tensor_of, dtype)
@@ -139,7 +152,6 @@ def iter_hf_tensors(
         # one dtype on the wire: Megatron keeps the router's expert bias (a buffer) in float32
         # whatever the parameters' dtype (router.py _maintain_float32_expert_bias)
         tensor_of = _cast_to(tensor_of, hint)
-    index = _LocalIndex(chunks, arch)
     par = ctx.parallel
     pp = par.pp
     first_replica = ctx.dp_rank == 0 and ctx.cp_rank == 0

@@ -228,6 +228,10 @@ def _add(module, key: str, group: str, spec: LoraSpec) -> None:
     module.register_forward_hook(_Adapter(kind, spec, expert))
 
 
+def is_adapter_param(name: str) -> bool:
+    return name.endswith((".lora_A", ".lora_B"))
+
+
 def adapters(chunks) -> Iterator[tuple[str, torch.nn.Module]]:
     """(module name, adapted linear) for every adapter of `chunks`, chunk by chunk."""
     for chunk in chunks:
