@@ -171,6 +171,7 @@ def _rank(rank, world, hf_dir, layout, seqs, adapters, ref_grads, bug=None):
         assert trainable and all(".lora_" in name for name in trainable), trainable
         lps = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size, micro_batch_tokens=48)
         merged = dict(iter_hf_tensors(chunks, ctx, arch))  # rank 0: what a weight push sends
+        exported = dict(lora.iter_hf_adapters(chunks, ctx, arch))  # rank 0: the PEFT export's tensors
         model = wrap_ddp(chunks, tcfg)
         for m in model:
             m.train()
@@ -190,7 +191,7 @@ def _rank(rank, world, hf_dir, layout, seqs, adapters, ref_grads, bug=None):
                 errs[key] = err
         base_grads = [p.main_grad for c in model for name, p in c.named_parameters()
                       if ".lora_" not in name and getattr(p, "main_grad", None) is not None]
-        return (lps, merged) if rank == 0 else None, errs, n, len(base_grads)
+        return (lps, merged, exported) if rank == 0 else None, errs, n, len(base_grads)
     finally:
         destroy_parallel()
 
@@ -234,6 +235,8 @@ def test_lora_logprobs_and_adapter_grads_match_the_float64_merged_reference(refe
     assert sorted(merged) == sorted(ref_merged)  # every weight, no adapter tensor among them
     w_err = max(float((merged[k] - ref_merged[k]).abs().max()) for k in merged)
     print(f"  merged weights (the push's) |err| max {w_err:.2e} over {len(merged)} tensors")
+    exported = out[0][0][2]
+    assert sorted(exported) == sorted(adapters) and all(torch.equal(exported[k], adapters[k]) for k in adapters)
     assert lp_err <= LOGPROB_TOL
     assert errs[worst] <= GRAD_RTOL, worst
     assert w_err <= 1e-6
@@ -265,3 +268,45 @@ def test_expert_tensor_parallel_lora_is_refused_in_one_line(reference):
         run_distributed(_rank, 2, hf_dir, dict(tp=2, etp=2, sequence_parallel=True), seqs, adapters, ref_grads,
                         timeout=300)
     assert "expert tensor parallelism > 1 (parallel.etp) is not supported" in str(e.value)
+
+
+@pytest.mark.timeout(400)
+def test_the_exported_adapter_loads_in_peft_and_gives_the_trainers_logprobs(reference, tmp_path):
+    """The ecosystem reads it: the adapters exported from a TP2+SP x EP2 run (iter_hf_adapters ->
+    save_peft: adapter_model.safetensors + adapter_config.json) loaded with the `peft` library onto
+    transformers' model of the base checkpoint give the trainer's log-probs (<= 1e-4), and the
+    merged export (what a push sends) loads as a plain transformers model that gives them too."""
+    import json
+
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from gspo_megatron.model import lora
+
+    hf_dir, seqs, adapters, ref_lps, ref_grads, ref_merged = reference
+    out = run_distributed(_rank, 4, hf_dir, dict(tp=2, ep=2, sequence_parallel=True), seqs, adapters, ref_grads,
+                          timeout=300)
+    trainer_lps, merged, exported = out[0][0]
+    peft_dir = lora.save_peft(str(tmp_path / "adapter"), exported, lora.LoraSpec(rank=RANK, alpha=ALPHA),
+                              base_model=hf_dir)
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA and cfg["peft_type"] == "LORA"
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, peft_dir).eval()
+    with torch.no_grad():
+        got = [torch.log_softmax(model(torch.tensor([s])).logits[0].float(), -1)[:-1]
+               .gather(-1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs]
+    peft_err = max(float((g - torch.as_tensor(t)).abs().max()) for g, t in zip(got, trainer_lps))
+    # the merged export as a checkpoint of its own: plain transformers, no adapter
+    mdir = tmp_path / "merged"
+    mdir.mkdir()
+    (mdir / "config.json").write_text((__import__("pathlib").Path(hf_dir) / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in merged.items()}, str(mdir / "model.safetensors"))
+    plain = AutoModelForCausalLM.from_pretrained(str(mdir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        got_m = [torch.log_softmax(plain(torch.tensor([s])).logits[0].float(), -1)[:-1]
+                 .gather(-1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs]
+    merged_err = max(float((g - torch.as_tensor(t)).abs().max()) for g, t in zip(got_m, trainer_lps))
+    print(f"peft-loaded adapter vs trainer: |log-prob err| max {peft_err:.2e}; merged export vs trainer {merged_err:.2e}")
+    assert peft_err <= 1e-4 and merged_err <= 1e-4

@@ -296,3 +296,91 @@ def load_hf_adapters(chunks, arch, tensors, *, tp_rank: int) -> int:
                 p.copy_(t)
             n += 1
     return n
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def iter_hf_adapters(chunks, ctx, arch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: every adapter of the policy in HF layout and PEFT's names
+    (`<hf module>.lora_A.weight` r x in, `.lora_B.weight` out x r; a fused Megatron linear's A
+    repeated for each HF module it stands for), yielded on global rank 0 only. Each rank sends its
+    first replica's pieces (data / context / expert-data parallel rank 0) to rank 0, which joins
+    TP pieces as the weights' are joined (model/mapping.py unshard) - adapters are small (rank x
+    (in + out) per linear), so they travel in one gather of this rank's pieces."""
+    import torch.distributed as dist
+
+    from gspo_megatron.model import mapping
+
+    par = ctx.parallel
+    edp_rank = dist.get_rank(ctx.edp_group) if par.ep * par.etp < ctx.world_size // par.pp else 0
+    first = ctx.dp_rank == 0 and ctx.cp_rank == 0
+    mine = []
+    for _, module in adapters(chunks):
+        expert = module._lora["group"] == "experts"
+        if (expert and edp_rank == 0) or (not expert and first):
+            mine.append((module._lora["key"], ctx.tp_rank, module.lora_A.detach().float().cpu(),
+                         module.lora_B.detach().float().cpu(), module._lora["kind"], expert))
+    if ctx.world_size > 1:
+        gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    else:
+        gathered = [mine]
+    if ctx.rank != 0:
+        return
+    pieces: dict[str, dict] = {}
+    for rank_items in gathered:
+        for key, tp_rank, a, b, kind, expert in rank_items:
+            pieces.setdefault(key, {"kind": kind, "expert": expert, "by_tp": {}})["by_tp"][tp_rank] = (a, b)
+    for key in sorted(pieces, key=_natural):
+        p = pieces[key]
+        m = mapping.match(key + ".weight", arch)
+        names = [n[: -len(".weight")] for n in m.rule.hf_names(m.layer, m.expert)]
+        parts = [p["by_tp"][r] for r in sorted(p["by_tp"])]
+        if p["expert"] or len(parts) == 1:
+            a, b = parts[0]
+            bs = mapping.full_to_hf(m.rule, b, arch) if p["kind"] == "column" else (b,)
+        elif p["kind"] == "column":
+            a = parts[0][0]
+            bs = mapping.full_to_hf(m.rule, mapping.unshard(m.rule, [x[1] for x in parts]), arch)
+        else:
+            a, bs = mapping.unshard(m.rule, [x[0] for x in parts]), (parts[0][1],)
+        for name, b_hf in zip(names, bs):
+            yield f"{name}.lora_A.weight", a
+            yield f"{name}.lora_B.weight", b_hf
+
+
+def _natural(key: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
+def save_peft(out_dir: str, tensors: dict[str, torch.Tensor], spec: LoraSpec, *, base_model: str | None = None) -> str:
+    """Write `tensors` (iter_hf_adapters) as a PEFT LoRA adapter folder: adapter_model.safetensors
+    (PEFT's `base_model.model.` prefix) and adapter_config.json, into a temporary folder renamed to
+    `out_dir` once complete (an existing `out_dir` is replaced only then)."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+              "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "base_model_name_or_path": base_model}
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".peft-", dir=parent)
+    try:
+        save_file({PEFT_PREFIX + k: v.detach().clone().contiguous() for k, v in tensors.items()},  # a fused A is shared
+                  os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "adapter_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=1, sort_keys=True)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
