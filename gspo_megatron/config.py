@@ -154,14 +154,20 @@ _REWARD_FN_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 def _check_urls_file(key: str, section, other_sync: str) -> None:
     """A urls_file: a joining server catches up from the last pushed version directory (disk)."""
-    if section.urls_file is None:
+    _check_joining_file(f"{key}.urls_file", section.urls_file, section.weight_sync, other_sync)
+
+
+def _check_joining_file(key: str, path, weight_sync: str, other_sync: str) -> None:
+    """A watched file through which servers join mid-run (urls_file, replicas_file): a path, and
+    disk sync, since a joining server catches up from the last pushed version directory."""
+    if path is None:
         return
-    if not isinstance(section.urls_file, str) or not section.urls_file.strip():
-        raise ConfigError(f"{key}.urls_file must be a path, got {section.urls_file!r}")
-    if section.weight_sync != "disk":
-        raise ConfigError(f"{key}.urls_file with weight_sync={section.weight_sync}: a server that joins catches up "
-                          f"from the last pushed version directory, which only disk sync writes ({other_sync} sync "
-                          "sends weights only from the trainer, to the servers of its group)")
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"{key} must be a path, got {path!r}")
+    if weight_sync != "disk":
+        raise ConfigError(f"{key} with weight_sync={weight_sync}: a server that joins catches up from the last "
+                          f"pushed version directory, which only disk sync writes ({other_sync} sync sends weights "
+                          "only from the trainer, to the servers of its group)")
 
 
 def _check_replicas(v) -> None:
@@ -174,14 +180,7 @@ def _check_replicas(v) -> None:
     if (v.replicas != 1 or v.replicas_file is not None) and not v.launch:
         raise ConfigError("rollout.vllm.replicas and replicas_file count launched servers (rollout.vllm.launch=true); "
                           "servers already running are listed in rollout.vllm.urls or urls_file")
-    if v.replicas_file is None:
-        return
-    if not isinstance(v.replicas_file, str) or not v.replicas_file.strip():
-        raise ConfigError(f"rollout.vllm.replicas_file must be a path, got {v.replicas_file!r}")
-    if v.weight_sync != "disk":
-        raise ConfigError(f"rollout.vllm.replicas_file with weight_sync={v.weight_sync}: a server that joins catches "
-                          "up from the last pushed version directory, which only disk sync writes (nccl sync sends "
-                          "weights only to the servers of its group)")
+    _check_joining_file("rollout.vllm.replicas_file", v.replicas_file, v.weight_sync, "nccl")
 
 
 def _check_supervision(key: str, section, other_syncs: str) -> None:

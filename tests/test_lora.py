@@ -144,18 +144,14 @@ def _inject(bug: str, chunks) -> None:
 
 
 def _rank(rank, world, hf_dir, layout, seqs, adapters, ref_grads, bug=None):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     from gspo_megatron.config import ParallelConfig
     from gspo_megatron.model import lora
     from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.model.export import iter_hf_tensors
     from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.parallel.ddp import wrap_ddp
     from gspo_megatron.parallel.state import destroy_parallel, init_parallel
-    from gspo_megatron.train.batch import TrainSample, plan_minibatch
-    from gspo_megatron.train.scoring import pad_multiple, score_sequences
-    from test_megatron_parity import nll_forward_step
+    from gspo_megatron.train.scoring import score_sequences
+    from test_megatron_parity import nll_backward
 
     par = ParallelConfig(**layout)
     arch = MoeArch.from_hf_dir(hf_dir)
@@ -172,15 +168,7 @@ def _rank(rank, world, hf_dir, layout, seqs, adapters, ref_grads, bug=None):
         lps = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size, micro_batch_tokens=48)
         merged = dict(iter_hf_tensors(chunks, ctx, arch))  # rank 0: what a weight push sends
         exported = dict(lora.iter_hf_adapters(chunks, ctx, arch))  # rank 0: the PEFT export's tensors
-        model = wrap_ddp(chunks, tcfg)
-        for m in model:
-            m.train()
-        mbs, _ = plan_minibatch([TrainSample(s[:1], s[1:], 0.0) for s in seqs], dp=ctx.dp, dp_rank=ctx.dp_rank,
-                                token_budget=48, multiple=pad_multiple(par))
-        get_forward_backward_func()(
-            forward_step_func=nll_forward_step(ctx, arch.vocab_size), data_iterator=iter(mbs), model=model,
-            num_microbatches=len(mbs), seq_length=max(mb.tokens.shape[1] for mb in mbs),
-            micro_batch_size=mbs[0].tokens.shape[0], forward_only=False)
+        model = nll_backward(chunks, tcfg, ctx, par, arch, seqs)
         errs = {}
         for name, module in lora.adapters(chunks):
             want_a, want_b = lora.hf_to_local(module, arch, ref_grads, tp_rank=ctx.tp_rank)

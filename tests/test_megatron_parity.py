@@ -41,27 +41,15 @@ def nll_forward_step(ctx, vocab_size):
     return forward_step
 
 
-def _rank_parity(rank, world, hf_dir, layout, seqs, grads_too=True):
+def nll_backward(chunks, tcfg, ctx, par, arch, seqs):
+    """Wrap `chunks` in Megatron DDP and run the mean token NLL of `seqs` forward and backward
+    through Megatron's schedules (several microbatches; DDP + finalize_model_grads reduce the
+    gradients into each parameter's main_grad); the wrapped model."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from gspo_megatron.config import ParallelConfig
-    from gspo_megatron.model.export import grad_tensor, iter_hf_tensors
-    from gspo_megatron.model.factory import build_policy
-    from gspo_megatron.model.arch import MoeArch
     from gspo_megatron.parallel.ddp import wrap_ddp
-    from gspo_megatron.parallel.state import destroy_parallel, init_parallel
     from gspo_megatron.train.batch import TrainSample, plan_minibatch
-    from gspo_megatron.train.scoring import pad_multiple, score_sequences
-
-    par = ParallelConfig(**layout)
-    arch = MoeArch.from_hf_dir(hf_dir)
-    ctx = init_parallel(par, model_dims=arch.dims_for_validation())
-    chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir)
-    weights = dict(iter_hf_tensors(chunks, ctx, arch))  # HF -> Megatron -> HF
-    lps = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size, micro_batch_tokens=48)
-    if not grads_too:  # (the NLL step below has no context-parallel split; CP's gradients: test_train_invariance)
-        destroy_parallel()
-        return (lps, None, weights) if rank == 0 else None
+    from gspo_megatron.train.scoring import pad_multiple
 
     model = wrap_ddp(chunks, tcfg)
     for m in model:
@@ -75,6 +63,28 @@ def _rank_parity(rank, world, hf_dir, layout, seqs, grads_too=True):
         micro_batch_size=mbs[0].tokens.shape[0],
         forward_only=False,
     )
+    return model
+
+
+def _rank_parity(rank, world, hf_dir, layout, seqs, grads_too=True):
+    from gspo_megatron.config import ParallelConfig
+    from gspo_megatron.model.export import grad_tensor, iter_hf_tensors
+    from gspo_megatron.model.factory import build_policy
+    from gspo_megatron.model.arch import MoeArch
+    from gspo_megatron.parallel.state import destroy_parallel, init_parallel
+    from gspo_megatron.train.scoring import score_sequences
+
+    par = ParallelConfig(**layout)
+    arch = MoeArch.from_hf_dir(hf_dir)
+    ctx = init_parallel(par, model_dims=arch.dims_for_validation())
+    chunks, tcfg = build_policy(ctx, arch, hf_dir=hf_dir)
+    weights = dict(iter_hf_tensors(chunks, ctx, arch))  # HF -> Megatron -> HF
+    lps = score_sequences(chunks, ctx, seqs, vocab_size=arch.vocab_size, micro_batch_tokens=48)
+    if not grads_too:  # (the NLL step below has no context-parallel split; CP's gradients: test_train_invariance)
+        destroy_parallel()
+        return (lps, None, weights) if rank == 0 else None
+
+    model = nll_backward(chunks, tcfg, ctx, par, arch, seqs)
     grads = dict(iter_hf_tensors(model, ctx, arch, tensor_of=grad_tensor))
     destroy_parallel()
     return (lps, grads, weights) if rank == 0 else None

@@ -34,6 +34,15 @@ from .supervision import first_line
 log = logging.getLogger("gspo_megatron.rollout")
 
 
+def file_stamp(path: str) -> tuple | None:
+    """What changes when a watched file is rewritten (renamed over, or edited); None if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
 def read_urls_file(path: str) -> list[str]:
     """The URLs a servers file lists, in order, duplicates dropped; a bad line is one line naming
     the file and the line (InputError)."""
@@ -79,11 +88,7 @@ class Membership:
         return urls
 
     def _stamp(self) -> tuple | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+        return file_stamp(self.path)
 
     def refresh(self, block: bool) -> None:
         """Apply the file's changes since the last read. `block`: wait for a push under way before
@@ -175,11 +180,7 @@ class Replicas:
         return self.want
 
     def _stamp(self) -> tuple | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+        return file_stamp(self.path)
 
     def _read(self) -> None:
         try:
