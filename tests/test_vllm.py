@@ -318,7 +318,8 @@ def test_launched_replicas_grow_with_a_catch_up_and_shrink_without_losing_a_samp
     * shrink: the file says 1 while the second server holds a request mid-generation (by
       construction: the gate of tests/vllm_plugins/gspo_vllm_gate.py armed for its port only):
       it leaves, its requests are sent to the first (every row comes back whole, none aborted,
-      all from the first server), and its process group is stopped (no process left)."""
+      from the first server but for rows the second finished before the hold), and its process
+      group is stopped (no process left)."""
     from gspo_megatron.rollout.base import SamplingParams
     from gspo_megatron.rollout.http_servers import group_members
     from gspo_megatron.rollout.vllm_api import API_SERVER_MODULE
@@ -374,11 +375,17 @@ def test_launched_replicas_grow_with_a_catch_up_and_shrink_without_losing_a_samp
         assert not t.is_alive()
         out = box["out"]
         assert len(out) == 12 and all(s.finish_reason in ("stop", "length") for s in out)
-        assert {s.meta["server"] for s in out} == {url0} and eng.metrics["retries"] > retries
+        # every row from the first server, but for a request the second one finished before the
+        # gate could hold it (each of its rows ended within HOLD_AFTER = 2 tokens)
+        assert all(s.meta["server"] == url0 or len(s.response_ids) <= 2 for s in out)
+        assert eng.metrics["retries"] > retries  # the held request was cut and sent again
         assert _max_err(out, b, 1.0) <= 1e-4
-        assert [s.url for s in eng.servers] == [url0] and len(eng.procs.procs) == 1
+        assert [s.url for s in eng.servers] == [url0]  # it left before its requests were sent again
         assert eng.metrics["servers_left"] == 1 and eng.metrics["servers"] == 1
-        assert group_members(pid1) == []  # the second server's processes are gone
+        # then it is stopped (the supervisor's thread, after the leave): the fleet shrinks once its
+        # processes are gone (ServerProcesses.stop_last)
+        _wait_until(lambda: len(eng.procs.procs) == 1, 120, "the second server to be stopped")
+        assert group_members(pid1) == []
         eng.update_weights(_hub(a), 2)  # the next push goes to the one server left
         assert eng.server_weight_versions() == {url0: "2"}
 

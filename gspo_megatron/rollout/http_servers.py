@@ -639,12 +639,13 @@ class ServerProcesses:
         the fleet shrinks from the top, so every other server keeps its index, port and log."""
         if len(self.procs) <= 1:
             raise RuntimeError("the last server is not stopped by stop_last (stop() ends them all)")
-        p = self.procs.pop()
+        p = self.procs[-1]
         _stop_group(p, grace_s)
         left = wait_group_gone(p.pid)
         if left:
-            log.warning("server %d: %d process(es) still running after %.0f s (pids %s)", len(self.procs), len(left),
-                        GROUP_EXIT_TIMEOUT_S, left[:5])
+            log.warning("server %d: %d process(es) still running after %.0f s (pids %s)", len(self.procs) - 1,
+                        len(left), GROUP_EXIT_TIMEOUT_S, left[:5])
+        self.procs.pop()  # only now: a caller that sees the fleet shrunk sees its processes gone
         lock = self._log_locks.pop()
         with lock:
             f = self._logs.pop()
