@@ -1091,8 +1091,20 @@ class SGLangEngine(HTTPEngine):
         """Free GPU memory on every server (weights + KV cache unless `tags` narrows it)."""
         self._check_open()
         for s in self.workers:
-            self._release_memory(s, tags)
+            self._on_recovered(s, lambda s=s: self._release_memory(s, tags))
         self._asleep = True
+
+    def _on_recovered(self, s: ServerClient, call) -> None:
+        """call(); if it fails on a server the supervisor watches (killed under it), once more after
+        the supervisor's verdict: a server brought back was re-synced (and, while the engines
+        sleep, released again: _resync_server), so the call applies to it as to the others."""
+        try:
+            call()
+        except SGLangError:
+            if self._supervisor is None or not self._supervisor.watches(s):
+                raise
+            self._settle(s)
+            call()
 
     def _release_memory(self, s: ServerClient, tags: list[str] | None) -> None:
         flush_cache(s, timeout_s=self.request_timeout_s)
@@ -1106,11 +1118,14 @@ class SGLangEngine(HTTPEngine):
         weight sync, then ["kv_cache"] after it)."""
         self._check_open()
         for s in self.workers:
-            r = s.post("/resume_memory_occupation", api_payload("/resume_memory_occupation", tags=tags),
-                       timeout_s=self.request_timeout_s,
-                       expect_json=False, ok_statuses=(200, 400))
-            check_not_failed(_lenient_json(r), s.url, "/resume_memory_occupation")
+            self._on_recovered(s, lambda s=s: self._resume_memory(s, tags))
         self._asleep = False
+
+    def _resume_memory(self, s: ServerClient, tags: list[str] | None) -> None:
+        r = s.post("/resume_memory_occupation", api_payload("/resume_memory_occupation", tags=tags),
+                   timeout_s=self.request_timeout_s,
+                   expect_json=False, ok_statuses=(200, 400))
+        check_not_failed(_lenient_json(r), s.url, "/resume_memory_occupation")
 
     # ------------------------------------------------------------------ lifecycle
     def _release(self) -> None:
