@@ -28,13 +28,19 @@ How each layer is split (y = W x on one device; A, B as above; s = alpha / r):
     as W is, B whole. u_rank = A_rank x_rank is a partial sum: reduced over TP (all-reduce, or with
     SP reduce-scatter to this rank's sequence shard) before y += s B u. With SP, dB covers this
     rank's tokens only: B is marked `sequence_parallel` (summed over TP as above).
-  * routed experts with expert-TP 1: A and B whole per expert, y += s B A x on the expert's own
-    tokens; their gradients are reduced over the expert-data-parallel group like the expert's
-    weights (`allreduce=False`, Megatron DDP's expert buffers). Expert-TP > 1 is refused: Megatron
-    leaves the expert fc2's output a partial sum for the token dispatcher to reduce
-    (tensor_parallel/layers.py:1286-1288, explicit_expert_comm), which the adapter would have to
-    follow (Megatron-Bridge's expert LoRA adds its full delta there and counts it ETP times,
-    NVIDIA-NeMo/Megatron-Bridge#5634).
+  * routed experts: A and B whole per expert at expert-TP 1, y += s B A x on the expert's own
+    tokens. At expert-TP > 1 the split is the dense one (column: B on its rows; row: A on its
+    columns), but Megatron's expert linears do no communication of their own
+    (tensor_parallel/layers.py:841, explicit_expert_comm): the token dispatcher gives every
+    expert-TP rank the same tokens and sums fc2's outputs, and fc1's input gradients, over the
+    expert-TP group. So the adapter adds its own partial sum: row, s B (A_rank x_rank) - the
+    dispatcher's sum makes it s B A x (adding the reduced s B A x on every rank would count it ETP
+    times: Megatron-Bridge's defect, NVIDIA-NeMo/Megatron-Bridge#5634); column, s B_rank (A x).
+    The factor whole on every expert-TP rank (row: B, column: A) then has a partial gradient on
+    each: it enters through Megatron's copy-to-TP region over the expert-TP group (forward
+    identity, backward all-reduce), and the input gradient stays the partial sum the dispatcher
+    reduces. Every expert adapter's gradient is then reduced over the expert-data-parallel group
+    like the expert's weights (`allreduce=False`, Megatron DDP's expert buffers).
 
 Initialisation (PEFT's): A uniform(-1/sqrt(in), 1/sqrt(in)) of the *whole* matrix from a generator
 seeded by (seed, the layer's global name), then sliced; B zero: the adapted model starts as the base
@@ -107,20 +113,34 @@ class _Adapter:
 
     def __init__(self, kind: str, spec: LoraSpec, expert: bool):
         self.kind, self.scale, self.dropout, self.expert = kind, spec.scale, spec.dropout, expert
+        self.enabled = True  # False: the base model (the KL reference of a LoRA run: `disabled`)
 
     def __call__(self, module, args, output):
+        if not self.enabled:
+            return output
         x = args[0]
         out, bias = output
         if self.dropout and module.training:
             x = torch.nn.functional.dropout(x, self.dropout)
         a, b = module.lora_A, module.lora_B
-        if self.expert or module.tp_group.size() == 1:
+        if module.tp_group.size() == 1:
             delta = (x @ a.t()) @ b.t()
+        elif self.expert:
+            delta = self._expert(x, a, b, module)
         elif self.kind == "column":
             delta = self._column(x @ a.t(), module) @ b.t()
         else:
             delta = self._row(x @ a.t(), module) @ b.t()
         return out + self.scale * delta.to(out.dtype), bias
+
+    def _expert(self, x, a, b, module):
+        """Expert-TP > 1: this rank's partial sum; the whole factor's gradient summed over the
+        expert-TP group (module docstring)."""
+        from megatron.core.tensor_parallel import mappings as m
+
+        if self.kind == "column":
+            return (x @ m.copy_to_tensor_model_parallel_region(a, group=module.tp_group).t()) @ b.t()
+        return (x @ a.t()) @ m.copy_to_tensor_model_parallel_region(b, group=module.tp_group).t()
 
     @staticmethod
     def _column(z, module):
@@ -191,12 +211,9 @@ def _add(module, key: str, group: str, spec: LoraSpec) -> None:
     kind = _kind(module)
     expert = group == "experts"
     tp = module.tp_group.size()
-    if expert and tp > 1:
-        raise ConfigError("lora on routed experts with expert tensor parallelism > 1 (parallel.etp) is not supported: "
-                          "Megatron leaves the experts' fc2 output a partial sum for the token dispatcher; use etp=1")
     w = module.weight
     out_local, in_local = w.shape
-    if expert or tp == 1:
+    if tp == 1:
         out_full, in_full = out_local, in_local
     elif kind == "column":
         out_full, in_full = out_local * tp, in_local
@@ -204,11 +221,8 @@ def _add(module, key: str, group: str, spec: LoraSpec) -> None:
         out_full, in_full = out_local, in_local * tp
     rank = module.tp_group.rank()
     a_full = _uniform((spec.rank, in_full), 1.0 / math.sqrt(in_full), key, spec.seed)
-    if kind == "row" and not expert and tp > 1:
-        a = a_full[:, rank * in_local:(rank + 1) * in_local]
-    else:
-        a = a_full
-    b = torch.zeros(out_local if (kind == "column" and not expert) else out_full, spec.rank, dtype=torch.float64)
+    a = a_full[:, rank * in_local:(rank + 1) * in_local] if kind == "row" else a_full
+    b = torch.zeros(out_local if kind == "column" else out_full, spec.rank, dtype=torch.float64)
     module.lora_A = torch.nn.Parameter(a.to(device=w.device, dtype=w.dtype).contiguous())
     module.lora_B = torch.nn.Parameter(b.to(device=w.device, dtype=w.dtype).contiguous())
     sp = bool(getattr(module, "sequence_parallel", False)) and tp > 1 and not expert
@@ -216,7 +230,7 @@ def _add(module, key: str, group: str, spec: LoraSpec) -> None:
     split = module.lora_A if kind == "row" else module.lora_B
     if sp:
         setattr(replicated, "sequence_parallel", True)  # its gradient covers this rank's tokens: summed over TP
-    if tp > 1 and not expert:
+    if tp > 1:
         # what Megatron's own split weights carry (checkpoints and grad-norm accounting read it)
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -255,7 +269,7 @@ def hf_modules(module, arch) -> tuple:
     return m.rule, [n[: -len(".weight")] for n in m.rule.hf_names(m.layer, m.expert)]
 
 
-def hf_to_local(module, arch, tensors, *, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_to_local(module, arch, tensors) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (A, B) of one adapted linear from HF-layout adapters (PEFT's names:
     `<hf module>.lora_A.weight` r x in, `.lora_B.weight` out x r). A linear that fuses several HF
     modules holds one A: theirs must be equal (else one line naming them); their B's are stacked
@@ -272,8 +286,7 @@ def hf_to_local(module, arch, tensors, *, tp_rank: int) -> tuple[torch.Tensor, t
         if not torch.equal(a, a_list[0]):
             raise ConfigError(f"lora adapters: {n}.lora_A.weight differs from {names[0]}.lora_A.weight; Megatron's fused "
                               f"{module._lora['key'].rsplit('.', 1)[-1]} holds one A for {', '.join(names)}")
-    expert = module._lora["group"] == "experts"
-    rank, size = (0, 1) if expert else (tp_rank, module.tp_group.size())
+    rank, size = module.tp_group.rank(), module.tp_group.size()  # the expert-TP group for routed experts
     if module._lora["kind"] == "column":
         a = a_list[0]
         b = mapping.shard(rule, mapping.hf_to_full(rule, b_list, arch, 0), rank, size)
@@ -283,12 +296,12 @@ def hf_to_local(module, arch, tensors, *, tp_rank: int) -> tuple[torch.Tensor, t
     return a, b
 
 
-def load_hf_adapters(chunks, arch, tensors, *, tp_rank: int) -> int:
+def load_hf_adapters(chunks, arch, tensors) -> int:
     """Set every adapter of `chunks` from HF-layout adapters (hf_to_local); how many were set."""
     n = 0
     with torch.no_grad():
         for _, module in adapters(chunks):
-            a, b = hf_to_local(module, arch, tensors, tp_rank=tp_rank)
+            a, b = hf_to_local(module, arch, tensors)
             for p, t in ((module.lora_A, a), (module.lora_B, b)):
                 if tuple(t.shape) != tuple(p.shape):
                     raise ConfigError(f"lora adapters of {module._lora['key']}: shape {tuple(t.shape)} where this rank "
@@ -319,7 +332,7 @@ def iter_hf_adapters(chunks, ctx, arch) -> Iterator[tuple[str, torch.Tensor]]:
     for _, module in adapters(chunks):
         expert = module._lora["group"] == "experts"
         if (expert and edp_rank == 0) or (not expert and first):
-            mine.append((module._lora["key"], ctx.tp_rank, module.lora_A.detach().float().cpu(),
+            mine.append((module._lora["key"], module.tp_group.rank(), module.lora_A.detach().float().cpu(),
                          module.lora_B.detach().float().cpu(), module._lora["kind"], expert))
     if ctx.world_size > 1:
         gathered = [None] * ctx.world_size if ctx.rank == 0 else None
@@ -337,7 +350,7 @@ def iter_hf_adapters(chunks, ctx, arch) -> Iterator[tuple[str, torch.Tensor]]:
         m = mapping.match(key + ".weight", arch)
         names = [n[: -len(".weight")] for n in m.rule.hf_names(m.layer, m.expert)]
         parts = [p["by_tp"][r] for r in sorted(p["by_tp"])]
-        if p["expert"] or len(parts) == 1:
+        if len(parts) == 1:
             a, b = parts[0]
             bs = mapping.full_to_hf(m.rule, b, arch) if p["kind"] == "column" else (b,)
         elif p["kind"] == "column":
