@@ -1245,6 +1245,42 @@ class EvalConfig:
             raise ConfigError(f"eval: held-out set names must differ; {', '.join(dup)} appears more than once")
 
 
+LORA_TARGETS = ("attention", "mlp", "shared_experts", "experts")  # model/lora.py TARGETS
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    # LoRA rank r of every adapter; 0 = off (full-parameter training). On: the policy's weights are
+    # frozen and only the adapters W x + (alpha / r) B A x train (model/lora.py; docs/lora.md).
+    rank: int = 0
+    # Scale numerator: an adapter adds (alpha / rank) B A.
+    alpha: float = 32.0
+    # Dropout on an adapter's input (training passes only; the log-probs of pi_old, the reference
+    # and the engine see none).
+    dropout: float = 0.0
+    # Which linears get adapters: attention (every projection of self-attention), mlp (dense
+    # layers' MLP), shared_experts, experts (one adapter per routed expert). Routers never.
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+    def __post_init__(self):
+        _positive("lora.rank", self.rank, allow_zero=True)
+        if not self.rank:
+            return
+        _positive("lora.alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise ConfigError(f"lora.target_modules is empty; one or more of {list(LORA_TARGETS)}")
+        for t in self.target_modules:
+            if t not in LORA_TARGETS:
+                why = " (routers are never adapted: their top-k would change under the rollout engine)" \
+                    if "router" in str(t) or "gate" == t else ""
+                raise ConfigError(f"lora.target_modules: {t!r} is not one of {list(LORA_TARGETS)}{why}")
+        dup = sorted({t for t in self.target_modules if self.target_modules.count(t) > 1})
+        if dup:
+            raise ConfigError(f"lora.target_modules: {', '.join(dup)} appears more than once")
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig
@@ -1258,6 +1294,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Run directory: resolved config, metrics, checkpoints, exports.
     out_dir: str = "runs/gspo"
 

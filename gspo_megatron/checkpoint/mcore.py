@@ -482,24 +482,30 @@ def _chunk_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"  # Megatron-LM's naming for (virtual) pipeline chunks
 
 
-def model_sharded_state_dict(chunks: list[torch.nn.Module], arch: MoeArch) -> dict:
+def model_sharded_state_dict(chunks: list[torch.nn.Module], arch: MoeArch, *, trainable_only: bool = False) -> dict:
     """{"model": sharded state dict} (or model0, model1, ... for several chunks) in checkpoint keys:
     parameters only (no `_extra_state`), each under the Transformer Engine spec's key whichever spec
     built the model (layout.canonical_key, from `arch`'s family rules). Chunks may be wrapped in
-    Megatron DDP / Float16Module."""
+    Megatron DDP / Float16Module. `trainable_only`: without the frozen parameters (a LoRA policy's
+    base: its checkpoints hold the adapters, model/lora.py)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     out = {}
     for i, chunk in enumerate(chunks):
         sd = {}
+        frozen = _frozen_names(chunk) if trainable_only else frozenset()
         for name, v in _unwrap(chunk).sharded_state_dict().items():
-            if isinstance(v, ShardedObject) or name.endswith("._extra_state"):
+            if isinstance(v, ShardedObject) or name.endswith("._extra_state") or name in frozen:
                 continue
             if isinstance(v, ShardedTensor):
                 v.key = layout.canonical_key(name, v.key, arch)
             sd[name] = v
         out[_chunk_key(i, len(chunks))] = sd
     return out
+
+
+def _frozen_names(chunk: torch.nn.Module) -> frozenset:
+    return frozenset(n for n, p in _unwrap(chunk).named_parameters() if not p.requires_grad)
 
 
 def model_extra_state_keys(chunks: list[torch.nn.Module]) -> list[tuple[str, tuple, tuple]]:
@@ -712,6 +718,7 @@ def load_mcore_into_model(
     model_state: dict | None = None,
     require_checksums: bool = False,
     verify_data: bool = True,
+    trainable_only: bool = False,
 ) -> dict:
     """Fill this rank's already-built model chunks from a torch_dist checkpoint, at whatever
     TP/PP/EP/ETP layout they were built with (the checkpoint stores global tensors; each rank reads
@@ -737,7 +744,8 @@ def load_mcore_into_model(
     warning naming the folder, or refused with `require_checksums`.
 
     After loading into a model whose optimizer keeps fp32 main parameters, call the optimizer's
-    `reload_model_params()` so they follow.
+    `reload_model_params()` so they follow. `trainable_only`: the frozen parameters (a LoRA
+    policy's base, loaded from its own source) are neither asked for nor set.
     """
     ckpt_dir = megatron_dirs.resolve(ckpt_dir)
     check_mcore_dir(ckpt_dir, require_checksums)
@@ -745,7 +753,8 @@ def load_mcore_into_model(
         integrity.verify_before_parse(ckpt_dir, data=True, require=require_checksums, dist=atomic.dist_or_none())
     reader = DcpReader(ckpt_dir)
     reader.check_files()
-    sd = dict(model_state if model_state is not None else model_sharded_state_dict(chunks, read_mcore_arch(ckpt_dir)))
+    sd = dict(model_state if model_state is not None else
+              model_sharded_state_dict(chunks, read_mcore_arch(ckpt_dir), trainable_only=trainable_only))
     for t in _sharded_tensors(sd):  # another writer's name for a tensor (layout.KEY_ALIASES)
         t.key = layout.stored_key(t.key, reader.tensors)
     _check_model_against(sd, reader)
@@ -757,6 +766,8 @@ def load_mcore_into_model(
     for i, chunk in enumerate(chunks):
         got = loaded[_chunk_key(i, len(chunks))]
         for name, p in _unwrap(chunk).named_parameters():
+            if trainable_only and not p.requires_grad:
+                continue
             if name not in got:
                 raise CheckpointError(f"{ckpt_dir}: no value loaded for parameter {name}")
             with torch.no_grad():

@@ -34,13 +34,15 @@ def mark_expert_params(model: torch.nn.Module, arch: MoeArch) -> None:
 
 
 def build_policy(ctx, arch: MoeArch, *, hf_dir: str | None = None, dtype=torch.float32, recompute="none",
-                 reader: HFCheckpointReader | None = None, fused_logprobs: bool = False, routing_replay: bool = False):
+                 reader: HFCheckpointReader | None = None, fused_logprobs: bool = False, routing_replay: bool = False,
+                 local_spec: bool = False):
     """Model chunks for this rank; loaded from `hf_dir` when given (else Megatron's random init).
 
     ``fused_logprobs``: the last stage returns final hidden states instead of logits, for the
     fused hidden -> log-prob path (parallel/fused_head.py); train/loss.py picks the path from the
-    model, so every forward step works with either."""
-    chunks, config = build_model_chunks(arch, ctx, dtype=dtype, recompute=recompute, routing_replay=routing_replay)
+    model, so every forward step works with either. `local_spec`: spec.py build_model_chunks."""
+    chunks, config = build_model_chunks(arch, ctx, dtype=dtype, recompute=recompute, routing_replay=routing_replay,
+                                        local_spec=local_spec)
     for chunk in chunks:
         mark_expert_params(chunk, arch)
     if fused_logprobs:

@@ -48,6 +48,7 @@ model, and every layout starts from the same adapters.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import zlib
@@ -56,9 +57,8 @@ from typing import Iterator
 
 import torch
 
+from gspo_megatron.config import LORA_TARGETS as TARGETS
 from gspo_megatron.errors import ConfigError
-
-TARGETS = ("attention", "mlp", "shared_experts", "experts")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,12 @@ class LoraSpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @classmethod
+    def from_config(cls, lora_cfg, seed: int) -> "LoraSpec":
+        """The spec of config.py's `lora:` section (rank > 0)."""
+        return cls(rank=lora_cfg.rank, alpha=float(lora_cfg.alpha), dropout=lora_cfg.dropout,
+                   targets=tuple(lora_cfg.target_modules), seed=seed)
 
 
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])$")
@@ -240,6 +246,56 @@ def _add(module, key: str, group: str, spec: LoraSpec) -> None:
             setattr(p, "allreduce", False)  # the expert-data-parallel group, as the expert's weights
     module._lora = {"kind": kind, "group": group, "key": key}
     module.register_forward_hook(_Adapter(kind, spec, expert))
+    module.sharded_state_dict = _ShardedWithAdapters(module, module.sharded_state_dict)
+
+
+class _ShardedWithAdapters:
+    """An adapted linear's `sharded_state_dict`: Megatron's for its own tensors, and the adapters
+    split as the weight is (the split factor on the weight's TP axis, the other replicated), with
+    a gated fc1's B stored as its weight is, gate rows then up rows of the whole layer
+    (mlp.py:264-268 apply_swiglu_sharded_factory), so a checkpoint resumes at any TP / ETP. The
+    parents (SequentialMLP, the layer stack) add the expert and layer offsets as to the weight."""
+
+    def __init__(self, module, base):
+        self.module, self.base = module, base
+
+    def __call__(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        m = self.module
+        sd = self.base(prefix, sharded_offsets, metadata)
+        column = m._lora["kind"] == "column"
+        split = "lora_B" if column else "lora_A"
+        axis_map = {split: 0 if column else 1} if m.tp_group.size() > 1 else {}
+        mine = make_sharded_tensors_for_checkpoint({"lora_A": m.lora_A, "lora_B": m.lora_B}, prefix, axis_map,
+                                                   sharded_offsets, tp_group=m.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        if m._lora["key"].endswith("linear_fc1") and m.config.gated_linear_unit:
+            k = f"{prefix}lora_B"
+            mine[k] = apply_swiglu_sharded_factory(mine[k], sharded_offsets,
+                                                   (metadata or {}).get("singleton_local_shards", False))
+        sd.update(mine)
+        return sd
+
+
+@contextlib.contextmanager
+def disabled(chunks):
+    """Within: every adapter of `chunks` adds nothing - the chunks compute the frozen base model
+    (a LoRA run's KL reference, with no second copy of the model)."""
+    hooks = [h for _, m in adapters(chunks) for h in m._forward_hooks.values() if isinstance(h, _Adapter)]
+    for h in hooks:
+        h.enabled = False
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.enabled = True
+
+
+def is_adapted(chunks) -> bool:
+    """Whether `chunks` (bare or wrapped in DDP) carry adapters: a LoRA policy."""
+    return next(adapters(chunks), None) is not None
 
 
 def is_adapter_param(name: str) -> bool:

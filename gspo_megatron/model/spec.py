@@ -244,18 +244,21 @@ def recompute_settings(recompute: str, *, grouped_experts: bool) -> dict:
 
 
 def build_model_chunks(arch: MoeArch, ctx, *, dtype: torch.dtype = torch.float32, recompute: str = "none",
-                       routing_replay: bool = False):
+                       routing_replay: bool = False, local_spec: bool = False):
     """This rank's model chunk(s) for the layout in `ctx` (a parallel.state.ParallelContext).
 
     Returns (chunks, transformer_config). One chunk per rank (no virtual pipeline stages yet).
     The expert parameters are marked for the expert-DP gradient reduction by the caller,
     model/factory.py build_policy (mark_expert_params reads the family's HF <-> Megatron map).
+    `local_spec`: Megatron's own layers on CUDA too, not Transformer Engine's (LoRA's adapters
+    hook Megatron's Column/RowParallelLinear: model/lora.py; TE's fused layernorm-linear and
+    grouped expert GEMMs are not hooked yet, docs/lora.md).
     """
     from gspo_megatron.model import rope
 
     rope.install()  # packed RoPE's cos/sin once per microbatch where TE's fused kernel is not used
     arch.family.install_megatron_patches(arch)  # where Megatron computes unlike the family's reference
-    use_te = ctx.device.type == "cuda" and te_available()
+    use_te = ctx.device.type == "cuda" and not local_spec and te_available()
     if arch.tie_word_embeddings and ctx.parallel.pp > 1 and ctx.device.type == "cpu":
         # Megatron moves the last stage's copy of the shared embedding with `.cuda()`.
         raise ModelConfigError("tie_word_embeddings with parallel.pp > 1 is GPU-only (Megatron syncs the "

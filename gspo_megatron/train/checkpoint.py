@@ -128,7 +128,8 @@ def optimizer_state(optimizer, model_state: dict, *, is_loading: bool) -> dict:
 
 
 def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict, ctx, *, hf_config: dict,
-         keep_last: int = 0, tokenizer=None, writer: str = "auto", background=None, carried_tensors=None) -> str:
+         keep_last: int = 0, tokenizer=None, writer: str = "auto", background=None, carried_tensors=None,
+         lora: dict | None = None) -> str:
     """Collective: every rank calls it. Returns the final directory.
 
     writer: "auto" — the distributed optimizer's state and the model are written by each DP rank
@@ -137,7 +138,10 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
     on every DP rank first). Both write the same checkpoint (tests/test_checkpoint.py).
     background: a train/async_save.py BackgroundSaves: with the direct writer, snapshot and return
     while its thread writes (the directory and the tracker appear when the write is done: wait()).
-    carried_tensors: checkpoint/carried.py CarriedTensors stored unchanged (rank 0 writes them)."""
+    carried_tensors: checkpoint/carried.py CarriedTensors stored unchanged (rank 0 writes them).
+    lora: a LoRA policy's settings and base (RunParts.lora_meta): the checkpoint is adapter-only -
+    the adapters and their optimizer state; the frozen base is read again from its own source on
+    resume (model.hf_dir / model.load), and recorded here for gspo-convert's exports."""
     from gspo_megatron.checkpoint.mcore import model_sharded_state_dict
 
     if writer not in ("auto", "megatron"):
@@ -152,9 +156,12 @@ def save(out_dir: str, step: int, model, optimizer, scheduler, loop_state: dict,
     os.makedirs(root, exist_ok=True)
     from gspo_megatron.model.arch import MoeArch
 
-    model_state = model_sharded_state_dict(model, MoeArch.from_hf_dict(hf_config, source="checkpoint.save(hf_config=...)"))
+    model_state = model_sharded_state_dict(model, MoeArch.from_hf_dict(hf_config, source="checkpoint.save(hf_config=...)"),
+                                           trainable_only=lora is not None)
     trainer = {"format": FORMAT_VERSION, "step": step, "scheduler": scheduler.state_dict(), "loop": loop_state,
                "layout": layout_of(ctx)}
+    if lora is not None:
+        trainer["lora"] = dict(lora)
     return _wrap_write_errors(final, lambda: _save_collective(
         root, final, step, model, optimizer, model_state, trainer, hf_config, ctx, keep_last, tokenizer, writer,
         background, carried_tensors))
@@ -193,6 +200,8 @@ def _refuse_non_finite(final: str, model, optimizer, ctx) -> None:
     named: list[tuple[str, torch.Tensor]] = []
     for chunk in model:
         for name, p in chunk.named_parameters():
+            if not p.requires_grad:  # frozen (a LoRA base): never written, unchanged since it was loaded
+                continue
             while name.startswith("module."):  # DDP / Float16Module wrappers
                 name = name[len("module."):]
             named.append((f"parameter {name}", p))
@@ -513,7 +522,8 @@ def _read_common(path: str, require_checksums: bool = False) -> dict:
 
 
 def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
-         chunk_bytes: int = LOAD_CHUNK_BYTES, arch=None, require_checksums: bool = False) -> dict:
+         chunk_bytes: int = LOAD_CHUNK_BYTES, arch=None, require_checksums: bool = False,
+         lora: dict | None = None) -> dict:
     """Restore model, optimizer, scheduler and RNG at this run's layout (any); returns the loop state.
 
     Every file of the checkpoint is verified against its checksums.json first (collective), before
@@ -521,7 +531,8 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
     Without checksums.json: a warning naming the folder, or refused with `require_checksums`.
     The model first (its temporary tensors are freed before the optimizer's are read), then the
     optimizer: the distributed optimizer's state piece by piece (_load_distributed_optimizer),
-    any other through Megatron's sharded_state_dict in one load."""
+    any other through Megatron's sharded_state_dict in one load. `lora`: this run's LoRA settings
+    (save's): an adapter-only checkpoint resumes only into the same adapters (check_lora)."""
     from gspo_megatron.checkpoint import integrity
     from gspo_megatron.checkpoint.mcore import (load_mcore_into_model, load_sharded, model_sharded_state_dict,
                                                 read_mcore_arch)
@@ -543,9 +554,12 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
         check_architecture(path, arch)
     trainer, saved_optimizer = common["trainer"], common.get("optimizer") or {}
     _check_optimizer_kind(path, saved_optimizer, optimizer)
-    load_mcore_into_model(model, path, verify_data=False)  # verified above
+    check_lora(path, trainer.get("lora"), lora)
+    adapters_only = lora is not None
+    load_mcore_into_model(model, path, verify_data=False, trainable_only=adapters_only)  # verified above
     # a fresh model state: the load above replaced the tensors of the one it used
-    model_state = model_sharded_state_dict(model, arch if arch is not None else read_mcore_arch(path))
+    model_state = model_sharded_state_dict(model, arch if arch is not None else read_mcore_arch(path),
+                                           trainable_only=adapters_only)
     if not _load_distributed_optimizer(optimizer, saved_optimizer, model_state, path, chunk_bytes, ctx.device):
         opt_state = optimizer_state(optimizer, model_state, is_loading=True)
         optimizer.load_state_dict(load_sharded({"optimizer": opt_state}, path)["optimizer"])
@@ -562,6 +576,30 @@ def load(path: str, model, optimizer, scheduler, ctx, *, seed: int = 0,
         if ctx.rank == 0:
             log.info("resharding %s: saved at %s, loaded at %s; RNG re-seeded", path, saved, here)
     return trainer["loop"]
+
+
+LORA_FIXED = ("rank", "alpha", "target_modules")  # what the saved adapters are; dropout and the base may move
+
+
+def check_lora(path: str, saved: dict | None, here: dict | None) -> None:
+    """An adapter-only checkpoint (saved with LoRA) resumes only into a run with the same adapters,
+    and a full-parameter one only without LoRA: one CheckpointError line saying which. A base read
+    from elsewhere than the saved one is a warning (a moved copy of the same checkpoint is fine)."""
+    from gspo_megatron.errors import CheckpointError
+
+    if saved is None and here is None:
+        return
+    if here is None:
+        raise CheckpointError(f"{path} is an adapter-only LoRA checkpoint (lora.rank={saved['rank']}); resume it "
+                              "with the same lora settings, or export it (gspo-convert lora-to-peft / lora-merge)")
+    if saved is None:
+        raise CheckpointError(f"{path} is a full-parameter checkpoint and this run trains LoRA adapters: start from it "
+                              f"with model.load={path} and checkpoint.resume=never (or set lora.rank=0 to resume it)")
+    diff = [f"lora.{k}: saved {saved.get(k)!r}, here {here.get(k)!r}" for k in LORA_FIXED if saved.get(k) != here.get(k)]
+    if diff:
+        raise CheckpointError(f"{path}: its adapters do not fit this run's ({'; '.join(diff)})")
+    if saved.get("base") != here.get("base") and dist.get_rank() == 0:
+        log.warning("%s: adapters trained on base %s, resumed on base %s", path, saved.get("base"), here.get("base"))
 
 
 def check_architecture(path: str, arch) -> None:

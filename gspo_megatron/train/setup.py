@@ -2,6 +2,7 @@
 tokenizer, prompt source, reward, rollout engine (rank 0), optional reference model."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -231,13 +232,17 @@ def served_reward_sources(cfg) -> list[tuple[str, object, float]]:
 
 
 class ReferencePolicy:
-    """A frozen copy of the initial policy, same layout, for ref log-probs when loss.kl_coef > 0."""
+    """A frozen copy of the initial policy, same layout, for ref log-probs when loss.kl_coef > 0.
+    `base_of_lora`: `chunks` are the LoRA policy's own, whose frozen base is the initial policy:
+    its log-probs are taken with the adapters off (model/lora.py disabled), no second copy."""
 
-    def __init__(self, parts: "RunParts", chunks):
+    def __init__(self, parts: "RunParts", chunks, *, base_of_lora: bool = False):
         self.parts = parts
         self.chunks = chunks
-        for c in chunks:
-            c.requires_grad_(False)
+        self.base_of_lora = base_of_lora
+        if not base_of_lora:
+            for c in chunks:
+                c.requires_grad_(False)
 
     def fill(self, microbatches, temperature: float) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -245,7 +250,13 @@ class ReferencePolicy:
         from gspo_megatron.train.loss import fill_logprobs_step
 
         p = self.parts
-        with torch.no_grad():
+        if self.base_of_lora:
+            from gspo_megatron.model.lora import disabled
+
+            off = disabled(self.chunks)
+        else:
+            off = contextlib.nullcontext()
+        with torch.no_grad(), off:
             get_forward_backward_func()(
                 forward_step_func=fill_logprobs_step(p.ctx, p.arch.vocab_size, temperature, "ref_logprobs"),
                 data_iterator=iter(microbatches), model=self.chunks, num_microbatches=len(microbatches),
@@ -330,7 +341,8 @@ class RunParts:
 
         return checkpoint.save(self.cfg.out_dir, step, self.model, self.optimizer, self.scheduler, loop_state,
                                self.ctx, hf_config=self.export_config(), keep_last=self.cfg.checkpoint.keep_last,
-                               tokenizer=self.tokenizer, background=self.saves, carried_tensors=self.carried)
+                               tokenizer=self.tokenizer, background=self.saves, carried_tensors=self.carried,
+                               lora=self.lora_meta())
 
     def wait_for_saves(self, why: str = "") -> float:
         """Collective in effect (the writer's own barriers): the background write in flight, if
@@ -341,7 +353,20 @@ class RunParts:
         from gspo_megatron.train import checkpoint
 
         return checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.ctx, seed=self.cfg.train.seed,
-                               arch=self.arch, require_checksums=self.cfg.checkpoint.require_checksums)
+                               arch=self.arch, require_checksums=self.cfg.checkpoint.require_checksums,
+                               lora=self.lora_meta())
+
+    def lora_meta(self) -> dict | None:
+        """A LoRA run's adapters and base, as its checkpoints record them (train/checkpoint.py);
+        None without LoRA. The base: the checkpoint the policy was read from (model.load, else
+        model.hf_dir, absolute), or the random init's seed."""
+        lc, mc = self.cfg.lora, self.cfg.model
+        if not lc.rank:
+            return None
+        src = mc.load or mc.hf_dir
+        base = {"path": os.path.abspath(src)} if src else {"init_seed": mc.init_seed}
+        return {"rank": lc.rank, "alpha": float(lc.alpha), "dropout": lc.dropout,
+                "target_modules": list(lc.target_modules), "init_seed": mc.init_seed, "base": base}
 
     def export_hf(self, out_dir: str) -> None:
         """Final policy as an HF checkpoint (collective; rank 0 writes)."""
@@ -590,7 +615,8 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
     routing_replay = cfg.train.routing_replay != "none" or cfg.engine_routing  # RouterReplay in every router
     chunks, tconfig = build_policy(ctx, arch, reader=reader, dtype=dtype,
                                    recompute=cfg.train.recompute,
-                                   fused_logprobs=cfg.model.fused_logprobs, routing_replay=routing_replay)
+                                   fused_logprobs=cfg.model.fused_logprobs, routing_replay=routing_replay,
+                                   local_spec=bool(cfg.lora.rank))  # LoRA hooks Megatron's own linears (spec.py)
     if cfg.model.fused_logprobs:
         log.info("token log-probs: fused from the final hidden states (no [tokens, vocab/tp] logits)")
     if cfg.model.load:
@@ -599,7 +625,15 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
         # the directory check_inputs read the architecture from (a root is not resolved twice)
         load_mcore_into_model(chunks, inputs.load.directory if inputs.load is not None else cfg.model.load,
                               require_checksums=cfg.checkpoint.require_checksums)
-    if cfg.loss.kl_coef > 0:
+    if cfg.lora.rank:  # the base frozen, adapters on it: only they train (model/lora.py)
+        from gspo_megatron.model import lora
+
+        adapted = lora.apply_lora(chunks, lora.LoraSpec.from_config(cfg.lora, cfg.model.init_seed), ep_rank=ctx.ep_rank)
+        if ctx.rank == 0:
+            log.info("lora: rank %d, alpha %g on %s: %d adapted linears on rank 0", cfg.lora.rank, cfg.lora.alpha,
+                     ", ".join(cfg.lora.target_modules), adapted)
+    ref_chunks = None
+    if cfg.loss.kl_coef > 0 and not cfg.lora.rank:  # with LoRA the reference is the base: the policy, adapters off
         ref_chunks, _ = build_policy(ctx, arch, dtype=dtype, fused_logprobs=cfg.model.fused_logprobs)
         for src, dst in zip(chunks, ref_chunks):
             dst.load_state_dict(src.state_dict())
@@ -654,5 +688,6 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
 
         parts.refit = RefitCheck(cfg, hf_config)
     if cfg.loss.kl_coef > 0:
-        parts.reference = ReferencePolicy(parts, ref_chunks)
+        parts.reference = ReferencePolicy(parts, ref_chunks) if ref_chunks is not None else \
+            ReferencePolicy(parts, chunks, base_of_lora=True)
     return parts
