@@ -17,6 +17,7 @@ runs take the same kernels); a resume into other adapters, or without LoRA, is o
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -234,3 +235,75 @@ def test_lora_gspo_step_matches_the_float64_merged_reference(glm_reference, worl
     assert metrics["clip_frac"] == pytest.approx(ref_m["clip_frac"], abs=1e-6)
     assert errs[worst] <= GRAD_RTOL, worst
     assert not math.isnan(errs[worst])
+
+
+# ------------------------------------------------------------------------ checkpoints and resume
+
+RUN = ["lora.rank=4", "lora.alpha=16", "train.sft_warmup_steps=0", "rollout.prompts_per_step=4",
+       "rollout.samples_per_prompt=4", "train.minibatches_per_step=2", "checkpoint.interval=0", "checkpoint.keep_last=0",
+       "checkpoint.export_hf=false", "eval.interval=0", "logging.progress_bar=false", "logging.plot=false",
+       "loss.kl_coef=0.05", "optimizer.lr_decay_style=constant"]  # the same LR at step 3 whatever max_steps
+
+
+def _train(out, *overrides):
+    from testlib import train_pooled
+    from run_output import explain
+
+    r = train_pooled(2, "--config", TINY, f"out_dir={out}", *RUN, *overrides, timeout=600)
+    return r, explain(r.stderr)
+
+
+def _error_line(r) -> str:
+    """The one error line of a run that must fail (exit 2, no traceback); pooled ranks have no
+    torchrun to stop rank 1 once rank 0 said it, so each rank may say the same line
+    (cli_util.user_errors)."""
+    lines = {ln for ln in r.stderr.splitlines() if ": error: " in ln}
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
+    return lines.pop()
+
+
+@pytest.mark.timeout(900)
+def test_lora_checkpoints_are_adapter_only_and_a_resumed_run_ends_where_the_straight_one_does(tmp_path):
+    """3 steps straight, against 2 steps, then a resume for the third (TP2+SP, the demo's random-init
+    base rebuilt from its seed on resume): the last checkpoints hold the same adapters, Adam
+    moments and loop state bit for bit, and only adapters (no base tensor: a 235B base is never
+    written per save). A resume with other adapters, or without LoRA, is one line."""
+    from megatron_utils import dcp_tensors
+
+    from gspo_megatron.train.checkpoint import read_trainer_state
+
+    straight, halted = tmp_path / "straight", tmp_path / "halted"
+    r, why = _train(straight, "train.max_steps=3")
+    assert r.returncode == 0, why
+    r, why = _train(halted, "train.max_steps=2")
+    assert r.returncode == 0, why
+    r, why = _train(halted, "train.max_steps=3")
+    assert r.returncode == 0, why
+    a = dcp_tensors(straight / "checkpoints" / "iter_0000003")
+    b = dcp_tensors(halted / "checkpoints" / "iter_0000003")
+    assert sorted(a) == sorted(b)
+    assert a and all(".lora_A" in k or ".lora_B" in k for k in a), sorted(a)  # adapters and their Adam state only
+    kinds = {k.split(".")[0] for k in a}
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in a) and kinds <= {"decoder", "optimizer"}, kinds
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ
+    assert any(float(t.abs().max()) > 0 for k, t in a.items() if k.endswith("lora_B"))  # B left zero: trained
+    state = read_trainer_state(str(straight / "checkpoints" / "iter_0000003"))
+    assert state["lora"]["rank"] == 4 and state["lora"]["alpha"] == 16.0 and state["lora"]["base"] == {"init_seed": 1234}
+    rows = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    rows_b = [json.loads(x) for x in (halted / "metrics.jsonl").read_text().splitlines()]
+    last = [r_ for r_ in rows if r_.get("step") == 3 and "loss" in r_]
+    last_b = [r_ for r_ in rows_b if r_.get("step") == 3 and "loss" in r_]
+    assert last and last_b and last[-1]["loss"] == last_b[-1]["loss"]
+
+    # the same checkpoint into other adapters, and into a full-parameter run: one line each
+    r, _ = _train(halted, "train.max_steps=4", "lora.rank=8")
+    line = _error_line(r)
+    assert "its adapters do not fit this run's (lora.rank: saved 4, here 8)" in line, line
+    r, _ = _train(halted, "train.max_steps=4", "lora.rank=0")
+    line = _error_line(r)
+    assert "is an adapter-only LoRA checkpoint (lora.rank=4)" in line, line
+    # and as the weights of a new run: it holds no base
+    r, _ = _train(tmp_path / "new", f"model.load={halted / 'checkpoints' / 'iter_0000003'}")
+    line = _error_line(r)
+    assert "is an adapter-only LoRA checkpoint (base: the random init of seed 1234)" in line, line
