@@ -49,9 +49,31 @@ Memory per GPU (bytes; b = bytes of model.dtype, 4 for float32):
       last stage adds fp32 logits and their softmax/gradient: 2 * 4 * T * V_padded/TP;
       with model.fused_logprobs instead the gathered hidden states and their fp32 gradient
       accumulator, (b + 4) * T * H, plus three fp32 vocab blocks of at most 2^22 elements.
-  reference_model (only when loss.kl_coef > 0) = params_rank * b: a resident frozen copy.
+  reference_model (only when loss.kl_coef > 0, without LoRA) = params_rank * b: a resident frozen copy.
   Not counted: CUDA context and NCCL buffers (~1-3 GiB), allocator fragmentation, colocated
   SGLang engines.
+
+LoRA (lora.rank = r > 0; model/lora.py): the base is frozen, only the adapters train.
+  adapters: A (r x in) and B (out x r) on each targeted linear (lora.target_modules): "attention"
+            every linear_* of self_attention (GQA: linear_qkv, linear_proj; MLA's projections),
+            "mlp" dense layers' linear_fc1 / linear_fc2, "shared_experts" the shared experts',
+            "experts" each routed expert's (E/EP per rank and MoE layer); in / out from the
+            family's HF <-> Megatron rules (model/mapping.py: linear_qkv out = (nq + 2nkv)*hd,
+            a gated fc1's out = 2*ffn). Per rank, split like the weight: column-parallel (qkv,
+            fc1, MLA's up projections) A whole, B split over TP (routed experts: over ETP);
+            row-parallel (linear_proj, fc2) A split, B whole; replicated linears (MLA's down
+            projections) both whole.
+  weights     = (params_rank + adapters_rank) * b   (the adapters in the weights' dtype)
+  gradients   = adapters_rank * (4 with grad_reduce_in_fp32, else b): the base has no gradient buffer
+  optimizer   = adapters * (12, or 8 in float32), sharded as above (dense adapters over DP*CP,
+                expert adapters over expert-DP); the base has no optimizer state
+  activations += per token and adapted linear, A x (r elements; a row-parallel one's reduced sum
+                r/TP with SP), for routed experts per routed copy; with lora.dropout also its
+                dropped input and mask (in * (b + 1) bytes)
+  reference_model: none (the KL reference is the policy with its adapters off: no second copy).
+  Not counted either: a LoRA run builds Megatron's local layers, not Transformer Engine's (model/spec.py
+  local_spec), so its core attention is parallel/cp_attention.py's masked attention, not flash
+  attention: the score masks of the sequence being attended (up to its length squared) come on top.
 """
 from __future__ import annotations
 
@@ -153,11 +175,97 @@ def count_params(d: dict) -> dict:
     return d["arch"].count_params()
 
 
+# ---- LoRA adapters --------------------------------------------------------------------------
+
+
+def lora_linears(d: dict, i: int) -> list[dict]:
+    """The linears of layer i an adapter can go on (model/lora.py target_of names the group from
+    the Megatron module name): {"group", "split": column | row | whole, "in", "out" (the whole
+    weight's), "expert": one per routed expert}, from the family's HF <-> Megatron rules."""
+    from gspo_megatron.model.lora import target_of
+    from gspo_megatron.model.mapping import Kind
+
+    arch = d["arch"]
+    moe = is_moe_layer(d, i)
+    column = (Kind.QKV, Kind.COLUMN, Kind.DENSE_FC1, Kind.EXPERT_FC1)
+    row = (Kind.ROW, Kind.EXPERT_FC2)
+    out = []
+    for rule in arch.family.rules(arch):  # the local spec's names (the TE grouped experts' end in .weight{expert})
+        if not rule.per_layer or rule.buffer or not rule.mcore.endswith(".weight"):
+            continue
+        if rule.layers == ("dense" if moe else "moe"):
+            continue
+        group = target_of(rule.mcore[: -len(".weight")].format(layer=i, expert=0))
+        if group is None:
+            continue
+        shapes = rule.shapes(arch)  # the HF tensors a Megatron linear fuses: out rows stacked, one input
+        split = "column" if rule.kind in column else "row" if rule.kind in row else "whole"
+        out.append({"group": group, "split": split, "in": shapes[0][1], "out": sum(s[0] for s in shapes),
+                    "expert": rule.kind.is_expert})
+    return out
+
+
+def _split_widths(lin: dict, tp: int, etp: int) -> tuple[int, int]:
+    """(A's input columns, B's output rows) of one adapter on one rank."""
+    size = etp if lin["expert"] else tp
+    if lin["split"] == "column":
+        return lin["in"], lin["out"] // size
+    if lin["split"] == "row":
+        return lin["in"] // size, lin["out"]
+    return lin["in"], lin["out"]
+
+
+def lora_layer_params(d: dict, i: int, rank: int, targets, tp: int = 1, ep: int = 1, etp: int = 1) -> dict:
+    """Adapter parameters of layer i on one rank by target group (tp = ep = etp = 1: the whole
+    layer's): r * (A's input columns + B's output rows) per adapted linear, E/EP of them for a
+    routed expert's."""
+    out = dict.fromkeys(("attention", "mlp", "shared_experts", "experts"), 0)
+    for lin in lora_linears(d, i):
+        if lin["group"] not in targets:
+            continue
+        n_in, n_out = _split_widths(lin, tp, etp)
+        out[lin["group"]] += rank * (n_in + n_out) * (d["num_experts"] // ep if lin["expert"] else 1)
+    return out
+
+
+def count_lora_params(d: dict, rank: int, targets) -> dict:
+    """Adapter parameters of the whole (unsharded) model: total and by target group."""
+    br = dict.fromkeys(("attention", "mlp", "shared_experts", "experts"), 0)
+    for i in range(d["num_hidden_layers"]):
+        for k, v in lora_layer_params(d, i, rank, targets).items():
+            br[k] += v
+    return {"total": sum(br.values()), "breakdown": br}
+
+
+def _lora_activation_elements(d, i: int, cfg: Config) -> tuple[float, float]:
+    """Per token of one microbatch on one rank, layer i's adapters: (elements kept in the model
+    dtype, elements of dropout masks)."""
+    lc, p = cfg.lora, cfg.parallel
+    if not lc.rank:
+        return 0.0, 0.0
+    r, drop = lc.rank, lc.dropout > 0
+    sp = p.tp if p.sequence_parallel else 1
+    routed = d["num_experts_per_tok"] * p.etp / p.tp  # routed copies of a token on this rank (as the MoE term)
+    kept = dropped = 0.0
+    for lin in lora_linears(d, i):
+        if lin["group"] not in lc.target_modules:
+            continue
+        n_in, _ = _split_widths(lin, p.tp, p.etp)
+        if lin["expert"]:
+            kept += routed * r
+            dropped += routed * n_in if drop else 0
+        else:  # z = A x is gathered over the sequence (column); u reduce-scattered to the shard (row, SP)
+            kept += r / sp if lin["split"] == "row" else r
+            dropped += (n_in / sp if lin["split"] != "row" else n_in) if drop else 0
+    return kept + dropped, dropped
+
+
 # ---- memory ---------------------------------------------------------------------------------
 
 
-def _activation_bytes_per_layer(d, moe: bool, cfg: Config, T: float) -> tuple[float, float]:
-    """(stored bytes of one layer for one microbatch, bytes of its input alone)."""
+def _activation_bytes_per_layer(d, i: int, cfg: Config, T: float) -> tuple[float, float]:
+    """(stored bytes of layer i for one microbatch, bytes of its input alone)."""
+    moe = is_moe_layer(d, i)
     p = cfg.parallel
     b = 4 if cfg.model.dtype == "float32" else 2
     H, arch = d["hidden_size"], d["arch"]
@@ -174,7 +282,8 @@ def _activation_bytes_per_layer(d, moe: bool, cfg: Config, T: float) -> tuple[fl
             mlp += (2 if selective else 3) * d["shared_expert_intermediate_size"] / tp
     else:
         mlp = norm_terms + (2 if selective else 3) * d["intermediate_size"] / tp
-    return T * (attn + mlp) * b, T * H / sp * b
+    adapters, masks = _lora_activation_elements(d, i, cfg)  # 0 without LoRA
+    return T * ((attn + mlp + adapters) * b + masks), T * H / sp * b
 
 
 def memory_per_stage(cfg: Config, d: dict, world_size: int, stage: dict) -> dict:
@@ -183,13 +292,18 @@ def memory_per_stage(cfg: Config, d: dict, world_size: int, stage: dict) -> dict
     grad_b = 4 if (o.grad_reduce_in_fp32 or b == 4) else b
     opt_b = (4 if b != 4 else 0) + 8
     dense, expert = stage["dense_params"], stage["expert_params"]
-    if o.use_distributed_optimizer:
-        optimizer = opt_b * (dense / (p.dp(world_size) * p.cp) + expert / p.edp(world_size))
+    lora_dense, lora_expert = stage["lora_dense_params"], stage["lora_expert_params"]
+    if cfg.lora.rank:  # the base frozen: gradients and Adam states for the adapters only
+        trained_dense, trained_expert = lora_dense, lora_expert
     else:
-        optimizer = opt_b * (dense + expert)
+        trained_dense, trained_expert = dense, expert
+    if o.use_distributed_optimizer:
+        optimizer = opt_b * (trained_dense / (p.dp(world_size) * p.cp) + trained_expert / p.edp(world_size))
+    else:
+        optimizer = opt_b * (trained_dense + trained_expert)
     T = cfg.train.micro_batch_tokens / p.cp
     layers = range(*stage["layers"])
-    per_layer = [_activation_bytes_per_layer(d, is_moe_layer(d, i), cfg, T) for i in layers]
+    per_layer = [_activation_bytes_per_layer(d, i, cfg, T) for i in layers]
     in_flight = p.pp - stage["pp_rank"] if p.pp > 1 else 1  # 1F1B: stage s holds pp - s
     if cfg.train.recompute == "full":
         one_mb = sum(inp for _, inp in per_layer)
@@ -204,12 +318,12 @@ def memory_per_stage(cfg: Config, d: dict, world_size: int, stage: dict) -> dict
         act += 2 * 4 * T * padded_vocab(d["vocab_size"], p.tp) / p.tp
     weights = (dense + expert) * b
     out = {
-        "weights": weights / GiB,
-        "gradients": (dense + expert) * grad_b / GiB,
+        "weights": (weights + (lora_dense + lora_expert) * b) / GiB,
+        "gradients": (trained_dense + trained_expert) * grad_b / GiB,
         "optimizer": optimizer / GiB,
         "activations": act / GiB,
     }
-    if cfg.loss.kl_coef > 0:
+    if cfg.loss.kl_coef > 0 and not cfg.lora.rank:  # LoRA: the reference is the base, adapters off
         out["reference_model"] = weights / GiB  # a resident frozen copy of the policy's shard
     out["total"] = sum(out.values())
     return out
@@ -234,7 +348,7 @@ def plan(config: Config, world_size: int) -> dict:
     hf = resolve.hf_config_dict(config, load)
     resolve.validate_world(config, world_size, hf)
     d = planner_dims(resolve.arch_of(config, hf))
-    p = config.parallel
+    p, lc = config.parallel, config.lora
     dp, edp = p.dp(world_size), p.edp(world_size)
     ddims, edims = decoder_dims(p, world_size), expert_dims(p, world_size)
     counts = count_params(d)
@@ -258,11 +372,15 @@ def plan(config: Config, world_size: int) -> dict:
     for s, ranks in enumerate(zip(*groups["pp"])):  # ranks with pp coordinate s
         lo, hi = s * per_stage_layers, (s + 1) * per_stage_layers
         first, last = s == 0, s == p.pp - 1
-        dense = expert = 0
+        dense = expert = lora_dense = lora_expert = 0
         for i in range(lo, hi):
             lp = layer_params(d, i, p.tp, p.ep, p.etp)
             dense += lp["attention"] + lp["norms"] + lp["router"] + lp["dense_mlp"] + lp["shared_experts"]
             expert += lp["experts"]
+            if lc.rank:
+                ad = lora_layer_params(d, i, lc.rank, lc.target_modules, p.tp, p.ep, p.etp)
+                lora_dense += ad["attention"] + ad["mlp"] + ad["shared_experts"]
+                lora_expert += ad["experts"]
         if first:
             dense += Vp * H // p.tp
         if last:
@@ -278,6 +396,10 @@ def plan(config: Config, world_size: int) -> dict:
             "dense_params": dense,
             "expert_params": expert,
             "params": dense + expert,
+            # LoRA adapters on this stage's ranks (0 without LoRA): the only trained parameters
+            "lora_dense_params": lora_dense,
+            "lora_expert_params": lora_expert,
+            "lora_params": lora_dense + lora_expert,
         }
         stage["memory_gib"] = memory_per_stage(config, d, world_size, stage)
         stages.append(stage)
@@ -324,6 +446,7 @@ def plan(config: Config, world_size: int) -> dict:
         "total_params": counts["total"],
         "active_params": counts["active"],
         "params_breakdown": counts["breakdown"],
+        "lora": _lora_summary(config, d, stages),
         "groups": groups,
         "stages": stages,
         "experts": experts,
@@ -333,6 +456,7 @@ def plan(config: Config, world_size: int) -> dict:
         "peak_memory_stage": peak["pp_rank"],
         # colocated SGLang (rollout/colocate.py): while the engines hold the GPUs every rank parks
         # its gradient buffers and, with 16-bit parameters, its optimizer state in host memory
+        # (with LoRA the adapters' only: the stages' gradients and optimizer count nothing else)
         "colocated_host_gib_per_gpu": max(
             st["memory_gib"]["gradients"] + (st["memory_gib"]["optimizer"] if config.model.dtype != "float32" else 0)
             for st in stages),
@@ -349,7 +473,27 @@ def plan(config: Config, world_size: int) -> dict:
             "(1F1B), " + ("fused log-probs (hidden states + fp32 blocks, no logits)"
                           if config.model.fused_logprobs else "fp32 logits + softmax") + " on the last stage",
             "not counted: CUDA context, NCCL buffers, fragmentation, colocated SGLang",
-        ],
+        ] + ([
+            f"LoRA rank {lc.rank}: base frozen in {config.model.dtype} (no gradients, no optimizer state), adapters "
+            "trained (gradients, fp32 master + Adam); KL reference = the base with adapters off (no copy); "
+            "adapter activations: A x per adapted linear" + (" + dropped inputs" if lc.dropout else "")
+            + "; LoRA runs Megatron's local layers, not Transformer Engine's (model/spec.py local_spec): attention "
+            "through parallel/cp_attention.py, whose score masks (up to a sequence's length squared) are not counted",
+        ] if lc.rank else []),
+    }
+
+
+def _lora_summary(config, d: dict, stages: list[dict]) -> dict | None:
+    lc = config.lora
+    if not lc.rank:
+        return None
+    total = count_lora_params(d, lc.rank, lc.target_modules)
+    return {
+        "rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout, "target_modules": list(lc.target_modules),
+        "total_params": total["total"],  # the whole model's adapters (a column-parallel A counted once)
+        "params_breakdown": total["breakdown"],
+        "max_params_per_rank": max(st["lora_params"] for st in stages),
+        "kl_reference": "the base (adapters off): no copy" if config.loss.kl_coef > 0 else None,
     }
 
 
@@ -364,11 +508,15 @@ def training_setup(config) -> dict:
     from there)."""
     o = config.optimizer
     sixteen = config.model.dtype != "float32"
+    lora = config.lora.rank > 0
     return {
         "use_distributed_optimizer": o.use_distributed_optimizer,
         "optimizer": ("Megatron DistributedOptimizer (masters + Adam moments sharded over DP*CP / expert-DP)"
                       if o.use_distributed_optimizer else "Megatron optimizer, not sharded"),
-        "master_weights": "fp32" if sixteen else "the fp32 parameters themselves",
+        "master_weights": ("fp32" if sixteen else "the fp32 parameters themselves")
+                          + (" (LoRA adapters only)" if lora else ""),
+        "trained": (f"LoRA adapters (rank {config.lora.rank}, alpha {config.lora.alpha:g}) on "
+                    f"{', '.join(config.lora.target_modules)}; the base frozen" if lora else "every parameter"),
         "grad_reduce": "fp32" if (o.grad_reduce_in_fp32 or not sixteen) else config.model.dtype,
         "recompute": config.train.recompute,
     }
@@ -409,6 +557,18 @@ def _mem(gib: float) -> str:
     return f"{gib * 1024 * 1024:.1f} KiB"
 
 
+def _lora_lines(pl: dict) -> list[str]:
+    lo = pl["lora"]
+    if not lo:
+        return []
+    br = ", ".join(f"{k} {_b(v)}" for k, v in lo["params_breakdown"].items() if v)
+    n, share, on = lo["total_params"], 100 * lo["total_params"] / pl["total_params"], ", ".join(lo["target_modules"])
+    return [f"trainable (LoRA adapters, rank {lo['rank']}, alpha {lo['alpha']:g}, on {on}): "
+            f"{_b(n)} parameters ({n:,}: {br}; {share:.2f}% of the model), at most "
+            f"{_b(lo['max_params_per_rank'])} per rank; the base frozen"
+            + (f"; KL reference: {lo['kl_reference']}" if lo["kl_reference"] else "")]
+
+
 def format_plan(pl: dict) -> str:
     lay, m = pl["layout"], pl["model"]
     lines = [
@@ -422,6 +582,7 @@ def format_plan(pl: dict) -> str:
         f" at tp {lay['tp']}), {m['dtype']}",
         f"params: total {_b(pl['total_params'])} ({pl['total_params']:,}), active per token "
         f"{_b(pl['active_params'])} ({pl['active_params']:,})",
+        *_lora_lines(pl),
         f"training: {pl['training']['optimizer']} (DDP use_distributed_optimizer="
         f"{str(pl['training']['use_distributed_optimizer']).lower()}); master weights "
         f"{pl['training']['master_weights']}; gradient reduction {pl['training']['grad_reduce']}; "
@@ -449,13 +610,16 @@ def format_plan(pl: dict) -> str:
     for st in pl["stages"]:
         mem = st["memory_gib"]
         parts = " | ".join(f"{k} {_mem(v)}" for k, v in mem.items())
+        adapters = (f" + LoRA {_b(st['lora_params'])} (dense {_b(st['lora_dense_params'])}, expert "
+                    f"{_b(st['lora_expert_params'])})" if pl["lora"] else "")
         lines.append(
             f"  stage {st['pp_rank']}: params {_b(st['params'])} (dense {_b(st['dense_params'])}, "
-            f"expert {_b(st['expert_params'])}): {parts}"
+            f"expert {_b(st['expert_params'])}){adapters}: {parts}"
         )
     lines.append(f"peak {_mem(pl['peak_memory_gib'])} per GPU on stage {pl['peak_memory_stage']}")
     lines.append(f"colocated SGLang (rollout.sglang.launch=true) parks {_mem(pl['colocated_host_gib_per_gpu'])} per GPU "
-                 "in host memory while the engines run (gradients + 16-bit runs' optimizer state); add SGLang's own")
+                 "in host memory while the engines run (gradients + 16-bit runs' optimizer state"
+                 + (", the adapters' only" if pl["lora"] else "") + "); add SGLang's own")
     ct = pl["collective_timeout"]
     waits = "; ".join(f"{k} {v / 60:.0f} min" for k, v in ct["waits_s"].items()) or "none bounded by the config"
     lines.append(f"collective timeout {ct['timeout_s'] / 60:.0f} min (rank 0's longest engine waits: {waits})")
