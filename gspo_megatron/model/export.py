@@ -130,9 +130,12 @@ def iter_hf_tensors(
     *,
     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = param_tensor,
     dtype: torch.dtype | None = None,
+    unmerged: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) on global rank 0, on the model's device; nothing elsewhere. A
-    policy with LoRA adapters (model/lora.py) yields its merged weights W + (alpha / r) B A.
+    policy with LoRA adapters (model/lora.py) yields its merged weights W + (alpha / r) B A, but
+    the base W of the adapted linears in the `unmerged` groups (their adapters pushed on their
+    own: rollout/lora_push.py).
 
     ``dtype`` casts floating tensors on the rank that holds each shard, before any transfer: the
     casts run in parallel and a narrower dtype moves fewer bytes (fp32 -> bf16 in
@@ -142,8 +145,9 @@ def iter_hf_tensors(
     if index.adapted and tensor_of is param_tensor:  # a LoRA policy's weights: W + (alpha / r) B A
         from gspo_megatron.model.lora import merged_weight
 
-        tensor_of = (lambda p, _plain=tensor_of: merged_weight(index.adapted[id(p)]).detach()
-                     if id(p) in index.adapted else _plain(p))
+        merged = {k: m for k, m in index.adapted.items() if m._lora["group"] not in unmerged}
+        tensor_of = (lambda p, _plain=tensor_of: merged_weight(merged[id(p)]).detach()
+                     if id(p) in merged else _plain(p))
     hint = _dtype_hint(chunks, tensor_of)
     if dtype is not None:
         tensor_of = _cast_to(tensor_of, dtype)

@@ -97,13 +97,17 @@ def target_of(name: str) -> str | None:
 
 
 def _kind(module) -> str:
-    """"column" or "row": how Megatron splits this linear's weight."""
+    """"column", "row" or "duplicated": how Megatron splits this linear's weight (duplicated:
+    whole on every TP rank, as multi-latent attention's down projections)."""
+    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if isinstance(module, ColumnParallelLinear):
         return "column"
     if isinstance(module, RowParallelLinear):
         return "row"
+    if isinstance(module, Linear):
+        return "duplicated"
     kind = type(module).__name__
     raise ConfigError(f"lora: {kind} is not a Megatron ColumnParallelLinear / RowParallelLinear; LoRA on it is not "
                       "supported yet (the Transformer Engine spec's fused layers: use the local spec)")
@@ -127,9 +131,9 @@ class _Adapter:
         x = args[0]
         out, bias = output
         if self.dropout and module.training:
-            x = torch.nn.functional.dropout(x, self.dropout)
+            x = self._dropout(x, module)
         a, b = module.lora_A, module.lora_B
-        if module.tp_group.size() == 1:
+        if self.kind == "duplicated" or module.tp_group.size() == 1:
             delta = (x @ a.t()) @ b.t()
         elif self.expert:
             delta = self._expert(x, a, b, module)
@@ -138,6 +142,22 @@ class _Adapter:
         else:
             delta = self._row(x @ a.t(), module) @ b.t()
         return out + self.scale * delta.to(out.dtype), bias
+
+    def _dropout(self, x, module):
+        """Dropout on the adapter's input. An input every (expert-)TP rank holds whole - a column
+        linear's without sequence parallelism, any expert linear's at expert-TP > 1 - needs the
+        same mask on each: drawn from Megatron's data-parallel RNG tracker (seeded alike on every
+        rank, advanced only by model code, restored by activation recompute), not the default
+        generator, which rank 0's rollout work may have advanced."""
+        sharded = getattr(module.weight if self.kind == "duplicated" else module, "sequence_parallel", False)
+        replicated = module.tp_group.size() > 1 and self.kind in ("column", "duplicated") and (
+            self.expert or not sharded)
+        if not replicated:
+            return torch.nn.functional.dropout(x, self.dropout)
+        from megatron.core.tensor_parallel import random as mrandom
+
+        with mrandom.get_cuda_rng_tracker().fork(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME):
+            return torch.nn.functional.dropout(x, self.dropout)
 
     def _expert(self, x, a, b, module):
         """Expert-TP > 1: this rank's partial sum; the whole factor's gradient summed over the
@@ -189,7 +209,21 @@ def apply_lora(chunks, spec: LoraSpec, *, ep_rank: int = 0) -> int:
             if group == "experts":  # their grouped-GEMM fast path (parallel/cpu_experts.py) would skip the hooks
                 chunk.get_submodule(name.split(".local_experts.")[0]).lora_adapted = True
             n += 1
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None:
+            embedding.register_forward_hook(_inputs_require_grad)
     return n
+
+
+def _inputs_require_grad(module, args, output):
+    """The frozen embedding's output made to require grad (PEFT's enable_input_require_grads):
+    else the first layers' inputs do not, and Megatron's activation recompute - full (its
+    CheckpointFunction) or selective (CheckpointWithoutOutput, whose saved inputs then never
+    reach the backward: "forward() missing 1 required positional argument") - records no graph
+    through the layers it recomputes, and their adapters get no gradient."""
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
 
 
 def _expert_global(chunk, name: str, ep_rank: int) -> str:
@@ -216,7 +250,11 @@ def _layer_key(chunk, name: str) -> str:
 def _add(module, key: str, group: str, spec: LoraSpec) -> None:
     kind = _kind(module)
     expert = group == "experts"
-    tp = module.tp_group.size()
+    if module.tp_group is None:  # (a duplicated Linear built without one: what Megatron's own default is)
+        from megatron.core import parallel_state
+
+        module.tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp = module.tp_group.size() if kind != "duplicated" else 1
     w = module.weight
     out_local, in_local = w.shape
     if tp == 1:
@@ -231,6 +269,9 @@ def _add(module, key: str, group: str, spec: LoraSpec) -> None:
     b = torch.zeros(out_local if kind == "column" else out_full, spec.rank, dtype=torch.float64)
     module.lora_A = torch.nn.Parameter(a.to(device=w.device, dtype=w.dtype).contiguous())
     module.lora_B = torch.nn.Parameter(b.to(device=w.device, dtype=w.dtype).contiguous())
+    if kind == "duplicated":  # whole everywhere; with SP each TP rank's tokens: both summed over TP, as W is
+        for p in (module.lora_A, module.lora_B):
+            setattr(p, "sequence_parallel", bool(getattr(module.weight, "sequence_parallel", False)))
     sp = bool(getattr(module, "sequence_parallel", False)) and tp > 1 and not expert
     replicated = module.lora_B if kind == "row" else module.lora_A  # whole on every TP rank
     split = module.lora_A if kind == "row" else module.lora_B
@@ -267,7 +308,7 @@ class _ShardedWithAdapters:
         sd = self.base(prefix, sharded_offsets, metadata)
         column = m._lora["kind"] == "column"
         split = "lora_B" if column else "lora_A"
-        axis_map = {split: 0 if column else 1} if m.tp_group.size() > 1 else {}
+        axis_map = {split: 0 if column else 1} if m.tp_group.size() > 1 and m._lora["kind"] != "duplicated" else {}
         mine = make_sharded_tensors_for_checkpoint({"lora_A": m.lora_A, "lora_B": m.lora_B}, prefix, axis_map,
                                                    sharded_offsets, tp_group=m.tp_group,
                                                    dp_cp_group=(metadata or {}).get("dp_cp_group"))
@@ -343,6 +384,8 @@ def hf_to_local(module, arch, tensors) -> tuple[torch.Tensor, torch.Tensor]:
             raise ConfigError(f"lora adapters: {n}.lora_A.weight differs from {names[0]}.lora_A.weight; Megatron's fused "
                               f"{module._lora['key'].rsplit('.', 1)[-1]} holds one A for {', '.join(names)}")
     rank, size = module.tp_group.rank(), module.tp_group.size()  # the expert-TP group for routed experts
+    if module._lora["kind"] == "duplicated":
+        return a_list[0], mapping.hf_to_full(rule, b_list, arch, 0)
     if module._lora["kind"] == "column":
         a = a_list[0]
         b = mapping.shard(rule, mapping.hf_to_full(rule, b_list, arch, 0), rank, size)
@@ -370,13 +413,14 @@ def load_hf_adapters(chunks, arch, tensors) -> int:
 PEFT_PREFIX = "base_model.model."
 
 
-def iter_hf_adapters(chunks, ctx, arch) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_adapters(chunks, ctx, arch, groups: tuple[str, ...] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: every adapter of the policy in HF layout and PEFT's names
     (`<hf module>.lora_A.weight` r x in, `.lora_B.weight` out x r; a fused Megatron linear's A
     repeated for each HF module it stands for), yielded on global rank 0 only. Each rank sends its
     first replica's pieces (data / context / expert-data parallel rank 0) to rank 0, which joins
     TP pieces as the weights' are joined (model/mapping.py unshard) - adapters are small (rank x
-    (in + out) per linear), so they travel in one gather of this rank's pieces."""
+    (in + out) per linear), so they travel in one gather of this rank's pieces. `groups`: only the
+    adapters of these target groups (None: all)."""
     import torch.distributed as dist
 
     from gspo_megatron.model import mapping
@@ -386,7 +430,11 @@ def iter_hf_adapters(chunks, ctx, arch) -> Iterator[tuple[str, torch.Tensor]]:
     first = ctx.dp_rank == 0 and ctx.cp_rank == 0
     mine = []
     for _, module in adapters(chunks):
+        if groups is not None and module._lora["group"] not in groups:
+            continue
         expert = module._lora["group"] == "experts"
+        if module._lora["kind"] == "duplicated" and module.tp_group.rank() != 0:
+            continue  # the same whole adapter on every TP rank: the first sends it
         if (expert and edp_rank == 0) or (not expert and first):
             mine.append((module._lora["key"], module.tp_group.rank(), module.lora_A.detach().float().cpu(),
                          module.lora_B.detach().float().cpu(), module._lora["kind"], expert))

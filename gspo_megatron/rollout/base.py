@@ -117,7 +117,9 @@ class Capabilities:
     routing_return: return the experts each token was routed to (routing replay R3);
     supervised_restarts: a server that goes away is brought back (restarted, or waited for) with
         the last weights, and servers may join mid-run (rollout/supervision.py, membership.py);
-    lora: serve LoRA adapters pushed on their own (none does yet: pushes are merged weights);
+    lora_targets: the trainer's LoRA groups (config.py LORA_TARGETS) whose adapters the engine takes
+        on their own (update_weights' `adapter`: rollout/lora_push.py), the base weights of those
+        modules staying as pushed; the others' adapters are pushed merged into their weights;
     weight_groups_reform: a weight-update group (NCCL broadcast) re-forms with a restarted server
         on both sides (none does yet: the config refuses restarts with those syncs)."""
 
@@ -127,7 +129,7 @@ class Capabilities:
     weight_digests: bool = False
     routing_return: bool = False
     supervised_restarts: bool = False
-    lora: bool = False
+    lora_targets: tuple[str, ...] = ()
     weight_groups_reform: bool = False
 
 

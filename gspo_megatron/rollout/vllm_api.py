@@ -14,7 +14,7 @@ RELOAD_METHOD = "gspo_reload_weights"  # GSPOWorkerExtension's method, called th
 # The routes the engine uses and the request fields it sends (tests/test_vllm_contract.py reads
 # them in the installed vLLM's source). Control routes need VLLM_SERVER_DEV_MODE=1.
 GENERATE = "/inference/v1/generate"  # --enable-scale-out
-GENERATE_FIELDS = ("request_id", "token_ids", "sampling_params")
+GENERATE_FIELDS = ("request_id", "token_ids", "sampling_params", "model")  # model: the LoRA adapter's name
 # prompt_logprobs: the refit probe (VLLMEngine.probe_logprobs)
 SAMPLING_FIELDS = ("n", "seed", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs",
                    "detokenize", "prompt_logprobs")
@@ -22,8 +22,48 @@ ROUTES = {
     "GET": ("/health", "/version", "/weight_info", "/get_world_size"),
     "POST": (GENERATE, "/pause", "/resume", "/update_weight_version", "/collective_rpc", "/abort_requests",
              # weight_sync=nccl (rollout/vllm_nccl.py; entrypoints/rl/online/api_router.py)
-             "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"),
+             "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+             # LoRA pushes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; entrypoints/serve/lora/api_router.py)
+             "/v1/load_lora_adapter"),
 }
+
+# LoRA adapters pushed on their own (rollout/lora_push.py). The servers start with --enable-lora
+# and LoRA only on the modules of the trainer's groups vLLM serves: attention (GQA's fused
+# qkv_proj and o_proj). Each push loads the adapter from a new folder in place under one name
+# (a new path: vLLM keeps prefix-cache blocks of an adapter reloaded from the same path,
+# entrypoints/openai/models/serving.py:214-222) and asks every worker how many modules it bound.
+LOAD_LORA = "/v1/load_lora_adapter"
+LOAD_LORA_FIELDS = ("lora_name", "lora_path", "load_inplace")
+LORA_NAME = "gspo-policy"
+LORA_BOUND_METHOD = "gspo_lora_bound"  # GSPOWorkerExtension's method, through /collective_rpc
+# trainer LoRA group -> vLLM module suffixes (--lora-target-modules); routed experts are not
+# among them: vLLM 0.32's MoE LoRA runs Triton kernels only (none on CPU), so they go merged
+LORA_MODULES = {"attention": ("qkv_proj", "o_proj")}
+# HF module -> the vLLM module that holds it (packed_modules_mapping of the Qwen3 / GLM models)
+LORA_PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+               "up_proj": "gate_up_proj"}
+# max_lora_rank must be one of these (config/lora.py MaxLoRARanks)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_server_args(rank: int, groups) -> list[str]:
+    """The server arguments that let it take the trainer's adapters of `groups` (rank `rank`)."""
+    max_rank = next((r for r in LORA_RANKS if r >= rank), None)
+    if max_rank is None:
+        raise ValueError(f"lora.rank {rank} is above vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
+    modules = [m for g in groups for m in LORA_MODULES[g]]
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1", "--lora-target-modules", *modules]
+
+
+def lora_bound_modules(adapter_names) -> int:
+    """How many vLLM modules an adapter of these PEFT tensor names sets weights on: one per
+    (layer, module), q/k/v counted once as qkv_proj and gate/up once as gate_up_proj."""
+    held = set()
+    for name in adapter_names:
+        module = name.split(".lora_")[0]
+        prefix, _, last = module.rpartition(".")
+        held.add((prefix, LORA_PACKED.get(last, last)))
+    return len(held)
 
 
 def version_matches(got) -> tuple[bool, str | None]:

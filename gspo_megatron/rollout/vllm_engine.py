@@ -53,7 +53,8 @@ from .base import (NamedTensors, RolloutEngine, Sample, SamplingParams, WeightVe
 from .http_servers import (EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError,
                            generate_response_cap, parse_json, secret_from_env)
 from .validate import check_response, rejected_sample, vocab_size_of
-from .vllm_api import GENERATE, RELOAD_METHOD, VLLM_VERSION, version_matches
+from .vllm_api import (GENERATE, LOAD_LORA, LORA_BOUND_METHOD, LORA_MODULES, LORA_NAME, RELOAD_METHOD, VLLM_VERSION,
+                       lora_bound_modules, lora_server_args, version_matches)
 from .http_engine import EngineVersionError, HTTPEngine
 from .supervision import restarts_default
 from .vllm_server import ServerClient, VLLMLaunchSpec, launch
@@ -63,6 +64,11 @@ log = logging.getLogger("gspo_megatron.rollout")
 
 class VLLMVersionError(EngineVersionError):
     """A server runs another vLLM than VLLM_VERSION (one line, as SGLang's)."""
+
+
+class LoraBindError(EngineError):
+    """A pushed LoRA adapter that a server bound to another number of modules than the trainer's
+    adapters stand on (a served model whose modules the adapter misses trains blind)."""
 
 
 class WeightMismatchError(EngineError, WeightVerificationError):
@@ -176,7 +182,8 @@ class VLLMEngine(HTTPEngine):
         # weights can be re-sent: disk sync (its last version directory)
         import dataclasses
 
-        return dataclasses.replace(super().capabilities, supervised_restarts=self._nccl is None)
+        return dataclasses.replace(super().capabilities, supervised_restarts=self._nccl is None,
+                                   lora_targets=self._lora_groups)
 
     supports_interrupt = True
     # disk sync: the worker extension digests every tensor it reads (vllm_worker.py); the NCCL
@@ -189,7 +196,7 @@ class VLLMEngine(HTTPEngine):
                  server_env: dict[str, str] | None = None, log_dir: str | None = None, weight_version: int = 0,
                  retry_backoff_s: float = 0.5, wait_ready: bool = True, nccl_backend=None,
                  sync_device: torch.device | str | None = None, tokenizer=None, vocab_size: int | None = None,
-                 **overrides):
+                 lora: dict | None = None, **overrides):
         c = _defaults()
         c.update(_cfg_dict(cfg))
         unknown = sorted(set(overrides) - set(c))
@@ -215,6 +222,15 @@ class VLLMEngine(HTTPEngine):
         self._lock = threading.Lock()
         self._written: list[str] = []
         self._closed = False
+        # LoRA adapters on their own (rollout/lora_push.py): `lora` = {"rank", "groups"} of the
+        # trainer's policy; served for the groups vLLM takes as LoRA (vllm_api.LORA_MODULES) with
+        # disk sync (the adapter folder sits beside the version folders). Not for multi-latent
+        # attention: vLLM's fused a-projection is not what the trainer's adapters stand on.
+        mla = bool(self.hf_config and self.hf_config.get("kv_lora_rank"))
+        self._lora_rank = int(lora["rank"]) if lora else 0
+        self._lora_groups = tuple(g for g in (lora or {}).get("groups", ()) if g in LORA_MODULES
+                                  and not (g == "attention" and mla)) if c["weight_sync"] == "disk" else ()
+        self._adapter: tuple[str, int] | None = None  # (folder, modules bound) of the adapter served
         self.metrics: dict[str, float] = {"requests": 0, "retries": 0, "weight_syncs": 0, "last_sync_s": 0.0,
                                           "interrupted_rows": 0, "rejected": 0}
         self.procs = None
@@ -245,9 +261,13 @@ class VLLMEngine(HTTPEngine):
                 replicas = int(c["replicas"])
                 if c.get("replicas_file"):  # its number, when the file exists, replaces replicas
                     replicas = self._replicas_from_file(c["replicas_file"], replicas, int(c["max_replicas"]))
+                extra = list(c["extra_args"] or [])
+                if self._lora_groups:  # LoRA on the modules of those groups only, loadable at run time
+                    extra += lora_server_args(self._lora_rank, self._lora_groups)
+                    server_env = {**(server_env or {}), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
                 spec = VLLMLaunchSpec(model_path=model, port=int(c["port"]), host=c["host"], api_key=api_key,
                                       dtype=c["dtype"], max_model_len=c["max_model_len"],
-                                      cpu_kv_cache_mb=c["cpu_kv_cache_mb"], extra_args=list(c["extra_args"] or []),
+                                      cpu_kv_cache_mb=c["cpu_kv_cache_mb"], extra_args=extra,
                                       command=cmd, python=python, env=server_env, log_dir=log_dir,
                                       env_vars=tuple(c["env_vars"]),
                                       weight_transfer="nccl" if c["weight_sync"] == "nccl" else None,
@@ -272,6 +292,10 @@ class VLLMEngine(HTTPEngine):
             if wait_ready:
                 self.wait_ready()
                 self.check_version(strict=bool(c["check_version"]))
+                if self._lora_groups and not c["launch"] and not all(self._serves_lora(s) for s in self.servers):
+                    log.info("vLLM servers %s have no LoRA-enabled module (started without --enable-lora): the "
+                             "adapters are pushed merged into their weights", [s.url for s in self.servers])
+                    self._lora_groups = ()
             # every server health-checked; a lost one restarted (launched) or waited for (urls) and
             # re-synced, at most max_restarts times (0: a dead server fails the run fast)
             self._supervise(restarts_default(c), float(c["health_interval_s"]), float(c["lost_timeout_s"]))
@@ -292,6 +316,8 @@ class VLLMEngine(HTTPEngine):
             v["shared_dir"] = os.path.join(config.out_dir, "weight_sync")
         kw.setdefault("log_dir", os.path.join(config.out_dir, "vllm_logs"))
         kw.setdefault("sync_dtype", parse_dtype(config.model.dtype))
+        if config.lora.rank:
+            kw.setdefault("lora", {"rank": config.lora.rank, "groups": list(config.lora.target_modules)})
         return cls(v, hf_config=hf_config, **kw)
 
     # ------------------------------------------------------------------ RolloutEngine
@@ -346,9 +372,15 @@ class VLLMEngine(HTTPEngine):
         token_in_token_out/protocol.py:507; -inf is clamped to -9999, serving.py:498)."""
         sp = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 1, "logprobs": 0,
               "prompt_logprobs": 0, "detokenize": False, "seed": 0}
-        body = {"request_id": uuid.uuid4().hex, "token_ids": ids, "sampling_params": sp}
+        body = self._with_adapter({"request_id": uuid.uuid4().hex, "token_ids": ids, "sampling_params": sp})
         r = server.post(GENERATE, body, timeout_s=self.request_timeout_s, retries=self.max_retries)
         return r.get("prompt_logprobs") if isinstance(r, dict) else r
+
+    def _with_adapter(self, body: dict) -> dict:
+        """A generate request body, served with the pushed LoRA adapter once there is one."""
+        if self._adapter is not None:
+            body["model"] = LORA_NAME
+        return body
 
     def _probe_logprob(self, server: ServerClient, row: Any, token: int) -> float:
         got = row.get(str(int(token))) if isinstance(row, dict) else None
@@ -386,7 +418,7 @@ class VLLMEngine(HTTPEngine):
             # not to a server being brought back (all of them: waited for, bounded)
             server = min(self._in_service(), key=lambda s: s.inflight)
             self._inc("requests")
-            body = {"request_id": uuid.uuid4().hex, "token_ids": prompt, "sampling_params": sp}
+            body = self._with_adapter({"request_id": uuid.uuid4().hex, "token_ids": prompt, "sampling_params": sp})
             try:
                 status, data = server.request_once("POST", GENERATE, body, timeout_s=self.request_timeout_s)
             except RetryableHTTPError as e:
@@ -470,18 +502,21 @@ class VLLMEngine(HTTPEngine):
                               token_versions=token_versions, meta={"server": url}))
         return out
 
-    def update_weights(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+    def update_weights(self, named_tensors: NamedTensors, version: int | None = None, adapter=None) -> None:
         """disk: write the tensors once as <shared_dir>/v<version>, then every server reloads them in
         place (paused meanwhile: /pause?mode=wait lets the requests in flight finish first) and
         labels its weights `version`. nccl: broadcast them to every server worker
-        (rollout/vllm_nccl.py), same pause and label."""
-        self._update(named_tensors, version, "wait")
+        (rollout/vllm_nccl.py), same pause and label. `adapter`: a rollout/lora_push.py AdapterPush
+        for the groups in capabilities.lora_targets, written as a PEFT folder <shared_dir>/lora-v<version>
+        and loaded by every server after its weights, before the label (_load_adapter)."""
+        self._update(named_tensors, version, "wait", adapter)
 
     @property
     def supports_push_mid_generation(self) -> bool:
         return bool(self.cfg["push_mid_generation"])
 
-    def update_weights_mid_generation(self, named_tensors: NamedTensors, version: int | None = None) -> None:
+    def update_weights_mid_generation(self, named_tensors: NamedTensors, version: int | None = None,
+                                      adapter=None) -> None:
         """update_weights without waiting for the requests in flight (rollout.vllm.push_mid_generation):
         every server pauses with mode=keep (the scheduler stops stepping and freezes its requests;
         /pause returns without waiting for them), reloads, labels the new version and resumes; the
@@ -494,17 +529,20 @@ class VLLMEngine(HTTPEngine):
         :2097, whose _reset_caches preempts the running requests and drops their KV cache,
         core.py:906 -> v1/core/sched/scheduler.py:2858). tests/test_vllm_contract.py reads that
         source; tests/test_vllm.py measures the continued tokens at the new weights' log-probs."""
-        self._update(named_tensors, version, "keep")
+        self._update(named_tensors, version, "keep", adapter)
 
-    def _update(self, named_tensors: NamedTensors, version: int | None, pause: str) -> None:
+    def _update(self, named_tensors: NamedTensors, version: int | None, pause: str, adapter=None) -> None:
         self._check_open()
         version = self._weight_version + 1 if version is None else int(version)
+        if adapter is not None and set(adapter.groups) - set(self._lora_groups):
+            raise ValueError(f"VLLMEngine: adapters of {sorted(set(adapter.groups) - set(self._lora_groups))} pushed on "
+                             f"their own; this engine takes {list(self._lora_groups)} (capabilities.lora_targets)")
         if self._supervisor is not None:
             self._supervisor.wait_all_healthy()
         with self._pushing_weights():
-            self._push(named_tensors, version, pause)
+            self._push(named_tensors, version, pause, adapter)
 
-    def _push(self, named_tensors: NamedTensors, version: int, pause: str = "wait") -> None:
+    def _push(self, named_tensors: NamedTensors, version: int, pause: str = "wait", adapter=None) -> None:
         from .weight_sync import prune_versions, version_dir
 
         if self._nccl is not None:
@@ -534,12 +572,16 @@ class VLLMEngine(HTTPEngine):
             named_tensors = _tee_digests(named_tensors, sent, self.sync_dtype)
         self._write_push(named_tensors, path)
         kwargs = {"weights_dir": path, **({"digests": True} if verify else {})}
+        served = None
+        if adapter is not None:  # beside the version folder, a new path per version (vllm_api.LOAD_LORA)
+            folder = adapter.save(os.path.join(os.path.abspath(shared), f"lora-v{version}"), self.cfg["model_path"])
+            served = (folder, lora_bound_modules(adapter.tensors))
         done = []
         try:
             for s in self.servers:
                 for tries in range(2):
                     try:
-                        self._reload_on(s, kwargs, verify, sent, version, pause)
+                        self._reload_on(s, kwargs, verify, sent, version, pause, served)
                         break
                     except EngineServerError:
                         # a supervised server that died under the push: once it is back (restarted
@@ -559,16 +601,19 @@ class VLLMEngine(HTTPEngine):
         self._written.append(path)
         self._written = self._written[-1:]
         prune_versions(os.path.abspath(shared), self._written)
+        if served is not None or self._adapter is not None:
+            self._adapter = served
+            _prune_adapters(os.path.abspath(shared), served[0] if served else None)
         self._weight_version = version
         self._synced = True
         self._inc("weight_syncs")
         self.metrics["last_sync_s"] = time.perf_counter() - t0
 
     def _reload_on(self, s: ServerClient, kwargs: dict, verify: bool, sent: dict, version: int,
-                   pause: str = "wait") -> None:
+                   pause: str = "wait", adapter: tuple[str, int] | None = None) -> None:
         """One server of a disk push: pause (`pause`: wait for the requests in flight, or keep them
         frozen), reload from the version directory (digests checked before the version is labelled
-        and served), label, resume."""
+        and served), load the adapter (its bound modules checked), label, resume."""
         s.post(f"/pause?mode={pause}", {}, timeout_s=self.request_timeout_s, retries=1, expect_json=False)
         r = s.post("/collective_rpc", {"method": RELOAD_METHOD, "kwargs": kwargs},
                    timeout_s=self.request_timeout_s, retries=0)
@@ -577,9 +622,41 @@ class VLLMEngine(HTTPEngine):
             raise EngineProtocolError(f"vLLM server {s.url}: /collective_rpc {RELOAD_METHOD} answered {str(r)[:300]}")
         if verify:
             self.metrics["verified_tensors"] = check_digests(s.url, results, sent, version)
+        if adapter is not None:
+            self._load_adapter(s, adapter, version)
         s.post("/update_weight_version", {"new_version": str(version)}, timeout_s=60, retries=1, expect_json=False)
         if not self._interrupted.is_set():
             s.post("/resume", {}, timeout_s=60, retries=1, expect_json=False)
+
+    @staticmethod
+    def _serves_lora(s: ServerClient) -> bool:
+        """Whether a running server (urls) has LoRA-enabled modules (vllm_worker.py gspo_lora_bound)."""
+        r = s.post("/collective_rpc", {"method": LORA_BOUND_METHOD}, timeout_s=60, retries=1)
+        results = r.get("results") if isinstance(r, dict) else None
+        return isinstance(results, list) and bool(results) and all(
+            isinstance(x, dict) and int(x.get("modules") or 0) > 0 for x in results)
+
+    def _load_adapter(self, s: ServerClient, adapter: tuple[str, int], version: int) -> None:
+        """Load the adapter folder in place under LORA_NAME, then ask every worker of the server
+        how many modules it set weights on (vllm_worker.py gspo_lora_bound): a count unlike the
+        modules the trainer's adapters stand on is one LoraBindError line naming the server."""
+        folder, want = adapter
+        s.post(LOAD_LORA, {"lora_name": LORA_NAME, "lora_path": folder, "load_inplace": True},
+               timeout_s=self.request_timeout_s, retries=1, expect_json=False)
+        r = s.post("/collective_rpc", {"method": LORA_BOUND_METHOD}, timeout_s=60, retries=1)
+        results = r.get("results") if isinstance(r, dict) else None
+        if not isinstance(results, list) or not results or not all(isinstance(x, dict) for x in results):
+            raise EngineProtocolError(f"vLLM server {s.url}: /collective_rpc {LORA_BOUND_METHOD} answered {str(r)[:300]}")
+        for worker, res in enumerate(results):
+            counts = list((res.get("adapters") or {}).values())
+            got = max(counts) if counts else 0
+            if len(counts) > 1 or got != want:
+                raise LoraBindError(f"vLLM server {s.url}: the LoRA adapter of weight version {version} bound to {got} "
+                                    f"module(s) on worker {worker} (of {res.get('modules')} LoRA-enabled, "
+                                    f"{len(counts)} adapter(s) loaded); the trainer's adapters stand on {want}: the "
+                                    "server's --lora-target-modules or its model differ from the trainer's")
+        self.metrics["lora_bound_modules"] = want
+        self._inc("lora_bind_checks")
 
     def _write_push(self, named_tensors, path: str) -> None:
         """The disk push's files (one method, so that a test can corrupt what reaches the disk)."""
@@ -604,5 +681,18 @@ class VLLMEngine(HTTPEngine):
                    timeout_s=self.request_timeout_s, retries=1)
         if not isinstance(r, dict) or not r.get("results"):
             raise EngineProtocolError(f"vLLM server {s.url}: reload after the restart answered {str(r)[:200]}")
+        if self._adapter is not None:
+            self._load_adapter(s, self._adapter, self._weight_version)
         s.post("/update_weight_version", {"new_version": str(self._weight_version)}, timeout_s=60, retries=1,
                expect_json=False)
+
+
+def _prune_adapters(shared: str, keep: str | None) -> None:
+    """Remove the adapter folders of earlier versions (lora-v<N> in `shared`), keeping `keep`."""
+    import re
+    import shutil
+
+    for name in os.listdir(shared):
+        path = os.path.join(shared, name)
+        if re.fullmatch(r"lora-v\d+", name) and os.path.abspath(path) != (os.path.abspath(keep) if keep else None):
+            shutil.rmtree(path, ignore_errors=True)

@@ -89,8 +89,64 @@ def _repack_experts_on_weight_update(counter: list[int]):
         UnquantizedFusedMoEMethod._setup_kernel = original
 
 
+# The MoE layer's own module names in vLLM (FusedMoE is `...mlp.experts`; its LoRA wrapper takes
+# the per-expert w1/w2/w3): a LoRA target list naming none of them leaves the experts unadapted.
+_MOE_LORA_MODULES = frozenset({"experts", "w1", "w2", "w3", "w13", "gate_up_proj_moe"})
+
+
+def _cpu_moe_kernel_without_lora() -> None:
+    """vLLM 0.32 picks the Triton MoE kernel whenever LoRA is enabled at all
+    (``model_executor/layers/fused_moe/layer.py:364`` sets ``is_lora_enabled`` from the presence
+    of a LoRA config; ``fused_moe/oracle/unquantized.py:234-247`` then returns TRITON), even when
+    ``--lora-target-modules`` leaves every MoE layer without an adapter. On CPU there is no Triton
+    (``triton.language`` has no ``float32``: the first generation dies), so there, and only when the
+    targets name no MoE module, the experts keep the kernel they have without LoRA. Installed when
+    this module is imported in the worker, before the model is built (vLLM resolves the worker
+    extension in ``WorkerWrapperBase.init_worker``, ahead of ``load_model``)."""
+    try:
+        import dataclasses
+
+        import vllm.platforms as platforms  # current_platform: resolved by the module's __getattr__
+        from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+    except Exception:  # noqa: BLE001 - another vLLM layout: leave it as it is
+        return
+    if not platforms.current_platform.is_cpu() or getattr(method.select_unquantized_moe_backend, "_gspo", False):
+        return
+    original = method.select_unquantized_moe_backend
+
+    def select(moe_config):  # noqa: ANN001
+        if moe_config.is_lora_enabled:
+            from vllm.config import get_current_vllm_config
+
+            lc = get_current_vllm_config().lora_config
+            targets = set(lc.target_modules or ()) if lc is not None else set()
+            if targets and not targets & _MOE_LORA_MODULES:
+                moe_config = dataclasses.replace(moe_config, is_lora_enabled=False)
+        return original(moe_config)
+
+    select._gspo = True
+    method.select_unquantized_moe_backend = select
+
+
+_cpu_moe_kernel_without_lora()
+
+
 class GSPOWorkerExtension:
     """Mixed into vLLM's worker class (``--worker-extension-cls``); ``self`` is the worker."""
+
+    def gspo_lora_bound(self) -> dict:
+        """How many of this worker's LoRA-capable modules each loaded adapter sets weights on: the
+        modules ``LoRAModelManager.activate_adapter`` gives a ``set_lora`` (lora/model_manager.py
+        371-394), counted the same way (``_get_lora_layer_weights`` per module). ``{"adapters":
+        {lora int id: bound modules}, "modules": LoRA-wrapped modules}``; no LoRA: both empty / 0."""
+        manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
+        inner = getattr(manager, "_adapter_manager", None)
+        if inner is None:
+            return {"adapters": {}, "modules": 0}
+        out = {}
+        for lora_id, model in list(inner._registered_adapters.items()):
+            out[int(lora_id)] = sum(1 for name in inner.modules if inner._get_lora_layer_weights(model, name))
+        return {"adapters": out, "modules": len(inner.modules)}
 
     def gspo_reload_weights(self, weights_dir: str, digests: bool = False) -> dict:
         """Reload every weight from ``weights_dir/*.safetensors`` (HF names), in place.

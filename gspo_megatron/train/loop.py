@@ -147,20 +147,35 @@ def push_weights(parts: RunParts, version: int, producer=None) -> float:
         parts.colocation.before_push()
     if parts.refit is not None and parts.engine is not None:
         parts.refit.before_push(parts.engine, version)  # digests of this push's tensors, when checked
-    stream = iter_hf_tensors(parts.model, parts.ctx, parts.arch)
+    # a LoRA policy's adapters the engine takes on their own (its capabilities.lora_targets, agreed
+    # at setup): gathered first (collective), their modules' base weights then streamed unmerged
+    kw = {"adapter": adapter_push(parts)} if parts.adapter_groups else {}
+    stream = iter_hf_tensors(parts.model, parts.ctx, parts.arch, unmerged=parts.adapter_groups)
     if parts.engine is not None:
         if producer is None:
-            parts.engine.update_weights(stream, version)
+            parts.engine.update_weights(stream, version, **kw)
         elif parts.cfg.rollout.partial:  # interrupt the generation in progress instead of waiting for it
-            producer.push(lambda: parts.engine.update_weights(stream, version), interrupt=parts.engine)
+            producer.push(lambda: parts.engine.update_weights(stream, version, **kw), interrupt=parts.engine)
         elif parts.engine.capabilities.push_mid_generation:  # the engine continues it with the new weights
-            producer.push(lambda: parts.engine.update_weights_mid_generation(stream, version), concurrent=True)
+            producer.push(lambda: parts.engine.update_weights_mid_generation(stream, version, **kw), concurrent=True)
         else:  # wait for the generation in progress
-            producer.push(lambda: parts.engine.update_weights(stream, version))
+            producer.push(lambda: parts.engine.update_weights(stream, version, **kw))
     else:
         for _ in stream:  # other ranks take part in the gathers
             pass
     return time.perf_counter() - t0
+
+
+def adapter_push(parts: RunParts):
+    """Collective: the adapters of parts.adapter_groups as a rollout/lora_push.py AdapterPush on
+    rank 0 (None elsewhere)."""
+    from gspo_megatron.model.lora import iter_hf_adapters
+    from gspo_megatron.rollout.lora_push import AdapterPush
+
+    tensors = dict(iter_hf_adapters(parts.model, parts.ctx, parts.arch, groups=parts.adapter_groups))
+    if parts.ctx.rank != 0:
+        return None
+    return AdapterPush(tensors, rank=parts.cfg.lora.rank, alpha=float(parts.cfg.lora.alpha), groups=parts.adapter_groups)
 
 
 def verify_refit(parts: RunParts, plane: DataPlane, version: int) -> dict:
@@ -802,6 +817,9 @@ def step_row(parts: RunParts, producer, step: int, rstats: dict, metrics: dict, 
     engine = parts.engine.metrics
     if engine.get("verified_tensors") is not None:  # rollout.verify_weights with digests: tensors the last checked push had
         row["weights_verified"] = engine["verified_tensors"]
+    if engine.get("lora_bound_modules") is not None:  # the LoRA adapter's modules every server bound, last push
+        row["lora_bound_modules"] = engine["lora_bound_modules"]
+        row["lora_bind_checks"] = engine.get("lora_bind_checks", 0)  # server pushes whose count was checked so far
     if engine.get("restarts") is not None:  # servers the engine restarted so far (rollout.*.max_restarts)
         row["engine_restarts"] = engine["restarts"]
     if engine.get("servers") is not None:  # the servers in use (rollout.*.urls_file: they come and go)

@@ -296,6 +296,8 @@ class RunParts:
     # in every checkpoint and export; None when the source has none
     carried: Any = None
     driver: Any = None  # rollout/drivers.py: this run's rollout driver (rollout.driver)
+    # the LoRA groups whose adapters are pushed on their own (_adapter_groups), every rank
+    adapter_groups: tuple[str, ...] = ()
 
     def rollout_context(self, generate=None):
         """What the rollout driver gets (rank 0): the engine's generate, or `generate` (partial
@@ -579,6 +581,30 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout, load, agent, mtp, driver)
 
 
+def _adapter_groups(cfg, ctx, chunks, engine) -> tuple[str, ...]:
+    """Collective: the LoRA groups whose adapters are pushed on their own - the run's adapted
+    groups the engine declares it takes (rank 0's engine: Capabilities.lora_targets), told to
+    every rank (each streams its shards merged or not alike); () without LoRA."""
+    if not cfg.lora.rank:
+        return ()
+    from gspo_megatron.model.lora import adapters
+
+    adapted = {m._lora["group"] for _, m in adapters(chunks)}
+    box = [None]
+    if ctx.rank == 0:
+        served = set(engine.capabilities.lora_targets) if engine is not None else set()
+        box[0] = tuple(sorted(served & set(cfg.lora.target_modules)))
+    if ctx.world_size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0)
+    groups = tuple(g for g in box[0] if g in adapted or ctx.world_size > 1)
+    if ctx.rank == 0:
+        log.info("lora pushes: %s as adapters, %s merged into their weights", ", ".join(groups) or "nothing",
+                 ", ".join(sorted(set(cfg.lora.target_modules) - set(groups))) or "nothing")
+    return groups
+
+
 def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts:
     """Everything a run needs, built collectively. `inputs`: check_inputs' result when the entry
     point already checked them (before importing Megatron, so bad input fails in a second)."""
@@ -668,6 +694,7 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
             if engine is not None:
                 engine.close()
             raise
+    adapter_groups = _adapter_groups(cfg, ctx, chunks, engine)
     stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     parts = RunParts(
         cfg=cfg, ctx=ctx, arch=arch, hf_config=hf_config, dtype=dtype, model=model, optimizer=optimizer,
@@ -675,7 +702,7 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
         colocation=colocation,
         seq_multiple=pad_multiple(cfg.parallel), pad_id=tokenizer.pad_token_id or 0, stop_ids=stop_ids,
         routing_replay=routing_replay, heldout=inputs.heldout, agent=inputs.agent, carried=inputs.carried,
-        driver=inputs.driver,
+        driver=inputs.driver, adapter_groups=adapter_groups,
     )
     if cfg.checkpoint.async_save:  # collective: every rank creates the writer's group here
         from gspo_megatron.parallel.state import background_group
