@@ -95,6 +95,13 @@ class ModelFamily(Protocol):
         "cuda") computing in `dtype` (rollout/vllm_server.py prepare adds them); ModelConfigError
         (one line) when vLLM cannot serve the model there."""
 
+    def vllm_lora_modules(self, arch: MoeArch) -> dict[str, tuple[str, ...]]:
+        """The trainer's LoRA groups (config.py LORA_TARGETS) a vLLM 0.32 server of this model takes
+        as a runtime-loaded adapter, each with the vLLM module suffixes that serve it
+        (--lora-target-modules); the other groups' adapters are pushed merged into their weights
+        (rollout/vllm_engine.py). Routed experts are never among them: vLLM 0.32's MoE LoRA runs
+        on Triton kernels only."""
+
     def weights_loaded_together(self, arch: MoeArch) -> tuple[tuple[str, ...], ...]:
         """Groups of HF tensor name templates (`{layer}`: a decoder layer) that a serving engine
         fuses into one parameter only when it receives all of a group in one weight update (a push
@@ -320,6 +327,11 @@ class StandardDecoder:
 
     def vllm_server_args(self, arch: MoeArch, device: str, dtype: str | None) -> list[str]:
         return []  # vLLM's default attention backend serves GQA on CPU and GPU
+
+    def vllm_lora_modules(self, arch: MoeArch) -> dict[str, tuple[str, ...]]:
+        # GQA attention: vLLM's qkv_proj holds q/k/v (one adapter slice each, the trainer's fused
+        # linear_qkv shares one A), o_proj the output projection
+        return {"attention": ("qkv_proj", "o_proj")}
 
     def weights_loaded_together(self, arch: MoeArch) -> tuple[tuple[str, ...], ...]:
         # SGLang's and vLLM's GQA loaders place q/k/v and gate/up each into its own shard of the

@@ -281,6 +281,10 @@ class SGLangEngine(HTTPEngine):
         # memory release/resume (colocation: sleep/wake) and the routed experts of every token
         # (return_routed_experts, with the server flag) beside the supports_* flags
         # a lost server brought back with the last weights (rollout/supervision.py): disk sync only
+        # No lora_targets: a LoRA policy's adapters reach SGLang merged into their weights. SGLang
+        # 0.5.23 loads adapters (/load_lora_adapter), but its answer holds success, an error and
+        # the adapter names only (managers/io_struct.py:2572-2580 LoRAUpdateOutput): nothing says
+        # how many modules an adapter bound to, which every adapter push must check (issue 55).
         return dataclasses.replace(super().capabilities, sleep_wake=True, routing_return=True,
                                    supervised_restarts=self.cfg["weight_sync"] == "disk")
 

@@ -36,9 +36,8 @@ LOAD_LORA = "/v1/load_lora_adapter"
 LOAD_LORA_FIELDS = ("lora_name", "lora_path", "load_inplace")
 LORA_NAME = "gspo-policy"
 LORA_BOUND_METHOD = "gspo_lora_bound"  # GSPOWorkerExtension's method, through /collective_rpc
-# trainer LoRA group -> vLLM module suffixes (--lora-target-modules); routed experts are not
-# among them: vLLM 0.32's MoE LoRA runs Triton kernels only (none on CPU), so they go merged
-LORA_MODULES = {"attention": ("qkv_proj", "o_proj")}
+# Which groups and vLLM modules: the model family's (ModelFamily.vllm_lora_modules); routed
+# experts never (vLLM 0.32's MoE LoRA runs Triton kernels only: none on CPU).
 # HF module -> the vLLM module that holds it (packed_modules_mapping of the Qwen3 / GLM models)
 LORA_PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
                "up_proj": "gate_up_proj"}
@@ -46,12 +45,12 @@ LORA_PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def lora_server_args(rank: int, groups) -> list[str]:
-    """The server arguments that let it take the trainer's adapters of `groups` (rank `rank`)."""
+def lora_server_args(rank: int, modules) -> list[str]:
+    """The server arguments that let it take adapters of rank `rank` on the vLLM `modules`."""
     max_rank = next((r for r in LORA_RANKS if r >= rank), None)
     if max_rank is None:
         raise ValueError(f"lora.rank {rank} is above vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
-    modules = [m for g in groups for m in LORA_MODULES[g]]
+    modules = list(modules)
     return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1", "--lora-target-modules", *modules]
 
 

@@ -53,7 +53,7 @@ from .base import (NamedTensors, RolloutEngine, Sample, SamplingParams, WeightVe
 from .http_servers import (EngineError, EngineProtocolError, EngineServerError, RetryableHTTPError,
                            generate_response_cap, parse_json, secret_from_env)
 from .validate import check_response, rejected_sample, vocab_size_of
-from .vllm_api import (GENERATE, LOAD_LORA, LORA_BOUND_METHOD, LORA_MODULES, LORA_NAME, RELOAD_METHOD, VLLM_VERSION,
+from .vllm_api import (GENERATE, LOAD_LORA, LORA_BOUND_METHOD, LORA_NAME, RELOAD_METHOD, VLLM_VERSION,
                        lora_bound_modules, lora_server_args, version_matches)
 from .http_engine import EngineVersionError, HTTPEngine
 from .supervision import restarts_default
@@ -223,13 +223,13 @@ class VLLMEngine(HTTPEngine):
         self._written: list[str] = []
         self._closed = False
         # LoRA adapters on their own (rollout/lora_push.py): `lora` = {"rank", "groups"} of the
-        # trainer's policy; served for the groups vLLM takes as LoRA (vllm_api.LORA_MODULES) with
-        # disk sync (the adapter folder sits beside the version folders). Not for multi-latent
-        # attention: vLLM's fused a-projection is not what the trainer's adapters stand on.
-        mla = bool(self.hf_config and self.hf_config.get("kv_lora_rank"))
+        # trainer's policy; served for the groups the model family says vLLM takes as LoRA
+        # (ModelFamily.vllm_lora_modules), with disk sync (the adapter folder sits beside the
+        # version folders)
         self._lora_rank = int(lora["rank"]) if lora else 0
-        self._lora_groups = tuple(g for g in (lora or {}).get("groups", ()) if g in LORA_MODULES
-                                  and not (g == "attention" and mla)) if c["weight_sync"] == "disk" else ()
+        served = _lora_modules(self.hf_config) if lora and c["weight_sync"] == "disk" else {}
+        self._lora_groups = tuple(g for g in lora.get("groups", ()) if g in served) if lora else ()
+        self._lora_modules = [m for g in self._lora_groups for m in served[g]]
         self._adapter: tuple[str, int] | None = None  # (folder, modules bound) of the adapter served
         self.metrics: dict[str, float] = {"requests": 0, "retries": 0, "weight_syncs": 0, "last_sync_s": 0.0,
                                           "interrupted_rows": 0, "rejected": 0}
@@ -263,7 +263,7 @@ class VLLMEngine(HTTPEngine):
                     replicas = self._replicas_from_file(c["replicas_file"], replicas, int(c["max_replicas"]))
                 extra = list(c["extra_args"] or [])
                 if self._lora_groups:  # LoRA on the modules of those groups only, loadable at run time
-                    extra += lora_server_args(self._lora_rank, self._lora_groups)
+                    extra += lora_server_args(self._lora_rank, self._lora_modules)
                     server_env = {**(server_env or {}), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
                 spec = VLLMLaunchSpec(model_path=model, port=int(c["port"]), host=c["host"], api_key=api_key,
                                       dtype=c["dtype"], max_model_len=c["max_model_len"],
@@ -685,6 +685,16 @@ class VLLMEngine(HTTPEngine):
             self._load_adapter(s, self._adapter, self._weight_version)
         s.post("/update_weight_version", {"new_version": str(self._weight_version)}, timeout_s=60, retries=1,
                expect_json=False)
+
+
+def _lora_modules(hf_config: dict | None) -> dict[str, tuple[str, ...]]:
+    """The model family's groups vLLM serves as LoRA, with their modules; {} without a config."""
+    if not hf_config:
+        return {}
+    from gspo_megatron.model.family import family_for
+
+    fam = family_for(hf_config)
+    return fam.vllm_lora_modules(fam.hf_config(dict(hf_config)))
 
 
 def _prune_adapters(shared: str, keep: str | None) -> None:

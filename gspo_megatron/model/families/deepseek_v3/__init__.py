@@ -146,6 +146,12 @@ class DeepseekV3Family:
         loaded (its e_score_correction_bias has no parameter)."""
         return {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
+    def vllm_lora_modules(self, arch: MoeArch) -> dict[str, tuple[str, ...]]:
+        """None: vLLM fuses the q and kv down projections into one fused_qkv_a_proj, where the
+        trainer's adapters on Megatron's two down projections are not what it binds; every
+        adapter of this family is pushed merged."""
+        return {}
+
     def vllm_server_args(self, arch: MoeArch, device: str, dtype: str | None) -> list[str]:
         """On CPU, vLLM 0.32 runs multi-latent attention with two backends whose kernels take a
         latent of kv_lora_rank + qk_rope_head_dim = 576 only (DeepSeek-V3's 512 + 64;
