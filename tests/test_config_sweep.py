@@ -274,8 +274,12 @@ def generations(factors: dict[str, dict[str, list[str]]], added: list[tuple[str,
     for i in range(len(added) + 1):
         later = set(added[i:])
         table = {n: {lv: o for lv, o in levels.items() if (n, lv) not in later} for n, levels in factors.items()}
-        cells = covering_cells(table, keep=cells)
-    return cells
+        # a factor added later (ADDED_FACTORS) is out of the generations before its second level:
+        # the covering of those draws the same cells as before it existed; they take its first level
+        table = {n: lv for n, lv in table.items() if n not in ADDED_FACTORS or len(lv) > 1}
+        cells = covering_cells(table, keep=[{**c, **{n: next(iter(factors[n])) for n in table if n not in c}}
+                                            for c in cells])
+    return [{n: c.get(n, next(iter(factors[n]))) for n in factors} for c in cells]
 
 
 CELLS = generations(FACTORS, ADDED_LEVELS)
