@@ -2,9 +2,12 @@
 
     gspo-convert hf-to-mcore --hf-dir H --out C
     gspo-convert mcore-to-hf --load C --out H2 [--hf-config-dir H]
+    gspo-convert lora-to-peft --load L --out A [--base B]    a LoRA run's adapters in PEFT's format
+    gspo-convert lora-merge --load L --out H3 [--base B]     its base with the adapters merged, as HF
 
 Both directions stream tensor by tensor (memory: about the largest tensor, plus one output shard
-for mcore-to-hf) and run on one CPU process or under torchrun (ranks split the work). Output is
+for mcore-to-hf) and run on one CPU process or under torchrun (ranks split the work). The LoRA
+exports (gspo_megatron/checkpoint/lora_export.py) build the model once, in one process. Output is
 assembled in a hidden temporary directory beside --out and renamed into place at the end, with a
 marker (.gspo-output.json: the command and every entry it wrote); --overwrite replaces only such an
 earlier output of the same command, holding nothing else.
@@ -29,15 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
 
-    def common(sp, shard_help: str, shard_default: str):
+    def common(sp, shard_help: str | None, shard_default: str = "5GB"):
         sp.add_argument("--out", required=True, metavar="DIR",
                         help="output checkpoint directory; must not exist unless --overwrite "
                              "(written to a temporary directory beside it, renamed at the end)")
         sp.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="dtype of the written tensors; 'auto' keeps each tensor's stored dtype "
                              "(default: %(default)s)")
-        sp.add_argument("--max-shard-size", default=shard_default, metavar="SIZE",
-                        help=shard_help + " e.g. 5GB, 500MB, 2GiB or a byte count (default: %(default)s)")
+        if shard_help is not None:
+            sp.add_argument("--max-shard-size", default=shard_default, metavar="SIZE",
+                            help=shard_help + " e.g. 5GB, 500MB, 2GiB or a byte count (default: %(default)s)")
         sp.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out that this command wrote earlier (proven by its "
                              ".gspo-output.json; any other directory is refused); the old one is swapped out "
@@ -79,6 +83,44 @@ def build_parser() -> argparse.ArgumentParser:
                      help="refuse a checkpoint without checksums.json (default: load it with a warning naming "
                           "it); its files are verified before they are parsed either way")
     common(m2h, "largest safetensors shard; memory holds about one shard while writing;", "5GB")
+
+    def lora_common(sp):
+        sp.add_argument("--load", required=True, metavar="DIR",
+                        help="a LoRA run's adapter-only checkpoint: <out_dir>/checkpoints/iter_*, or "
+                             "<out_dir>/checkpoints (the iteration its tracker names)")
+        sp.add_argument("--base", metavar="DIR",
+                        help="the base model the adapters were trained on: a Hugging Face directory or an mcore "
+                             "checkpoint (gspo-convert hf-to-mcore, a trainer checkpoint); default: the one the "
+                             "checkpoint records (the run's model.load / model.hf_dir). Its architecture must be "
+                             "the checkpoint's")
+        sp.add_argument("--require-checksums", action="store_true",
+                        help="refuse a checkpoint without checksums.json (default: load it with a warning naming "
+                             "it); its files are verified before they are parsed either way")
+
+    l2p = sub.add_parser(
+        "lora-to-peft", help="LoRA adapter checkpoint -> PEFT adapter",
+        description="Write the adapters of a LoRA run's checkpoint (lora.rank > 0: the checkpoint holds only "
+                    "the adapters) as a PEFT LoRA adapter: adapter_model.safetensors (Hugging Face module names, "
+                    "one adapter per routed expert) and adapter_config.json, whose base_model_name_or_path is the "
+                    "base's path. peft.PeftModel.from_pretrained(<the base in transformers>, DIR) loads it (peft "
+                    "0.21 on transformers 5 leaves out the dense and shared-expert MLP adapters of GLM-4.5 / "
+                    "DeepSeek-V3, huggingface/peft#3711: lora-merge has them). The base's weights are not read (its "
+                    "config is checked against the checkpoint's).",
+    )
+    lora_common(l2p)
+    common(l2p, None)
+
+    merge = sub.add_parser(
+        "lora-merge", help="LoRA adapter checkpoint + base -> merged Hugging Face safetensors",
+        description="Merge the adapters of a LoRA run's checkpoint into its base (W + (alpha / r) B A) and "
+                    "write the result as a Hugging Face checkpoint that plain "
+                    "transformers.AutoModelForCausalLM.from_pretrained loads, with the checkpoint's config.json "
+                    "and tokenizer files. Builds the whole model in one process. A random-init base is refused "
+                    "(Megatron's random init depends on the layout): the run's own <out_dir>/hf export is the "
+                    "merged model.",
+    )
+    lora_common(merge)
+    common(merge, "largest safetensors shard;", "5GB")
     return p
 
 
@@ -149,13 +191,29 @@ def main(argv=None) -> int:
         from gspo_megatron.errors import InputError
         from gspo_megatron.fsutil import output_of
 
-        max_size = _size(args.max_shard_size)
-        inputs = [args.hf_dir] if args.command == "hf-to-mcore" else [args.load, args.hf_config_dir]
+        max_size = _size(args.max_shard_size) if hasattr(args, "max_shard_size") else None
+        lora_export = args.command in ("lora-to-peft", "lora-merge")
+        if args.command == "hf-to-mcore":
+            inputs = [args.hf_dir]
+        elif lora_export:
+            inputs = [args.load, args.base]
+        else:
+            inputs = [args.load, args.hf_config_dir]
         check_out(args.out, [d for d in inputs if d], args.overwrite, args.command)
-        started = _init_dist()
+        started = False if lora_export else _init_dist()  # the LoRA exports: a world-1 group of their own
         try:
             with output_of(args.command):  # what the output's marker names
-                if args.command == "hf-to-mcore":
+                if lora_export:
+                    from gspo_megatron.checkpoint import lora_export as lx
+
+                    kw = dict(base=args.base, dtype=_dtype(args.dtype), overwrite=args.overwrite,
+                              require_checksums=args.require_checksums)
+                    if args.command == "lora-to-peft":
+                        stats = lx.lora_to_peft(args.load, args.out, **kw)
+                    else:
+                        stats = lx.lora_merge(args.load, args.out, max_shard_size=max_size, progress=args.progress,
+                                              **kw)
+                elif args.command == "hf-to-mcore":
                     if args.threads < 1:
                         raise InputError("--threads must be >= 1")
                     stats = mcore.hf_to_mcore(args.hf_dir, args.out, dtype=_dtype(args.dtype),
