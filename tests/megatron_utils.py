@@ -191,3 +191,76 @@ class GroupStandIn:
 
     def rank(self) -> int:
         return self._rank
+
+
+def lora_leaves(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """float64 leaves requiring grad for PEFT-named adapters, one per distinct tensor: an A that
+    the adapted model shares (q/k/v's, gate/up's) is one variable under each of its names."""
+    leaves = {}
+    for t in adapters.values():
+        leaves.setdefault(id(t), t.double().requires_grad_())
+    return {k: leaves[id(t)] for k, t in adapters.items()}
+
+
+def lora_merged_params(model, leaf: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """transformers' parameters of `model` with W + scale B A wherever `leaf` has an adapter (the
+    paper's definition; the experts' stacked gate_up / down tensors one expert at a time)."""
+    def delta(module: str) -> torch.Tensor:
+        return scale * leaf[f"{module}.lora_B.weight"] @ leaf[f"{module}.lora_A.weight"]
+
+    params = {}
+    for name, p in model.named_parameters():
+        w = p.detach()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            w = torch.stack([w[e] + torch.cat([delta(f"{base}{e}.gate_proj"), delta(f"{base}{e}.up_proj")], 0)
+                             for e in range(w.shape[0])])
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            w = torch.stack([w[e] + delta(f"{base}{e}.down_proj") for e in range(w.shape[0])])
+        elif name.endswith(".weight") and f"{name[:-len('.weight')]}.lora_A.weight" in leaf:
+            w = w + delta(name[: -len(".weight")])
+        params[name] = w
+    return params
+
+
+def random_lora_adapters(cfg, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random rank-`rank` adapters in PEFT's names and HF layout (A r x in, B out x r) on every
+    attention projection and MLP of a tiny HF config (Qwen3-MoE's, GLM-4.5's: its dense first
+    layers and shared experts too), tied as the Megatron model fuses them: q/k/v one A, gate/up
+    one A. B is not zero, so every gradient is non-trivial."""
+    g = torch.Generator().manual_seed(seed)
+    H, D = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    out: dict[str, torch.Tensor] = {}
+
+    def a(n_in):
+        return (torch.rand(rank, n_in, generator=g) * 2 - 1) / n_in ** 0.5
+
+    def b(n_out):
+        return torch.randn(n_out, rank, generator=g) * 0.2
+
+    def mlp(prefix, inter):
+        shared = a(H)
+        for name in ("gate_proj", "up_proj"):
+            out[f"{prefix}{name}.lora_A.weight"] = shared
+            out[f"{prefix}{name}.lora_B.weight"] = b(inter)
+        out[f"{prefix}down_proj.lora_A.weight"] = a(inter)
+        out[f"{prefix}down_proj.lora_B.weight"] = b(H)
+
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shared = a(H)
+        for name, n_out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out[f"{p}self_attn.{name}.lora_A.weight"] = shared
+            out[f"{p}self_attn.{name}.lora_B.weight"] = b(n_out)
+        out[f"{p}self_attn.o_proj.lora_A.weight"] = a(q)
+        out[f"{p}self_attn.o_proj.lora_B.weight"] = b(H)
+        if layer < getattr(cfg, "first_k_dense_replace", 0):
+            mlp(f"{p}mlp.", cfg.intermediate_size)
+            continue
+        if getattr(cfg, "n_shared_experts", 0):
+            mlp(f"{p}mlp.shared_experts.", cfg.moe_intermediate_size * cfg.n_shared_experts)
+        for e in range(getattr(cfg, "n_routed_experts", None) or cfg.num_experts):
+            mlp(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
+    return out

@@ -15,46 +15,12 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_utils import make_tiny_hf, random_sequences
+from megatron_utils import lora_leaves, lora_merged_params, make_tiny_hf, random_lora_adapters, random_sequences
 
 RANK, ALPHA = 4, 8.0
 LOGPROB_TOL = 1e-5
 GRAD_RTOL = 1e-4  # fp32 trainer against float64, relative to the tensor's largest entry
 LENGTHS = [5, 17, 9, 12, 3, 20]
-
-
-def _hf_adapters(cfg, seed: int = 5) -> dict[str, torch.Tensor]:
-    """Random adapters in PEFT's names and HF layout (A r x in, B out x r), tied as the adapted
-    model ties them: q/k/v one A, an expert's gate/up one A. B is not zero (PEFT's init), so every
-    gradient is non-trivial."""
-    g = torch.Generator().manual_seed(seed)
-    H, D = cfg.hidden_size, cfg.head_dim
-    q, kv, inter = cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.moe_intermediate_size
-    out: dict[str, torch.Tensor] = {}
-
-    def a(n_in):
-        return (torch.rand(RANK, n_in, generator=g) * 2 - 1) / n_in ** 0.5
-
-    def b(n_out):
-        return torch.randn(n_out, RANK, generator=g) * 0.2
-
-    for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        shared = a(H)
-        for name, n_out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            out[f"{p}self_attn.{name}.lora_A.weight"] = shared
-            out[f"{p}self_attn.{name}.lora_B.weight"] = b(n_out)
-        out[f"{p}self_attn.o_proj.lora_A.weight"] = a(q)
-        out[f"{p}self_attn.o_proj.lora_B.weight"] = b(H)
-        for e in range(cfg.num_experts):
-            x = f"{p}mlp.experts.{e}."
-            shared = a(H)
-            for name in ("gate_proj", "up_proj"):
-                out[f"{x}{name}.lora_A.weight"] = shared
-                out[f"{x}{name}.lora_B.weight"] = b(inter)
-            out[f"{x}down_proj.lora_A.weight"] = a(inter)
-            out[f"{x}down_proj.lora_B.weight"] = b(H)
-    return out
 
 
 def _reference(hf_dir: str, seqs, adapters: dict[str, torch.Tensor]):
@@ -65,28 +31,8 @@ def _reference(hf_dir: str, seqs, adapters: dict[str, torch.Tensor]):
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64).eval()
     model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
-    s = ALPHA / RANK
-    leaves = {}
-    for k, t in adapters.items():  # one leaf per distinct tensor: a shared A is one variable
-        leaves.setdefault(id(t), t.double().requires_grad_())
-    leaf = {k: leaves[id(t)] for k, t in adapters.items()}
-
-    def delta(module: str) -> torch.Tensor:
-        return s * leaf[f"{module}.lora_B.weight"] @ leaf[f"{module}.lora_A.weight"]
-
-    params = {}
-    for name, p in model.named_parameters():
-        w = p.detach()
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            w = torch.stack([w[e] + torch.cat([delta(f"{base}{e}.gate_proj"), delta(f"{base}{e}.up_proj")], 0)
-                             for e in range(w.shape[0])])
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            w = torch.stack([w[e] + delta(f"{base}{e}.down_proj") for e in range(w.shape[0])])
-        elif name.endswith(".weight") and f"{name[:-len('.weight')]}.lora_A.weight" in leaf:
-            w = w + delta(name[: -len(".weight")])
-        params[name] = w
+    leaf = lora_leaves(adapters)
+    params = lora_merged_params(model, leaf, ALPHA / RANK)
     merged = {}  # the merged weights under Hub names (experts one by one), what a merged push sends
     for name, w in params.items():
         w = w.detach().float()
@@ -201,7 +147,7 @@ def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf-lora")
     make_tiny_hf(d)
     seqs = random_sequences(300, LENGTHS)
-    adapters = _hf_adapters(tiny_hf_config())
+    adapters = random_lora_adapters(tiny_hf_config(), RANK, seed=5)
     lps, grads, merged = _reference(str(d), seqs, adapters)
     return str(d), seqs, adapters, lps, grads, merged
 

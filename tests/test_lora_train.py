@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from megatron_utils import make_tiny_hf, tiny_glm_config
+from megatron_utils import lora_leaves, lora_merged_params, make_tiny_hf, random_lora_adapters, tiny_glm_config
 from testlib import REPO
 
 TINY_GLM = os.path.join(REPO, "launch", "configs", "tiny_cpu_glm.yaml")
@@ -36,68 +36,6 @@ EPS = (0.002, 0.003)
 GRAD_RTOL = 1e-4  # fp32 trainer against float64, relative to the tensor's largest entry
 PROMPTS = [3, 5, 4, 6, 3, 4, 5, 2]
 RESPONSES = [9, 4, 14, 7, 12, 5, 10, 16]
-
-
-def _hf_adapters(cfg, seed: int = 7) -> dict[str, torch.Tensor]:
-    """Random adapters in PEFT's names and HF layout (A r x in, B out x r), tied as the Megatron
-    model fuses them: q/k/v one A, gate/up one A (dense MLP, shared expert, each routed expert).
-    B is not zero, so every gradient is non-trivial."""
-    g = torch.Generator().manual_seed(seed)
-    H, D = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
-    out: dict[str, torch.Tensor] = {}
-
-    def a(n_in):
-        return (torch.rand(RANK, n_in, generator=g) * 2 - 1) / n_in ** 0.5
-
-    def b(n_out):
-        return torch.randn(n_out, RANK, generator=g) * 0.2
-
-    def mlp(prefix, inter):
-        shared = a(H)
-        for name in ("gate_proj", "up_proj"):
-            out[f"{prefix}{name}.lora_A.weight"] = shared
-            out[f"{prefix}{name}.lora_B.weight"] = b(inter)
-        out[f"{prefix}down_proj.lora_A.weight"] = a(inter)
-        out[f"{prefix}down_proj.lora_B.weight"] = b(H)
-
-    for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        shared = a(H)
-        for name, n_out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            out[f"{p}self_attn.{name}.lora_A.weight"] = shared
-            out[f"{p}self_attn.{name}.lora_B.weight"] = b(n_out)
-        out[f"{p}self_attn.o_proj.lora_A.weight"] = a(q)
-        out[f"{p}self_attn.o_proj.lora_B.weight"] = b(H)
-        if layer < cfg.first_k_dense_replace:
-            mlp(f"{p}mlp.", cfg.intermediate_size)
-            continue
-        mlp(f"{p}mlp.shared_experts.", cfg.moe_intermediate_size * cfg.n_shared_experts)
-        for e in range(cfg.n_routed_experts):
-            mlp(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
-    return out
-
-
-def _merged_params(model, leaf: dict, scale: float) -> dict:
-    """transformers' parameters with W + scale B A wherever an adapter is (the experts' stacked
-    gate_up / down tensors one expert at a time)."""
-    def delta(module: str) -> torch.Tensor:
-        return scale * leaf[f"{module}.lora_B.weight"] @ leaf[f"{module}.lora_A.weight"]
-
-    params = {}
-    for name, p in model.named_parameters():
-        w = p.detach()
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            w = torch.stack([w[e] + torch.cat([delta(f"{base}{e}.gate_proj"), delta(f"{base}{e}.up_proj")], 0)
-                             for e in range(w.shape[0])])
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            w = torch.stack([w[e] + delta(f"{base}{e}.down_proj") for e in range(w.shape[0])])
-        elif name.endswith(".weight") and f"{name[:-len('.weight')]}.lora_A.weight" in leaf:
-            w = w + delta(name[: -len(".weight")])
-        params[name] = w
-    return params
 
 
 def _tempered(model, params, samples) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,13 +62,10 @@ def _reference(hf_dir, adapters, samples, advantages):
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64).eval()
     model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
-    leaves = {}
-    for k, t in adapters.items():  # one leaf per distinct tensor: a shared A is one variable
-        leaves.setdefault(id(t), t.double().requires_grad_())
-    leaf = {k: leaves[id(t)] for k, t in adapters.items()}
+    leaf = lora_leaves(adapters)
     with torch.no_grad():
         base_lp, mask = _tempered(model, dict(model.named_parameters()), samples)
-    lp, _ = _tempered(model, _merged_params(model, leaf, ALPHA / RANK), samples)
+    lp, _ = _tempered(model, lora_merged_params(model, leaf, ALPHA / RANK), samples)
     # log s_i = mean_t (lp - engine) = shift_i - mean_t noise: every other sequence well past the
     # clip on the side that zeroes its gradient, the rest within or past the other side
     g = torch.Generator().manual_seed(3)
@@ -198,7 +133,7 @@ def glm_reference(tmp_path_factory):
     samples = [(torch.randint(1, cfg.vocab_size, (p,), generator=g).tolist(),
                 torch.randint(1, cfg.vocab_size, (r,), generator=g).tolist()) for p, r in zip(PROMPTS, RESPONSES)]
     advantages = torch.randn(len(samples), generator=g).tolist()
-    adapters = _hf_adapters(cfg)
+    adapters = random_lora_adapters(cfg, RANK, seed=7)
     loss, metrics, grads, engine = _reference(d, adapters, samples, advantages)
     rows = [(p, r, a, e) for (p, r), a, e in zip(samples, advantages, engine)]
     return d, adapters, rows, loss, metrics, grads
