@@ -581,15 +581,12 @@ def check_inputs(cfg, *, world_size: int) -> Inputs:
     return Inputs(hf_config, arch, reader, tokenizer, prompts, score, heldout, load, agent, mtp, driver)
 
 
-def _adapter_groups(cfg, ctx, chunks, engine) -> tuple[str, ...]:
+def _adapter_groups(cfg, ctx, engine) -> tuple[str, ...]:
     """Collective: the LoRA groups whose adapters are pushed on their own - the run's adapted
     groups the engine declares it takes (rank 0's engine: Capabilities.lora_targets), told to
     every rank (each streams its shards merged or not alike); () without LoRA."""
     if not cfg.lora.rank:
         return ()
-    from gspo_megatron.model.lora import adapters
-
-    adapted = {m._lora["group"] for _, m in adapters(chunks)}
     box = [None]
     if ctx.rank == 0:
         served = set(engine.capabilities.lora_targets) if engine is not None else set()
@@ -598,7 +595,7 @@ def _adapter_groups(cfg, ctx, chunks, engine) -> tuple[str, ...]:
         import torch.distributed as dist
 
         dist.broadcast_object_list(box, src=0)
-    groups = tuple(g for g in box[0] if g in adapted or ctx.world_size > 1)
+    groups = box[0]
     if ctx.rank == 0:
         log.info("lora pushes: %s as adapters, %s merged into their weights", ", ".join(groups) or "nothing",
                  ", ".join(sorted(set(cfg.lora.target_modules) - set(groups))) or "nothing")
@@ -694,7 +691,7 @@ def setup_run(cfg, *, world_size: int, inputs: Inputs | None = None) -> RunParts
             if engine is not None:
                 engine.close()
             raise
-    adapter_groups = _adapter_groups(cfg, ctx, chunks, engine)
+    adapter_groups = _adapter_groups(cfg, ctx, engine)
     stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     parts = RunParts(
         cfg=cfg, ctx=ctx, arch=arch, hf_config=hf_config, dtype=dtype, model=model, optimizer=optimizer,
