@@ -44,7 +44,14 @@ imports (then TE's FusedAdam, whose checkpoint path keeps `step` in the param gr
                    rank 0, on the transfer's own stream), then ncclCommAbort as a failed push
                    calls it; on CPU a stand-in communicator (torch.cuda.nccl is CUDA-only)
 
-It prints a PASS/FAIL table of these 8 rows (a row not reached is a FAIL naming the row it waited
+  9 lora         (--lora only) launch D: LoRA (rank 8 on every target) from launch B's export as the
+                   base, 2 GSPO steps on the device - Megatron's own linears on CUDA with LoRA, not
+                   TE's (model/spec.py local_spec), adapters hooked there -, background save:
+                   finite metrics and a non-zero gradient norm, an adapter-only checkpoint (fp32
+                   masters and both moments for each adapter, no base tensor), and
+                   `gspo-convert lora-merge` of it == its own <out>/hf export, bit for bit
+
+It prints a PASS/FAIL table of these 8 rows (9 with --lora) (a row not reached is a FAIL naming the row it waited
 for) and exits non-zero on any failure. Every launch has a timeout; the whole check is sized for
 < 8 minutes on one GPU (about 2 minutes on 2 CPU cores).
 """
@@ -91,6 +98,7 @@ OVERLAY_ENV = "GSPO_GPU_CHECK_VENV"  # set in the re-run: the venv it runs in (n
 ASYNC_SAVE = ("checkpoint.async_save=true",)  # launches A and B (stages 2, 3); C saves synchronously
 ROWS = ("1 environment", "2 train", "3 resume", "4 metrics", "5 export", "6 mcore-to-hf", "7 checkpoint",
         "8 vllm-nccl")
+LORA_ROW = "9 lora"  # with --lora
 
 
 class _CpuLoopback:
@@ -483,6 +491,8 @@ def main(argv=None) -> int:
                     help="only download the carried wheels into DIR (needs the package index), then exit")
     ap.add_argument("--python-versions", default=" ".join(DEFAULT_PYVERS),
                     help="with --fetch-wheels: CPython versions to fetch for, e.g. '3.11 3.12'")
+    ap.add_argument("--lora", action="store_true",
+                    help="also row 9: a LoRA run on the device from launch B's export (docs/lora.md)")
     ap.add_argument("--remove-out", action="store_true", help=argparse.SUPPRESS)  # the re-run's temporary --out
     args = ap.parse_args(argv)
     if args.fetch_wheels:
@@ -737,6 +747,47 @@ def main(argv=None) -> int:
         how = "torch.cuda.nccl: unique id, init_rank, warm-up all_reduce" if cuda else "CPU stand-in communicator"
         return f"group of 1 rank ({how}), {sent} bf16 tensors broadcast in 2 buckets, then aborted"
 
+    def lora():
+        import torch
+
+        from converters.cli import main as convert
+        from gspo_megatron.checkpoint.dcp_io import DcpReader
+
+        lora_dir = os.path.join(out, "lora")
+        shutil.rmtree(lora_dir, ignore_errors=True)
+        launch("lora", lora_dir, 2, export=True, extra=(
+            *ASYNC_SAVE, f"model.hf_dir={os.path.join(run_dir, 'hf')}", "model.hf_config=null",
+            "train.sft_warmup_steps=0", "lora.rank=8", "lora.alpha=16", "optimizer.lr=1e-3"))
+        with open(os.path.join(lora_dir, "metrics.jsonl")) as f:
+            gspo = [r for r in map(json.loads, f) if r.get("phase") == "gspo"]
+        if [r["step"] for r in gspo] != [1, 2] or not all(math.isfinite(r["loss"]) for r in gspo) \
+                or not any(r["grad_norm"] > 0 for r in gspo):
+            raise RuntimeError(f"LoRA GSPO rows {gspo}")
+        r = DcpReader(ckpt(lora_dir, 2))
+        try:
+            keys = r.keys()
+            dtypes = {str(r.dtype(k)) for k in keys if k.startswith("optimizer.state.")}
+        finally:
+            r.close()
+        model_keys = [k for k in keys if "optimizer." not in k]
+        if not model_keys or any(".lora_" not in k for k in model_keys if not k.endswith(".expert_bias")):
+            raise RuntimeError(f"not adapter-only: {[k for k in model_keys if '.lora_' not in k][:3]}")
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            if sum(1 for k in keys if k.startswith(f"optimizer.state.{kind}.")) != len(model_keys):
+                raise RuntimeError(f"optimizer.state.{kind} does not cover the {len(model_keys)} adapters")
+        if dtypes != {"torch.float32"}:
+            raise RuntimeError(f"adapter optimizer state dtypes {sorted(dtypes)}")
+        merged = os.path.join(out, "lora-merged")
+        shutil.rmtree(merged, ignore_errors=True)
+        if convert(["lora-merge", "--load", ckpt(lora_dir, 2), "--out", merged, "--no-progress"]) != 0:
+            raise RuntimeError("gspo-convert lora-merge failed")
+        a, b = hf_tensors(os.path.join(lora_dir, "hf")), hf_tensors(merged)
+        bad = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
+        if bad or set(a) != set(b):
+            raise RuntimeError(f"lora-merge differs from the run's export at {bad[:3]}")
+        return (f"2 GSPO steps, grad norm {gspo[-1]['grad_norm']:.3g}; {len(model_keys)} adapter tensors with fp32 "
+                f"masters + moments, no base; lora-merge == the run's export ({len(a)} tensors)")
+
     def skip(row: str, after: str):
         chk.add(row, False, 0.0, f"not run: {after} failed")
 
@@ -759,10 +810,15 @@ def main(argv=None) -> int:
         chk.run(ROWS[7], vllm_nccl)
     else:
         skip(ROWS[7], ROWS[0])
+    if args.lora:  # needs launch B's export as its base
+        if resumed and os.path.isdir(os.path.join(run_dir, "hf")):
+            chk.run(LORA_ROW, lora)
+        else:
+            skip(LORA_ROW, ROWS[2])
     print()
     print(f"gspo-megatron check, device={args.device}, {args.nproc} process(es); logs in {out}")
     print(chk.table())
-    ok = all(r[1] for r in chk.rows) and len(chk.rows) == len(ROWS)
+    ok = all(r[1] for r in chk.rows) and len(chk.rows) == len(ROWS) + bool(args.lora)
     if ok and remove_out:
         shutil.rmtree(out, ignore_errors=True)
     return 0 if ok else 1
