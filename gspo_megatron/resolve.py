@@ -76,9 +76,10 @@ def validate_world(cfg: Config, world_size: int, hf: dict | None = None) -> None
     cfg.parallel.validate(world_size, **arch_of(cfg, hf).dims_for_validation())
 
 
-def _refuse_adapter_only(directory: str) -> None:
-    """A LoRA run's checkpoint holds its adapters only: as model.load it would leave the base
-    unset. One ConfigError line saying what to do instead."""
+def refuse_adapter_only(directory: str, option: str) -> None:
+    """A LoRA run's checkpoint holds its adapters only: as a model to load (`option`: model.load,
+    score's --load) it would leave the base unset. One ConfigError line saying what to do
+    instead. `directory`: a checkpoint directory (not a root), its small files already verified."""
     if not os.path.isfile(os.path.join(directory, "common.pt")):
         return
     from gspo_megatron.checkpoint.megatron_load import load_common_state_dict
@@ -90,7 +91,7 @@ def _refuse_adapter_only(directory: str) -> None:
     if isinstance(lora, dict):
         base = lora.get("base") or {}
         where = base.get("path") or f"the random init of seed {base.get('init_seed')}"
-        raise ConfigError(f"model.load: {directory} is an adapter-only LoRA checkpoint (base: {where}); resume it "
+        raise ConfigError(f"{option}: {directory} is an adapter-only LoRA checkpoint (base: {where}); resume it "
                           f"with that base and checkpoint.resume={directory}, or merge it first (gspo-convert lora-merge)")
 
 
@@ -117,7 +118,7 @@ def read_load_source(cfg):
     # before any of its files is parsed (hf_config/, run_config.yaml, common.pt, the tokenizer);
     # the tensor data is verified by load_mcore_into_model, split over the ranks
     integrity.verify_before_parse(directory, data=False, require=cfg.checkpoint.require_checksums)
-    _refuse_adapter_only(directory)
+    refuse_adapter_only(directory, "model.load")
     hf_config_dir = os.path.join(directory, "hf_config")
     if os.path.isfile(os.path.join(hf_config_dir, "config.json")):
         return LoadSource(directory, hf_config_dir=hf_config_dir)

@@ -85,8 +85,12 @@ def main(argv=None) -> int:
         if args.load:
             from gspo_megatron.checkpoint.mcore import read_mcore_arch
 
+            from gspo_megatron.checkpoint.megatron_dirs import resolve as resolve_dir
+            from gspo_megatron.resolve import refuse_adapter_only
+
             # verifies the checkpoint's files but the tensor data against its checksums.json first
             arch = read_mcore_arch(args.load, require_checksums=args.require_checksums)
+            refuse_adapter_only(resolve_dir(args.load), "--load")
             reader = None
         else:
             arch = MoeArch.from_hf_dir(args.hf_dir)

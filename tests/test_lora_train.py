@@ -204,7 +204,7 @@ def _error_line(r) -> str:
 
 
 @pytest.mark.timeout(900)
-def test_lora_checkpoints_are_adapter_only_and_a_resumed_run_ends_where_the_straight_one_does(tmp_path):
+def test_lora_checkpoints_are_adapter_only_and_a_resumed_run_ends_where_the_straight_one_does(tmp_path, capsys):
     """3 steps straight, against 2 steps, then a resume for the third (TP2+SP, the demo's random-init
     base rebuilt from its seed on resume): the last checkpoints hold the same adapters, Adam
     moments and loop state bit for bit, and only adapters (no base tensor: a 235B base is never
@@ -248,3 +248,13 @@ def test_lora_checkpoints_are_adapter_only_and_a_resumed_run_ends_where_the_stra
     r, _ = _train(tmp_path / "new", f"model.load={halted / 'checkpoints' / 'iter_0000003'}")
     line = _error_line(r)
     assert "is an adapter-only LoRA checkpoint (base: the random init of seed 1234)" in line, line
+    # nor as the model gspo_megatron.score reads
+    from gspo_megatron.score import main as score
+
+    (tmp_path / "seqs.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    with pytest.raises(SystemExit) as e:
+        score(["--load", str(halted / "checkpoints" / "iter_0000003"), "--input", str(tmp_path / "seqs.jsonl"),
+               "--output", str(tmp_path / "lp.jsonl")])
+    assert e.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ": error: " in ln]
+    assert len(err) == 1 and "--load: " in err[0] and "is an adapter-only LoRA checkpoint" in err[0], err
