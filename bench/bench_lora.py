@@ -13,6 +13,8 @@ Printed: pass@1 per eval step, the rise over the frozen base, step time, trainab
 the last checkpoint's size, and the peak resident memory of each run (the largest process's
 high-water mark, getrusage of the launcher's children). Runs on 2 CPU processes (TP2+SP), about 5
 minutes here. `--steps`, `--rank`, `--lr` change the LoRA run; `--json` writes the numbers.
+`--smoke`: the same three runs at toy size (a 4-step warm start, 2 GSPO steps, evals of 8 prompts
+x 2 samples), for tests/test_bench_smoke.py.
 """
 from __future__ import annotations
 
@@ -87,13 +89,19 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--json", default=None)
     p.add_argument("--keep", default=None, help="keep the runs here (default: a temporary folder)")
+    p.add_argument("--smoke", action="store_true", help="toy sizes: the plumbing, not the numbers")
     a = p.parse_args(argv)
+    evals, warm = EVAL, []
+    if a.smoke:
+        a.steps = 2
+        evals = ["eval.interval=1", "eval.num_prompts=8", "eval.samples_per_prompt=2", *EVAL[3:]]
+        warm = ["train.sft_warmup_steps=4"]
     root = a.keep or tempfile.mkdtemp(prefix="bench-lora-")
     try:
         base = os.path.join(root, "base")
-        _run(base, "train.max_steps=0", "checkpoint.export_hf=true", *EVAL[3:])
+        _run(base, "train.max_steps=0", "checkpoint.export_hf=true", *warm, *EVAL[3:])
         common = [f"model.hf_dir={base}/hf", "model.hf_config=null", "train.sft_warmup_steps=0",
-                  f"train.max_steps={a.steps}", "checkpoint.interval=0", *EVAL]
+                  f"train.max_steps={a.steps}", "checkpoint.interval=0", *evals]
         runs = {"full": (os.path.join(root, "full"), []),
                 "lora": (os.path.join(root, "lora"), [f"lora.rank={a.rank}", f"lora.alpha={a.alpha}",
                                                       f"optimizer.lr={a.lr}"])}
@@ -101,13 +109,15 @@ def main(argv=None) -> int:
         for name, (out, extra) in runs.items():
             peak = _run(out, *common, *extra)
             rows = _rows(out)
-            evals = {r["step"]: r["eval/heldout/pass@1"] for r in rows if "eval/heldout/pass@1" in r}
+            pass1 = {r["step"]: r["eval/heldout/pass@1"] for r in rows if "eval/heldout/pass@1" in r}
             steps = [r["t_step"] for r in rows if r.get("phase") == "gspo"]
-            res[name] = {"pass@1": evals, "t_step_s": sum(steps) / len(steps), "peak_rss": peak,
+            res[name] = {"pass@1": pass1, "t_step_s": sum(steps) / len(steps), "peak_rss": peak,
                          "trainable": _trainable(out), "checkpoint_bytes": _ckpt_bytes(out)}
         full, lora = res["full"], res["lora"]
         frozen = lora["pass@1"][0]
-        print(f"held-out pass@1 (64 prompts x 4 samples), from the same SFT base (frozen base: {frozen:.3f})")
+        size = " x ".join(x.split("=")[1] for x in evals[1:3])
+        print(f"held-out pass@1 ({size.replace(' x ', ' prompts x ', 1)} samples), from the same SFT base "
+              f"(frozen base: {frozen:.3f})")
         print(format_table(["step", "full-parameter", f"LoRA r{a.rank}"],
                            [[s, f"{full['pass@1'].get(s, float('nan')):.3f}", f"{lora['pass@1'][s]:.3f}"]
                             for s in sorted(lora["pass@1"])]))

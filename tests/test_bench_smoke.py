@@ -105,14 +105,15 @@ def test_bench_data_smoke(tmp_path):
 
 # script -> extra arguments; longest first, so the pool's lanes end together
 SMOKES = {
+    "bench_lora.py": [],  # a 4-step warm start, then 2 GSPO steps full-parameter and LoRA, tp2
     "bench_async.py": [],  # 2 trainer runs (sync, async + partial) against the SGLang double
-    "bench_weight_sync.py": [],
-    "bench_packing.py": [],
-    "bench_load.py": ["--workdir", "{tmp}/load"],
-    "bench_logprobs.py": [],
-    "bench_launch.py": [],
-    "bench_agents.py": [],
     "bench_async_save.py": [],  # one sync and one background save of the smallest model, dp2
+    "bench_load.py": ["--workdir", "{tmp}/load"],
+    "bench_weight_sync.py": [],
+    "bench_logprobs.py": [],
+    "bench_packing.py": [],
+    "bench_agents.py": [],
+    "bench_launch.py": [],
 }
 SMOKE_WORKERS = 3  # concurrent smokes: more only oversubscribes the CPUs further
 SMOKE_TIMEOUT_S = 600  # per smoke, a hang bound (on a quiet 2-core machine all of them take ~1 min)
@@ -413,3 +414,22 @@ def test_bench_async_save_smoke(smokes):
     m = re.search(rf"^blocks async / sync, median over repetitions: ({NUM}) \(target <= 0.1\): (PASS|FAIL); "
                   r"the async checkpoint equals the synchronous one tensor by tensor$", out, re.M)
     assert m and _close(_num(m.group(1)), ratio, 3), out
+
+
+def test_bench_lora_smoke(smokes):
+    """The side-by-side table: an eval row per step for both runs from the same base, and ratios
+    that are the printed numbers' (LoRA trains and stores less than full-parameter)."""
+    out = _ok(smokes, "bench_lora.py")
+    m = re.search(rf"^held-out pass@1 \(8 prompts x 2 samples\), from the same SFT base \(frozen base: ({NUM})\)$",
+                  out, re.M)
+    assert m, out
+    _row(out, r"^step\s+full-parameter\s+LoRA r16$")
+    rows = [_row(out, rf"^{s}\s+{NUM}\s+{NUM}$") for s in range(3)]
+    # step 0 is the base in both runs (LoRA's B starts at 0): the same model, the same eval draws
+    assert rows[0][1] == rows[0][2] == m.group(1), (rows[0], m.group(1))
+    for label, decimals in (("trainable parameters", 3), ("last checkpoint \\(bytes\\)", 3)):
+        row = _row(out, rf"^{label}\s+{NUM}\s+{NUM}\s+{NUM}$")
+        full, lora, ratio = (_num(x) for x in row[-3:])
+        assert 0 < lora < full and _close(ratio, lora / full, decimals), row
+    row = _row(out, rf"^mean GSPO step \(s\)\s+{NUM}\s+{NUM}\s+{NUM}$")
+    assert _num(row[-3]) > 0 and _num(row[-2]) > 0 and _close(_num(row[-1]), _num(row[-2]) / _num(row[-3]), 2, 0.01)
