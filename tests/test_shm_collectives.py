@@ -110,19 +110,27 @@ def _ops_equal_gloo(rank, world_size):
 
     both(product, (9,), dtype=torch.float64, sums=True)
     dist.barrier(group=shm)
-    return checked, _mappings()
+    with open("/proc/self/maps") as f:
+        # "... /dev/shm/gspo-shm-<pid>-<random> (deleted)": rank 0 unlinks the file once all have mapped it
+        arenas = {os.path.basename(line.split(maxsplit=5)[5].split()[0]) for line in f if "gspo-shm-" in line}
+    return checked, _mappings(), os.getpid(), arenas
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_shared_memory_collective_equals_gloo_bitwise(world_size):
     """world_size 1: the one-rank shortcut (no arena, no gloo) against gloo's one-rank results."""
     out = run_distributed(_ops_equal_gloo, world_size)
-    assert all(checked == 4 * 4 * 6 + 3 for checked, _ in out)
+    assert all(checked == 4 * 4 * 6 + 3 for checked, _, _, _ in out)
     if world_size > 1:
-        assert all(m >= 1 for _, m in out), "the shm group never mapped its arena: the fast path did not run"
+        assert all(m >= 1 for _, m, _, _ in out), "the shm group never mapped its arena: the fast path did not run"
     else:
         assert out[0][1] == 0, "a one-rank group mapped an arena"
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("gspo-shm-")], "an arena file was left in /dev/shm"
+    # the arena's name carries its creator's pid (group rank 0's), so the check below sees only this
+    # run's files: another suite on the same machine may hold arenas of its own meanwhile
+    ours = f"gspo-shm-{out[0][2]}-"
+    assert all(name.startswith(ours) for o in out for name in o[3]), [o[3] for o in out]
+    left = [f for f in os.listdir("/dev/shm") if f.startswith(ours)]
+    assert not left, f"an arena file was left in /dev/shm: {left}"
 
 
 def _cp2_one_row_mismatch(rank, world_size):

@@ -153,7 +153,8 @@ class _Arena:
         path = ""
         if rank == 0:
             try:
-                fd, path = tempfile.mkstemp(prefix="gspo-shm-", dir="/dev/shm")
+                # the creator's pid in the name: whoever finds one left behind knows whose it was
+                fd, path = tempfile.mkstemp(prefix=f"gspo-shm-{os.getpid()}-", dir="/dev/shm")
                 try:
                     # reserve the pages now: a full tmpfs fails here (one line) instead of SIGBUS later
                     os.posix_fallocate(fd, 0, self.nbytes)
