@@ -116,12 +116,15 @@ class MoeArch:
         """One decoder layer's parameters on one rank (tp = ep = etp = 1: the whole layer)."""
         H = self.hidden_size
         split, whole = self.family.attention_params(self, tp)  # the family's attention: over TP, on every rank
-        out = {"attention": split + whole, "norms": 2 * H, "router": 0, "experts": 0, "shared_experts": 0,
-               "dense_mlp": 0, "expert_active": 0}
+        out = {"attention": split + whole, "norms": 2 * H, "router": 0, "router_bias": 0, "experts": 0,
+               "shared_experts": 0, "dense_mlp": 0, "expert_active": 0}
         if self.is_moe_layer(layer):
             E, I = self.num_experts, self.moe_intermediate_size
             per_expert = 3 * H * I
-            out["router"] = E * H + (E if self.router_expert_bias else 0)
+            out["router"] = E * H
+            # the selection bias: a buffer in Megatron (router.py register_buffer), not a parameter a
+            # rank's buffers, gradients or optimizer hold (--simulate counts those: train/simulate.py)
+            out["router_bias"] = E if self.router_expert_bias else 0
             out["experts"] = (E // ep) * per_expert // etp
             out["expert_active"] = self.moe_topk * per_expert
             out["shared_experts"] = 3 * H * self.shared_expert_intermediate_size // tp
@@ -142,6 +145,7 @@ class MoeArch:
             lp = self.layer_params(i)
             for k in ("attention", "norms", "router", "experts", "shared_experts", "dense_mlp"):
                 br[k] += lp[k]
-            active += (lp["attention"] + lp["norms"] + lp["router"] + lp["shared_experts"] + lp["dense_mlp"]
-                       + lp["expert_active"])
+            br["router"] += lp["router_bias"]
+            active += (lp["attention"] + lp["norms"] + lp["router"] + lp["router_bias"] + lp["shared_experts"]
+                       + lp["dense_mlp"] + lp["expert_active"])
         return {"total": sum(br.values()), "active": active, "breakdown": br}

@@ -388,17 +388,18 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
 def _cuda_tensor_methods():
     """Inside the block, for CPU tensors: `t.type()` (no arguments) answers 'torch.cuda.<T>' — the
     names Megatron's optimizers compare against — and `t.cuda()` returns the tensor itself (the
-    collective that follows runs on gloo). `t.type(dtype)` (a conversion) is untouched."""
+    collective that follows runs on gloo). `t.type(dtype)` (a conversion) is untouched. Meta
+    tensors (--simulate, train/simulate.py) answer the same ('torch.meta.<T>' otherwise)."""
     real_type, real_cuda = torch.Tensor.type, torch.Tensor.cuda
 
     def type_(self, *args, **kwargs):
         name = real_type(self, *args, **kwargs)
-        if not args and not kwargs and self.device.type == "cpu" and name.startswith("torch."):
-            return "torch.cuda." + name[len("torch."):]
+        if not args and not kwargs and self.device.type in ("cpu", "meta") and name.startswith("torch."):
+            return "torch.cuda." + name.split(".")[-1]
         return name
 
     def cuda_(self, *args, **kwargs):
-        return self if self.device.type == "cpu" else real_cuda(self, *args, **kwargs)
+        return self if self.device.type in ("cpu", "meta") else real_cuda(self, *args, **kwargs)
 
     torch.Tensor.type, torch.Tensor.cuda = type_, cuda_
     try:

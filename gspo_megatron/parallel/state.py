@@ -2,6 +2,7 @@
 everything else receives a `ParallelContext` and passes its groups explicitly."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -210,6 +211,43 @@ def background_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> GroupOps:
     plans, file lists and flags (CPU objects), and PyTorch's DCP asks for a CPU-capable group
     for its asynchronous saves (torch 2.13 torch/distributed/checkpoint/state_dict_saver.py:304)."""
     return GroupOps(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+
+
+@contextlib.contextmanager
+def simulated_world(rank: int, world: int):
+    """torch.distributed as `rank` of `world` with torch's "fake" backend (every collective returns
+    at once, nothing is sent), for --simulate (train/simulate.py): init_parallel inside the block
+    builds Megatron's real groups on it. Megatron also asks for gloo groups (its optimizer's) and
+    gathers objects; inside the block a group of any backend is a fake one, and all_gather_object
+    answers this rank's object for every rank. Everything is torn down at the end."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("simulated_world: torch.distributed is already initialized in this process")
+    real_new_group, real_gather = dist.new_group, dist.all_gather_object
+
+    def new_group(*args, **kwargs):
+        kwargs.pop("backend", None)
+        kwargs.pop("pg_options", None)
+        return real_new_group(*args, **kwargs)
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = [obj] * len(out)
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.new_group, dist.all_gather_object = new_group, all_gather_object
+    try:
+        yield
+    finally:
+        dist.new_group, dist.all_gather_object = real_new_group, real_gather
+        destroy_parallel()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def destroy_parallel() -> None:

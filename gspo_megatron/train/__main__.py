@@ -21,6 +21,10 @@ def main(argv=None) -> int:
         from gspo_megatron.planner import main as planner_main
 
         return planner_main(argv)
+    if "--simulate" in argv:  # a GPU preset's ranks built on the meta device (train/simulate.py)
+        from gspo_megatron.train.simulate import main as simulate_main
+
+        return simulate_main(argv)
     from gspo_megatron.config_reference import render_help
 
     p = argparse.ArgumentParser(prog="gspo_megatron.train", description=__doc__.split("\n")[0],
