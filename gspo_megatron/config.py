@@ -1282,6 +1282,32 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class ScaleConfig:
+    # What `--simulate` (train/simulate.py) checks a layout against; training never reads it.
+    # GPUs per node: the per-node totals, and which transfers of a weight push stay inside a node.
+    gpus_per_node: int = 8
+    # Budgets per node, GiB: --simulate fails in one line when a node's GPU memory (weights,
+    # gradients, optimizer, digest and push peaks, the planner's activations; each GPU also within
+    # its share, this / gpus_per_node) or host memory (the background save's snapshot) is over;
+    # null = not checked.
+    gpu_gib_per_node: Optional[float] = None
+    host_gib_per_node: Optional[float] = None
+    # The weight push's bandwidth model, GB/s per GPU and direction: inside a node (NVLink),
+    # across nodes (InfiniBand), and the shared file system per node (weight_sync=disk).
+    nvlink_gbs: float = 400.0
+    ib_gbs: float = 50.0
+    disk_gbs: float = 5.0
+
+    def __post_init__(self):
+        _positive("scale.gpus_per_node", self.gpus_per_node)
+        for k in ("gpu_gib_per_node", "host_gib_per_node"):
+            if getattr(self, k) is not None:
+                _positive(f"scale.{k}", getattr(self, k))
+        for k in ("nvlink_gbs", "ib_gbs", "disk_gbs"):
+            _positive(f"scale.{k}", getattr(self, k))
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -1295,6 +1321,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
     # Run directory: resolved config, metrics, checkpoints, exports.
     out_dir: str = "runs/gspo"
 

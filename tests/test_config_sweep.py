@@ -174,6 +174,9 @@ NOT_SWEPT: dict[str, tuple[str, ...]] = {
         "rollout.vllm.weight_sync", "rollout.vllm.dtype", "rollout.vllm.max_model_len", "rollout.vllm.cpu_kv_cache_mb",
         "rollout.vllm.gpus", "rollout.return_routing", "rollout.vllm.push_mid_generation",
         "rollout.vllm.replicas", "rollout.vllm.replicas_file", "rollout.vllm.max_replicas"),
+    "what --simulate checks a layout against (budgets, bandwidths); training never reads them (test_simulate)": (
+        "scale.gpus_per_node", "scale.gpu_gib_per_node", "scale.host_gib_per_node", "scale.nvlink_gbs",
+        "scale.ib_gbs", "scale.disk_gbs"),
     "the device and world (CPU here; GPU paths: make gpu-check)": (
         "parallel.device", "parallel.world_size", "parallel.etp"),
     "data and reward sources (test_data_records, test_reward_scorer, test_reward_safety, test_evaluation)": (

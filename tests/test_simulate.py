@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -136,7 +137,30 @@ def test_every_rank_holds_the_independent_count(simulated, name):
         shard = 14 * dense / dp_cp + 14 * routed / edp
         assert 0.98 * shard <= snap <= 1.02 * shard + 4 * 2**20, (name, r["rank"], snap, shard)
         assert snap <= pinned <= 1.05 * snap, (name, r["rank"], snap, pinned)
-        assert got["digest_peak"] <= GIB, got
+        # the verified push's digest: rank 0's (it digests what it pushes), two float64 blocks at most
+        assert (0 < got["digest_peak"] <= GIB) if r["rank"] == 0 else "digest_peak" not in got, got
+    # the push, on global rank 0: every HF tensor once in bf16 (the whole model, the routers' expert
+    # bias included: an exported buffer), of which rank 0 received all but its own share
+    full_dense, full_routed = 0, 0
+    for s in range(pp):
+        d, e = expected_rank_params(hf, dict(par, tp=1, ep=1, etp=1), s)
+        full_dense, full_routed = full_dense + d, full_routed + e
+    E = hf.get("num_experts") or hf["n_routed_experts"]
+    moe_layers = hf["num_hidden_layers"] - hf.get("first_k_dense_replace", 0) - len(hf.get("mlp_only_layers") or [])
+    bias = E * moe_layers if hf.get("model_type") in ("glm4_moe", "deepseek_v3") else 0
+    total = full_dense + full_routed + bias
+    r0 = next(r for r in rep["ranks"] if r["rank"] == 0)
+    f = r0["refit"]
+    assert f["push_bytes"] == 2 * total, (name, f["push_bytes"], 2 * total)
+    own = 2 * sum(expected_rank_params(hf, par, 0))
+    received = f["recv_intra"] + f["recv_inter"]
+    assert abs(received - (2 * total - own)) <= 0.01 * 2 * total, (name, received, 2 * total - own)
+    assert f["send_intra"] == f["send_inter"] == 0  # rank 0 only receives
+    assert f["buckets"] >= -(-f["push_bytes"] // f["bucket_bytes"]) and f["largest_bucket"] >= f["push_bytes"] / f["buckets"]
+    # the stage roots send their stage to rank 0; a rank of other replicas (dense and expert) takes no part
+    for r in rep["ranks"]:
+        if r["coords"]["dp"] > 0 and r["coords"]["edp"] > 0:
+            assert r["refit"]["p2p_ops"] == 0, r
 
 
 def _old_snapshot(model, optimizer, arch, hf_config):
@@ -202,3 +226,59 @@ def test_digest_memory_is_bounded_at_any_tensor_size(numel):
     assert live.peak >= 8 * numel
     if numel >= 151552 * 5120:
         assert live.peak > GIB
+
+
+@pytest.mark.parametrize("name", ["qwen3_235b_a22b", "glm45", "deepseek_v3"])
+def test_a_received_stage_item_is_sized_from_its_rule_alone(name, monkeypatch):
+    """Found by --simulate: rank 0 sized every tensor it receives from another pipeline stage by
+    enumerating every HF name of the model (mapping.hf_shapes) once per item, quadratic in the
+    layers: 56 of the 72 CPU seconds of the 235B preset's simulated push, and of every real push of
+    a PP > 1 run. The buffers must match the full enumeration's shapes, without it."""
+    import torch
+
+    from gspo_megatron.model import export, mapping
+    from gspo_megatron.model.arch import MoeArch
+
+    arch = MoeArch.from_hf_dict(_preset(name)["model"]["hf_config"], source="test")
+    want = mapping.hf_shapes(arch)
+    items = [it for it in export.export_items(arch, 1) if it.layer in (None, 0, arch.num_layers - 1)]
+    assert any(it.rule.kind.is_expert for it in items)
+
+    def enumerate_all(arch):
+        raise AssertionError("_recv_item enumerated every HF name of the model")
+
+    monkeypatch.setattr(export, "_recv_all", lambda bufs, overlap=None: None)
+    monkeypatch.setattr(mapping, "iter_hf_shapes", enumerate_all)
+    seen = 0
+    for item in items:
+        for hf_name, buf in export._recv_item(item, arch, 1, torch.bfloat16, torch.device("meta")):
+            assert tuple(buf.shape) == tuple(want[hf_name]), (hf_name, buf.shape, want[hf_name])
+            seen += 1
+    assert seen >= len(items)
+
+
+def test_a_node_over_its_budget_is_one_line_naming_it(simulated):
+    """The presets fit their own budgets (the fixture's runs would exit 2 otherwise); the same
+    nodes against smaller budgets are refused in one line naming the budget and its largest item."""
+    from types import SimpleNamespace
+
+    from gspo_megatron.errors import ConfigError
+    from gspo_megatron.train.simulate import check_budgets
+
+    rep = simulated["glm45_air"]
+    nodes, scale = rep["nodes"], rep["scale"]
+    assert len(nodes) == 32 // 8 and scale["gpu_gib_per_node"] == 600 and scale["host_gib_per_node"] == 1536
+    need = max(sum(n["gpu"].values()) for n in nodes) / GIB
+    host = max(sum(n["host"].values()) for n in nodes) / GIB
+    assert 0 < need <= 600 and 0 < host <= 1536, (need, host)
+    check_budgets(nodes, SimpleNamespace(**scale))  # within
+    cases = [(dict(gpu_gib_per_node=need - 1), rf"^scale\.gpu_gib_per_node={need - 1:g}: node \d+ needs {need:.1f} GiB "
+                                               r"of GPU memory \(largest: optimizer [0-9.]+ GiB\)$"),
+             (dict(host_gib_per_node=host - 1), rf"^scale\.host_gib_per_node={host - 1:g}: node \d+ needs {host:.1f} GiB "
+                                                r"of host memory \(largest: checkpoint_snapshot [0-9.]+ GiB\)$"),
+             (dict(gpu_gib_per_node=need + 1, gpus_per_node=16), r"^scale\.gpu_gib_per_node=.*: rank \d+ needs [0-9.]+ "
+                                                                 r"GiB, over its GPU's share of [0-9.]+ GiB$")]
+    for over, pattern in cases:
+        with pytest.raises(ConfigError) as e:
+            check_budgets(nodes, SimpleNamespace(**dict(scale, **over)))
+        assert re.match(pattern, str(e.value)) and "\n" not in str(e.value), str(e.value)

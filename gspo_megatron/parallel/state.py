@@ -213,35 +213,57 @@ def background_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> GroupOps:
     return GroupOps(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
 
 
+class _DoneWork:
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 @contextlib.contextmanager
 def simulated_world(rank: int, world: int):
     """torch.distributed as `rank` of `world` with torch's "fake" backend (every collective returns
     at once, nothing is sent), for --simulate (train/simulate.py): init_parallel inside the block
     builds Megatron's real groups on it. Megatron also asks for gloo groups (its optimizer's) and
     gathers objects; inside the block a group of any backend is a fake one, and all_gather_object
-    answers this rank's object for every rank. Everything is torn down at the end."""
+    answers this rank's object for every rank. Point-to-point transfers (send, recv, isend, irecv:
+    the weight export's) complete at once and are recorded in the yielded list as
+    (op, bytes, peer global rank). Everything is torn down at the end."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("simulated_world: torch.distributed is already initialized in this process")
-    real_new_group, real_gather = dist.new_group, dist.all_gather_object
+    real = {k: getattr(dist, k) for k in ("new_group", "all_gather_object", "send", "recv", "isend", "irecv")}
+    p2p: list[tuple[str, int, int]] = []
 
     def new_group(*args, **kwargs):
         kwargs.pop("backend", None)
         kwargs.pop("pg_options", None)
-        return real_new_group(*args, **kwargs)
+        return real["new_group"](*args, **kwargs)
 
     def all_gather_object(out, obj, group=None):
         out[:] = [obj] * len(out)
+
+    def point_to_point(op: str, blocking: bool):
+        def fn(tensor, peer=None, group=None, tag=0, **kwargs):
+            peer = kwargs.get("dst", kwargs.get("src", peer))
+            p2p.append((op, tensor.numel() * tensor.element_size(), int(peer)))
+            return None if blocking else _DoneWork()
+
+        return fn
 
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     dist.new_group, dist.all_gather_object = new_group, all_gather_object
+    dist.send, dist.isend = point_to_point("send", True), point_to_point("send", False)
+    dist.recv, dist.irecv = point_to_point("recv", True), point_to_point("recv", False)
     try:
-        yield
+        yield p2p
     finally:
-        dist.new_group, dist.all_gather_object = real_new_group, real_gather
+        for k, v in real.items():
+            setattr(dist, k, v)
         destroy_parallel()
         for k, v in saved.items():
             if v is None:

@@ -20,23 +20,28 @@ one process, one after another:
 Reported per rank: GPU bytes of weights, gradients, optimizer (fp32 masters + Adam moments); host
 bytes of the background save's snapshot and of what it page-locks (with torch's pinned allocator a
 request is rounded up to a power of two: aten/src/ATen/core/CachingHostAllocator.h, `roundSize`, in
-torch 2.13's headers; `MetaDevice` counts a `pin_memory=True` allocation that way); and the peak
-extra memory of the verified push's digest (rollout/vllm_worker.py tensor_digest) over the rank's
-largest tensor. Per node: every rank of the first node stands in for by the simulated rank of its
-pipeline stage (ranks of one stage hold the same shapes; the distributed optimizer's shards differ
-by padding only).
+torch 2.13's headers; `MetaDevice` counts a `pin_memory=True` allocation that way); on rank 0 the
+peak extra memory of the verified push's digest (rollout/vllm_worker.py tensor_digest) of its
+largest tensor; and the weight push as the trainer runs it: the real export (model/export.py, its
+point-to-point transfers recorded with their peers, inside or across nodes) drained on every rank,
+and on rank 0 the engine's buckets (rollout/weight_sync.py iter_buckets) with the peak extra memory
+(`LiveBytes`). From rank 0's transfers and pushed bytes, a push time per weight-sync mode under the
+config's bandwidth model (`scale`: predict_push_s says how).
+
+Per node: each rank is represented by the simulated rank of its pipeline stage (ranks of one stage
+hold the same shapes; the distributed optimizer's shards differ by padding only), plus the dry-run
+planner's activation estimate of the stage; `scale.gpu_gib_per_node` / `host_gib_per_node` are
+checked against the fullest node and GPU (one line naming the budget and its largest item).
 
 Assumed, not simulated: `all_gather_object` returns this rank's object for every rank (Megatron
-gathers parameter-group keys to check they agree: they do in a symmetric layout); activations,
-CUDA context, NCCL buffers and allocator fragmentation are not counted (the dry-run planner
-estimates activations).
+gathers parameter-group keys to check they agree: they do in a symmetric layout); activations are
+the dry-run planner's estimate; CUDA context, NCCL buffers and allocator fragmentation are not
+counted.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
 import weakref
@@ -84,6 +89,8 @@ class MetaDevice(TorchFunctionMode):
             out = func(*args, **kwargs)
             self.pinned.append(_pow2_ceil(out.numel() * out.element_size()))
             return out
+        if func in _CATS and args and all(isinstance(t, torch.Tensor) and t.is_meta for t in args[0]):
+            return _meta_cat(args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0))
         if func in _FROM_DATA:  # small by nature, and read back (`.item()`): real CPU tensors
             return func(*args, **kwargs)
         if func in _FACTORIES or kwargs.get("device") is not None:
@@ -92,6 +99,22 @@ class MetaDevice(TorchFunctionMode):
 
 
 _FROM_DATA = {torch.tensor, torch.as_tensor}
+_CATS = {torch.cat, torch.concat, torch.concatenate}
+
+
+def _meta_cat(tensors, dim: int) -> torch.Tensor:
+    """torch.cat of meta tensors by shape alone: the meta kernel runs torch's Python reference
+    (~5 ms a call), and the export and Megatron's initialisation concatenate ~10^4 times a rank."""
+    parts = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]  # cat's legacy empty skip
+    if not parts:
+        return torch.cat(list(tensors), dim)
+    shape = list(parts[0].shape)
+    d = dim % len(shape)
+    shape[d] = sum(t.shape[d] for t in parts)
+    dtype = parts[0].dtype
+    for t in parts[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return torch.empty(shape, dtype=dtype, device=META)
 _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint,
               torch.arange, torch.linspace, torch.eye, torch.randperm, torch.empty_strided}
 
@@ -131,6 +154,7 @@ class RankReport:
     params: int  # parameters this rank holds (numel)
     gpu: dict  # category -> bytes
     host: dict  # category -> bytes
+    refit: dict  # the weight push: bytes sent / received in and across nodes; rank 0: tensors, buckets
     seconds: float
     notes: list = field(default_factory=list)
 
@@ -211,7 +235,40 @@ def _digest_peak(numel: int, dtype: torch.dtype) -> int:
     return live.peak
 
 
-def simulate_rank(cfg, inputs, world: int, rank: int, *, snapshot=None) -> RankReport:
+def _refit(chunks, ctx, arch, cfg, dtype, p2p: list, nproc_per_node: int) -> dict:
+    """The weight push as the trainer runs it (train/loop.py push_weights): the real export
+    (model/export.py iter_hf_tensors: point-to-point gathers to global rank 0) drained on every
+    rank, and on rank 0 grouped into the engine's buckets by the real rollout/weight_sync.py
+    iter_buckets. Bytes each rank sends and receives (inside its node / across nodes), and on rank
+    0 the pushed tensors, bytes, buckets and the peak extra memory while pushing."""
+    from gspo_megatron.model.export import iter_hf_tensors
+    from gspo_megatron.rollout.weight_sync import drain, iter_buckets
+
+    engine = getattr(cfg.rollout, cfg.rollout.backend, None)
+    bucket_bytes = int(getattr(engine, "bucket_mb", 512)) << 20
+    start = len(p2p)
+    out = {"bucket_bytes": bucket_bytes}
+    with LiveBytes() as live:
+        stream = iter_hf_tensors(chunks, ctx, arch, dtype=dtype)
+        if ctx.rank == 0:
+            tensors = nbytes = buckets = largest = 0
+            for bucket in iter_buckets(stream, bucket_bytes, dtype=dtype, device=META):
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                tensors, nbytes, buckets, largest = tensors + len(bucket), nbytes + size, buckets + 1, max(largest, size)
+                del bucket
+            out.update(tensors=tensors, push_bytes=nbytes, buckets=buckets, largest_bucket=largest)
+        else:
+            drain(stream)
+    out["peak_extra_bytes"] = live.peak
+    node = ctx.rank // nproc_per_node
+    for op in ("send", "recv"):
+        for where, same in (("intra", True), ("inter", False)):
+            out[f"{op}_{where}"] = sum(n for o, n, peer in p2p[start:] if o == op and (peer // nproc_per_node == node) == same)
+    out["p2p_ops"] = len(p2p) - start
+    return out
+
+
+def simulate_rank(cfg, inputs, world: int, rank: int, *, snapshot=None, nproc_per_node: int = 8) -> RankReport:
     """One rank's objects, built and measured (see the module docstring). `snapshot`: a stand-in
     for train/checkpoint.py's `_snapshot` host allocation (tests: the c651b52 per-chunk buffers)."""
     from gspo_megatron.model.factory import build_policy, parse_dtype
@@ -221,9 +278,12 @@ def simulate_rank(cfg, inputs, world: int, rank: int, *, snapshot=None) -> RankR
 
     t0 = time.perf_counter()
     dtype = parse_dtype(cfg.model.dtype)
-    with simulated_world(rank, world):
+    with simulated_world(rank, world) as p2p:
         ctx = init_parallel(cfg.parallel, seed=cfg.model.init_seed)
-        coords = dict(tp=ctx.tp_rank, cp=ctx.cp_rank, ep=ctx.ep_rank, etp=ctx.etp_rank, dp=ctx.dp_rank, pp=ctx.pp_rank)
+        import torch.distributed as dist
+
+        coords = dict(tp=ctx.tp_rank, cp=ctx.cp_rank, ep=ctx.ep_rank, etp=ctx.etp_rank, dp=ctx.dp_rank, pp=ctx.pp_rank,
+                      edp=dist.get_rank(ctx.edp_group))
         with MetaDevice() as meta:
             chunks, tconfig = build_policy(ctx, inputs.arch, dtype=dtype, recompute=cfg.train.recompute,
                                            fused_logprobs=cfg.model.fused_logprobs, local_spec=bool(cfg.lora.rank))
@@ -246,10 +306,11 @@ def simulate_rank(cfg, inputs, world: int, rank: int, *, snapshot=None) -> RankR
                 else:
                     host["checkpoint_snapshot"], pinned, _ = got
                     host["checkpoint_pinned"] = pinned + sum(meta.pinned)
-            if cfg.rollout.verify_weights:
+            if cfg.rollout.verify_weights and ctx.rank == 0:  # the trainer digests what it pushes on rank 0
                 gpu["digest_peak"] = _digest_peak(*largest)
+            refit = _refit(chunks, ctx, inputs.arch, cfg, dtype, p2p, nproc_per_node)
         del model, optimizer, chunks
-    return RankReport(rank=rank, coords=coords, params=params, gpu=gpu, host=host,
+    return RankReport(rank=rank, coords=coords, params=params, gpu=gpu, host=host, refit=refit,
                       seconds=round(time.perf_counter() - t0, 2), notes=notes)
 
 
@@ -264,21 +325,80 @@ def simulate(cfg, world: int, ranks: list[int] | None = None, inputs=None, **kw)
     return [simulate_rank(cfg, inputs, world, r, **kw) for r in ranks]
 
 
-def node_totals(reports: list[RankReport], world: int, pp: int, nproc_per_node: int) -> dict:
-    """Bytes of the first node: each of its ranks stands in for by the simulated rank of its stage."""
+def node_totals(reports: list[RankReport], world: int, pp: int, gpus_per_node: int,
+                activations: dict | None = None) -> list[dict]:
+    """Bytes of every node: each of its ranks represented by the simulated rank of its pipeline
+    stage (rank 0 by itself: it alone pushes and digests), plus the planner's activation estimate per
+    stage (`activations`: {stage: bytes}). Needs a simulated rank of every stage."""
     per_stage = world // pp
-    by_stage = {r.coords["pp"]: r for r in reports}
-    gpu: dict = {}
-    host: dict = {}
-    for rank in range(min(nproc_per_node, world)):
-        rep = by_stage.get(rank // per_stage)
-        if rep is None:
-            raise ValueError(f"rank {rank}'s pipeline stage was not simulated")
-        for k, v in rep.gpu.items():
-            gpu[k] = gpu.get(k, 0) + v
-        for k, v in rep.host.items():
-            host[k] = host.get(k, 0) + v
-    return {"ranks": min(nproc_per_node, world), "gpu": gpu, "host": host}
+    by_stage = {r.coords["pp"]: r for r in reports if r.rank != 0}
+    by_stage.update({r.coords["pp"]: r for r in reports if r.rank == 0 and r.coords["pp"] not in by_stage})
+    rank0 = next((r for r in reports if r.rank == 0), None)
+    only_rank0 = ("digest_peak",)  # what rank 0 alone holds: a stand-in of another rank leaves it out
+    nodes = []
+    for n in range(-(-world // gpus_per_node)):
+        gpu: dict = {}
+        host: dict = {}
+        largest = (0, -1)
+        for rank in range(n * gpus_per_node, min(world, (n + 1) * gpus_per_node)):
+            stage = rank // per_stage
+            rep = rank0 if rank == 0 and rank0 is not None else by_stage.get(stage)
+            if rep is None:
+                raise ValueError(f"rank {rank}'s pipeline stage {stage} was not simulated")
+            mine = {k: v for k, v in rep.gpu.items() if rank == 0 or k not in only_rank0}
+            # the push's peak on the simulated ranks themselves (the stage roots and rank 0 hold the
+            # gathered items; which other ranks hold some depends on their coordinates, not the stage)
+            mine["push_peak"] = rep.refit.get("peak_extra_bytes", 0) if rank == rep.rank else 0
+            if activations:
+                mine["activations (planned)"] = activations.get(stage, 0)
+            for k, v in mine.items():
+                gpu[k] = gpu.get(k, 0) + v
+            largest = max(largest, (sum(mine.values()), rank))
+            snap = max(rep.host.get("checkpoint_snapshot", 0), rep.host.get("checkpoint_pinned", 0))
+            if snap:
+                host["checkpoint_snapshot"] = host.get("checkpoint_snapshot", 0) + snap
+        nodes.append({"node": n, "gpu": gpu, "host": host, "largest_gpu": {"rank": largest[1], "bytes": largest[0]}})
+    return nodes
+
+
+def check_budgets(nodes: list[dict], scale) -> None:
+    """One line (ConfigError) naming the budget a node or one of its GPUs is over, and its largest item."""
+    from gspo_megatron.errors import ConfigError
+
+    for kind, budget in (("gpu", scale.gpu_gib_per_node), ("host", scale.host_gib_per_node)):
+        if budget is None:
+            continue
+        worst = max(nodes, key=lambda n: sum(n[kind].values()))
+        total = sum(worst[kind].values())
+        if total > budget * GIB:
+            top = max(worst[kind].items(), key=lambda kv: kv[1])
+            raise ConfigError(f"scale.{kind}_gib_per_node={budget:g}: node {worst['node']} needs {total / GIB:.1f} GiB "
+                              f"of {kind.upper() if kind == 'gpu' else kind} memory (largest: {top[0]} "
+                              f"{top[1] / GIB:.1f} GiB)")
+        if kind == "gpu":
+            share = budget / scale.gpus_per_node
+            big = max(nodes, key=lambda n: n["largest_gpu"]["bytes"])["largest_gpu"]
+            if big["bytes"] > share * GIB:
+                raise ConfigError(f"scale.gpu_gib_per_node={budget:g}: rank {big['rank']} needs "
+                                  f"{big['bytes'] / GIB:.1f} GiB, over its GPU's share of {share:.1f} GiB")
+
+
+def predict_push_s(refit0: dict, links) -> dict:
+    """Seconds of one push per weight-sync mode, from rank 0's measured plan and the bandwidths of
+    `links` (the config's `scale` section: GB/s inside a node, across nodes, of the shared file
+    system; its defaults: H100 SXM NVLink 4 at ~400 GB/s a direction for NCCL point-to-point, one
+    400 Gb/s NDR InfiniBand NIC per GPU, 5 GB/s of file system per node), transfers one after
+    another (the export is item by item, and rank 0 receives and then sends every byte):
+    gather = rank 0's receives inside its node over NVLink + across nodes over InfiniBand;
+    distributed: the pushed bytes once over rank 0's NIC (NCCL's pipelined broadcast costs about
+    the bytes over the slowest link); disk: written once and read by the servers in parallel
+    (twice over the file system); tensor (colocated, CUDA IPC): one device copy into the bucket."""
+    gb = 1e9
+    gather = refit0["recv_intra"] / (links.nvlink_gbs * gb) + refit0["recv_inter"] / (links.ib_gbs * gb)
+    push = {"distributed": refit0["push_bytes"] / (links.ib_gbs * gb),
+            "disk": 2 * refit0["push_bytes"] / (links.disk_gbs * gb),
+            "tensor": refit0["push_bytes"] / (links.nvlink_gbs * gb)}
+    return {mode: {"gather_s": gather, "push_s": t, "total_s": gather + t} for mode, t in push.items()}
 
 
 def _fmt(n: int) -> str:
@@ -294,7 +414,6 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--simulate", action="store_true")
     ap.add_argument("--world-size", type=int, default=None)
-    ap.add_argument("--nproc-per-node", type=int, default=8, help="GPUs per node, for the per-node totals (8)")
     ap.add_argument("--ranks", default=None, help="comma-separated global ranks (default: each stage's first, the last)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("overrides", nargs="*")
@@ -308,11 +427,29 @@ def main(argv=None) -> int:
         from gspo_megatron.parallel.cpu_runtime import skip_compiled_fusions
 
         skip_compiled_fusions()
-        reports = simulate(cfg, world, ranks)
-        node = node_totals(reports, world, cfg.parallel.pp, args.nproc_per_node) if ranks is None else None
+        scale = cfg.scale
+        reports = simulate(cfg, world, ranks, nproc_per_node=scale.gpus_per_node)
+        nodes = None
+        if ranks is None:  # every stage simulated: every node's totals, checked against the budgets
+            from gspo_megatron.planner import plan
+
+            acts = {st["pp_rank"]: int(st["memory_gib"]["activations"] * GIB) for st in plan(cfg, world)["stages"]}
+            nodes = node_totals(reports, world, cfg.parallel.pp, scale.gpus_per_node, acts)
+        rank0 = next((r for r in reports if r.rank == 0), None)
+        push = predict_push_s(rank0.refit, scale) if rank0 is not None else None
+        out = {"world_size": world, "ranks": [asdict(r) for r in reports], "nodes": nodes, "push_s": push,
+               "scale": asdict(scale)}
+        _print(args, out, reports)
+        if nodes is not None:
+            check_budgets(nodes, scale)
+    return 0
+
+
+def _print(args, out: dict, reports: list[RankReport]) -> None:
     if args.json:
-        print(json.dumps({"world_size": world, "ranks": [asdict(r) for r in reports], "node": node}))
-        return 0
+        print(json.dumps(out))
+        return
+    world, push, nodes, scale = out["world_size"], out["push_s"], out["nodes"], out["scale"]
     print(f"gspo-megatron simulate: {args.config}, world size {world} (meta device, fake process group)")
     for r in reports:
         c = r.coords
@@ -321,13 +458,30 @@ def main(argv=None) -> int:
         print("  GPU:  " + " | ".join(f"{k} {_fmt(v)}" for k, v in r.gpu.items()) + f" | total {_fmt(r.gpu_total)}")
         if r.host:
             print("  host: " + " | ".join(f"{k} {_fmt(v)}" for k, v in r.host.items()))
+        f = r.refit
+        print(f"  push: sends {_fmt(f['send_intra'])} in node + {_fmt(f['send_inter'])} across, receives "
+              f"{_fmt(f['recv_intra'])} + {_fmt(f['recv_inter'])} ({f['p2p_ops']} transfers); peak extra "
+              f"{_fmt(f['peak_extra_bytes'])}" + (f"; to the engine {f['tensors']} tensors, {_fmt(f['push_bytes'])} "
+                                                  f"in {f['buckets']} buckets (largest {_fmt(f['largest_bucket'])})"
+                                                  if "push_bytes" in f else ""))
         for n in r.notes:
             print("  " + n)
-    if node is not None:
-        print(f"first node ({node['ranks']} ranks): GPU " + " | ".join(f"{k} {_fmt(v)}" for k, v in node["gpu"].items())
-              + (" ; host " + " | ".join(f"{k} {_fmt(v)}" for k, v in node["host"].items()) if node["host"] else ""))
-    return 0
-
+    if push is not None:
+        print(f"predicted push (NVLink {scale['nvlink_gbs']:g} GB/s, InfiniBand {scale['ib_gbs']:g} GB/s, disk "
+              f"{scale['disk_gbs']:g} GB/s): " + "; ".join(
+                  f"{m} {p['total_s']:.1f} s (gather {p['gather_s']:.1f} + push {p['push_s']:.1f})" for m, p in push.items()))
+    if nodes:
+        worst = max(nodes, key=lambda n: sum(n["gpu"].values()))
+        for n in dict.fromkeys([0, worst["node"]]):
+            node = nodes[n]
+            print(f"node {n} ({scale['gpus_per_node']} GPUs): GPU {_fmt(sum(node['gpu'].values()))} ("
+                  + " | ".join(f"{k} {_fmt(v)}" for k, v in node["gpu"].items()) + ")"
+                  + (f"; host {_fmt(sum(node['host'].values()))}" if node["host"] else ""))
+        for kind in ("gpu", "host"):
+            budget = scale[f"{kind}_gib_per_node"]
+            if budget is not None:
+                need = max(sum(n[kind].values()) for n in nodes)
+                print(f"{kind} budget per node {budget:g} GiB: the fullest node needs {_fmt(need)}")
 
 if __name__ == "__main__":
     sys.exit(main())
