@@ -9,6 +9,8 @@ here, and each is classified by what it is:
   that config and world (the JSON's layout, memory and `collective_timeout`).
 * `python -m gspo_megatron.train ... --smoke ...` (the pre-flight check, one process): run as
   written on a CPU preset (~10 s; the in-process engine): PASS rows, exit 0, nothing written.
+* `python -m gspo_megatron.train ... --simulate ...`: run as written (the meta device); exit 0 and
+  every rank it built holds its stage's planned parameters.
 * `[ENV=..] launch/torchrun.sh CONFIG overrides`: run as written with DRY_RUN=1 (a GPU preset
   cannot run here, and a CPU one is trained for real elsewhere, see `_cpu_run_elsewhere`): the
   printed torchrun has NPROC processes and the config and overrides as written; then the trainer
@@ -146,7 +148,8 @@ def _py_c_modules(code: str) -> list[str]:
 
 
 def classify(c: Cmd) -> tuple[str | None, str]:
-    """(kind, why) with kind one of planner, dry_run, smoke, torchrun, sbatch, python_c, skip, or None."""
+    """(kind, why) with kind one of planner, dry_run, smoke, simulate, torchrun, sbatch, python_c, skip, or
+    None."""
     w = c.words
     if len(w) >= 3 and w[0] == "python" and w[1] == "-m":
         if w[2] == "gspo_megatron.planner":
@@ -155,6 +158,8 @@ def classify(c: Cmd) -> tuple[str | None, str]:
             return "dry_run", ""
         if w[2] == "gspo_megatron.train" and "--smoke" in w:
             return "smoke", ""
+        if w[2] == "gspo_megatron.train" and "--simulate" in w:
+            return "simulate", ""
     if w and w[0].endswith("launch/torchrun.sh"):
         return "torchrun", ""
     if w and w[0] == "sbatch":
@@ -487,8 +492,27 @@ def run_python_c(c: Cmd, fake_bin: str, tmp: str) -> str:
     return "ran"
 
 
-RUNNERS = {"planner": run_planner, "dry_run": run_planner, "smoke": run_smoke, "torchrun": run_torchrun,
-           "sbatch": run_sbatch, "python_c": run_python_c}
+def run_simulate(c: Cmd, fake_bin: str, tmp: str) -> str:
+    """--simulate: run as written (the meta device, no GPU; ~20 s of CPU a preset). Exit 0, and each
+    rank it built holds the parameters the planner plans for its stage (planner == code, as
+    tests/test_simulate.py checks for every preset)."""
+    r = sh(c.text, {**base_env(fake_bin, tmp), **c.env}, f"docs/cluster.md:{c.line}")
+    args = c.words[3:]
+    cfg = load_config(os.path.join(REPO, config_of(c.words)), [a for a in args if "=" in a and not a.startswith("-")])
+    world = int(args[args.index("--world-size") + 1]) if "--world-size" in args else cfg.parallel.world_size
+    stages = {st["pp_rank"]: st["params"] for st in planner.plan(cfg, world)["stages"]}
+    if "--json" in args:
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        built = [(x["rank"], x["coords"]["pp"], x["params"]) for x in out["ranks"]]
+    else:
+        built = [(int(m[1]), int(m[2]), int(m[3].replace(",", ""))) for m in
+                 re.finditer(r"^rank (\d+) \(pp (\d+) .*?\): ([0-9,]+) parameters", r.stdout, re.M)]
+    assert built and all(stages[pp] == n for _, pp, n in built), (built, stages, r.stdout[-2000:])
+    return f"{len(built)} ranks of {world} built, each with its stage's planned parameters"
+
+
+RUNNERS = {"planner": run_planner, "dry_run": run_planner, "smoke": run_smoke, "simulate": run_simulate,
+           "torchrun": run_torchrun, "sbatch": run_sbatch, "python_c": run_python_c}
 
 
 # ---- tests -------------------------------------------------------------------------------------
@@ -527,7 +551,8 @@ def test_doc_command(cmd, runs):
     kind, why = classify(cmd)
     if kind is None:
         pytest.fail(f"docs/cluster.md:{cmd.line}: `{cmd.text}` is no command this test knows how to check "
-                    "(planner, train --dry-run, train --smoke, launch/torchrun.sh, sbatch launch/slurm/*.sbatch, "
+                    "(planner, train --dry-run, train --smoke, train --simulate, launch/torchrun.sh, "
+                    "sbatch launch/slurm/*.sbatch, "
                     "pip install, python -c): teach tests/test_docs_cluster.py to run it, or say why it cannot "
                     "run on CPU")
     if kind == "skip":
@@ -541,6 +566,7 @@ def test_classification_of_commands_the_doc_might_grow():
         "python -m gspo_megatron.planner --config c.yaml --world-size 8",
         "python -m gspo_megatron.train --config c.yaml --dry-run",
         "python -m gspo_megatron.train --config c.yaml --smoke",
+        "python -m gspo_megatron.train --config c.yaml --simulate --ranks 0",
         "python -m gspo_megatron.train --config c.yaml",  # a real training run: not on CPU here
         "NPROC=8 MASTER_PORT=1 launch/torchrun.sh c.yaml a.b=1  # comment",
         "SGLANG_NODES=1 sbatch --nodes=3 launch/slurm/train_with_sglang.sbatch c.yaml",
@@ -551,8 +577,8 @@ def test_classification_of_commands_the_doc_might_grow():
         "torchrun --nproc-per-node 8 -m gspo_megatron.train --config c.yaml",
         'echo "unbalanced',
     )}
-    assert list(kinds.values()) == ["planner", "dry_run", "smoke", None, "torchrun", "sbatch", "skip", "skip",
-                                    "python_c", None, None, None], kinds
+    assert list(kinds.values()) == ["planner", "dry_run", "smoke", "simulate", None, "torchrun", "sbatch", "skip",
+                                    "skip", "python_c", None, None, None], kinds
     c = parse_command("A=1 B='x y' launch/torchrun.sh c.yaml 'k=[a,b]' # 68.7 GiB per GPU planned", 7)
     assert (c.env, c.words, c.comment) == ({"A": "1", "B": "x y"}, ["launch/torchrun.sh", "c.yaml", "k=[a,b]"],
                                            "68.7 GiB per GPU planned")
@@ -572,7 +598,8 @@ def _broken(c: Cmd, how: str) -> Cmd:
 
 # Not the smoke kind: its CLI imports the whole trainer (~8 s of CPU) before it reads the config, and
 # its runner fails on the exit status through the same `sh` as the planner kinds checked here.
-@pytest.mark.parametrize("kind,how", [(k, h) for k in ("planner", "dry_run", "torchrun", "sbatch") for h in BROKEN])
+@pytest.mark.parametrize("kind,how", [(k, h) for k in ("planner", "dry_run", "simulate", "torchrun", "sbatch")
+                                      for h in BROKEN])
 def test_a_broken_doc_command_fails(kind, how, fake_bin, tmp_path):
     """The checks above catch a wrong command. The failure must be the command's (or the trainer's
     it starts) non-zero exit, naming the mistake in its own output."""

@@ -156,6 +156,9 @@ def test_every_rank_holds_the_independent_count(simulated, name):
     received = f["recv_intra"] + f["recv_inter"]
     assert abs(received - (2 * total - own)) <= 0.01 * 2 * total, (name, received, 2 * total - own)
     assert f["send_intra"] == f["send_inter"] == 0  # rank 0 only receives
+    # an HF export of the same stream (the writer's 5 GB shards) holds one shard on the host at a time
+    largest = 2 * hf["vocab_size"] * hf["hidden_size"]
+    assert 0 < r0["host"]["hf_export"] <= 5 * GIB + largest and f["hf_export_shards"] >= f["push_bytes"] / (5 * GIB)
     assert f["buckets"] >= -(-f["push_bytes"] // f["bucket_bytes"]) and f["largest_bucket"] >= f["push_bytes"] / f["buckets"]
     # the stage roots send their stage to rank 0; a rank of other replicas (dense and expert) takes no part
     for r in rep["ranks"]:

@@ -21,10 +21,11 @@ Reported per rank: GPU bytes of weights, gradients, optimizer (fp32 masters + Ad
 bytes of the background save's snapshot and of what it page-locks (with torch's pinned allocator a
 request is rounded up to a power of two: aten/src/ATen/core/CachingHostAllocator.h, `roundSize`, in
 torch 2.13's headers; `MetaDevice` counts a `pin_memory=True` allocation that way); on rank 0 the
-peak extra memory of the verified push's digest (rollout/vllm_worker.py tensor_digest) of its
-largest tensor; and the weight push as the trainer runs it: the real export (model/export.py, its
-point-to-point transfers recorded with their peers, inside or across nodes) drained on every rank,
-and on rank 0 the engine's buckets (rollout/weight_sync.py iter_buckets) with the peak extra memory
+host memory of an HF export / disk push of the same stream (`_ShardPeak`) and the peak extra
+memory of the verified push's digest (rollout/vllm_worker.py tensor_digest) of its largest tensor;
+and the weight push as the trainer runs it: the real export (model/export.py, its point-to-point
+transfers recorded with their peers, inside or across nodes) drained on every rank, and on rank 0
+the engine's buckets (rollout/weight_sync.py iter_buckets) with the peak extra memory
 (`LiveBytes`). From rank 0's transfers and pushed bytes, a push time per weight-sync mode under the
 config's bandwidth model (`scale`: predict_push_s says how).
 
@@ -235,6 +236,36 @@ def _digest_peak(numel: int, dtype: torch.dtype) -> int:
     return live.peak
 
 
+class _ShardPeak:
+    """The host memory of an HF export of the same stream (train/setup.py export_hf and disk weight
+    sync write it with model/hf_writer.py HFShardWriter): the real writer, its shard write recorded
+    instead of performed. safetensors 0.8 writes a shard from the tensors' own memory
+    (safetensors/torch.py save_file: _flatten_as_ptr), so the peak is the largest pending shard."""
+
+    def __init__(self):
+        from gspo_megatron.model.hf_writer import HFShardWriter
+
+        self.writer = HFShardWriter(directory="")
+        self.writer._flush = self._flush
+        self.peak = 0
+        self.shards = 0
+
+    def _flush(self) -> None:
+        w = self.writer
+        self.peak = max(self.peak, w._pending_bytes)
+        self.shards += 1
+        w._pending, w._pending_bytes = {}, 0
+
+    def tee(self, stream):
+        for name, t in stream:
+            self.writer.add(name, t)
+            yield name, t
+
+    def finish(self) -> None:
+        if self.writer._pending:
+            self._flush()
+
+
 def _refit(chunks, ctx, arch, cfg, dtype, p2p: list, nproc_per_node: int) -> dict:
     """The weight push as the trainer runs it (train/loop.py push_weights): the real export
     (model/export.py iter_hf_tensors: point-to-point gathers to global rank 0) drained on every
@@ -252,11 +283,14 @@ def _refit(chunks, ctx, arch, cfg, dtype, p2p: list, nproc_per_node: int) -> dic
         stream = iter_hf_tensors(chunks, ctx, arch, dtype=dtype)
         if ctx.rank == 0:
             tensors = nbytes = buckets = largest = 0
-            for bucket in iter_buckets(stream, bucket_bytes, dtype=dtype, device=META):
+            writer = _ShardPeak()
+            for bucket in iter_buckets(writer.tee(stream), bucket_bytes, dtype=dtype, device=META):
                 size = sum(t.numel() * t.element_size() for _, t in bucket)
                 tensors, nbytes, buckets, largest = tensors + len(bucket), nbytes + size, buckets + 1, max(largest, size)
                 del bucket
-            out.update(tensors=tensors, push_bytes=nbytes, buckets=buckets, largest_bucket=largest)
+            writer.finish()
+            out.update(tensors=tensors, push_bytes=nbytes, buckets=buckets, largest_bucket=largest,
+                       hf_export_host_peak=writer.peak, hf_export_shards=writer.shards)
         else:
             drain(stream)
     out["peak_extra_bytes"] = live.peak
@@ -309,6 +343,8 @@ def simulate_rank(cfg, inputs, world: int, rank: int, *, snapshot=None, nproc_pe
             if cfg.rollout.verify_weights and ctx.rank == 0:  # the trainer digests what it pushes on rank 0
                 gpu["digest_peak"] = _digest_peak(*largest)
             refit = _refit(chunks, ctx, inputs.arch, cfg, dtype, p2p, nproc_per_node)
+            if "hf_export_host_peak" in refit:
+                host["hf_export"] = refit["hf_export_host_peak"]
         del model, optimizer, chunks
     return RankReport(rank=rank, coords=coords, params=params, gpu=gpu, host=host, refit=refit,
                       seconds=round(time.perf_counter() - t0, 2), notes=notes)
@@ -357,6 +393,8 @@ def node_totals(reports: list[RankReport], world: int, pp: int, gpus_per_node: i
             snap = max(rep.host.get("checkpoint_snapshot", 0), rep.host.get("checkpoint_pinned", 0))
             if snap:
                 host["checkpoint_snapshot"] = host.get("checkpoint_snapshot", 0) + snap
+            if rank == 0 and rep.host.get("hf_export"):  # rank 0 writes the HF export / disk push
+                host["hf_export"] = rep.host["hf_export"]
         nodes.append({"node": n, "gpu": gpu, "host": host, "largest_gpu": {"rank": largest[1], "bytes": largest[0]}})
     return nodes
 
