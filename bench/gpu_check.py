@@ -646,6 +646,21 @@ def main(argv=None) -> int:
             t.update(load_file(f))
         return t
 
+    def converted_equals(argv: list, conv: str, reference: str, what: str) -> int:
+        """`gspo-convert argv --out conv` from scratch; its tensors must equal `reference`'s bit for bit."""
+        import torch
+
+        from converters.cli import main as convert
+
+        shutil.rmtree(conv, ignore_errors=True)
+        if convert([*argv, "--out", conv, "--no-progress"]) != 0:
+            raise RuntimeError(f"gspo-convert {argv[0]} failed")
+        a, b = hf_tensors(reference), hf_tensors(conv)
+        bad = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
+        if bad or set(a) != set(b):
+            raise RuntimeError(f"{what} at {bad[:3]}")
+        return len(a)
+
     def export():
         import torch
         from transformers import AutoModelForCausalLM
@@ -690,19 +705,9 @@ def main(argv=None) -> int:
                 f"(max |diff| {err:.1e} over {sum(len(s) - 1 for s in seqs)} tokens)")
 
     def mcore_to_hf():
-        import torch
-
-        from converters.cli import main as convert
-
-        conv = os.path.join(out, "converted")
-        shutil.rmtree(conv, ignore_errors=True)
-        if convert(["mcore-to-hf", "--load", ckpt(run_dir, 3), "--out", conv, "--no-progress"]) != 0:
-            raise RuntimeError("gspo-convert failed")
-        a, b = hf_tensors(os.path.join(run_dir, "hf")), hf_tensors(conv)
-        bad = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
-        if bad or set(a) != set(b):
-            raise RuntimeError(f"differs at {bad[:3]}")
-        return f"{len(a)} tensors bit-identical"
+        n = converted_equals(["mcore-to-hf", "--load", ckpt(run_dir, 3)], os.path.join(out, "converted"),
+                             os.path.join(run_dir, "hf"), "differs")
+        return f"{n} tensors bit-identical"
 
     def checkpoint():
         from gspo_megatron.checkpoint.dcp_io import DcpReader
@@ -748,9 +753,6 @@ def main(argv=None) -> int:
         return f"group of 1 rank ({how}), {sent} bf16 tensors broadcast in 2 buckets, then aborted"
 
     def lora():
-        import torch
-
-        from converters.cli import main as convert
         from gspo_megatron.checkpoint.dcp_io import DcpReader
 
         lora_dir = os.path.join(out, "lora")
@@ -777,16 +779,10 @@ def main(argv=None) -> int:
                 raise RuntimeError(f"optimizer.state.{kind} does not cover the {len(model_keys)} adapters")
         if dtypes != {"torch.float32"}:
             raise RuntimeError(f"adapter optimizer state dtypes {sorted(dtypes)}")
-        merged = os.path.join(out, "lora-merged")
-        shutil.rmtree(merged, ignore_errors=True)
-        if convert(["lora-merge", "--load", ckpt(lora_dir, 2), "--out", merged, "--no-progress"]) != 0:
-            raise RuntimeError("gspo-convert lora-merge failed")
-        a, b = hf_tensors(os.path.join(lora_dir, "hf")), hf_tensors(merged)
-        bad = [k for k in a if k not in b or not torch.equal(a[k], b[k])]
-        if bad or set(a) != set(b):
-            raise RuntimeError(f"lora-merge differs from the run's export at {bad[:3]}")
+        n = converted_equals(["lora-merge", "--load", ckpt(lora_dir, 2)], os.path.join(out, "lora-merged"),
+                             os.path.join(lora_dir, "hf"), "lora-merge differs from the run's export")
         return (f"2 GSPO steps, grad norm {gspo[-1]['grad_norm']:.3g}; {len(model_keys)} adapter tensors with fp32 "
-                f"masters + moments, no base; lora-merge == the run's export ({len(a)} tensors)")
+                f"masters + moments, no base; lora-merge == the run's export ({n} tensors)")
 
     def skip(row: str, after: str):
         chk.add(row, False, 0.0, f"not run: {after} failed")

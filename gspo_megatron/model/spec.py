@@ -5,8 +5,6 @@ layout, dtype, recompute and RL choices are the same for every family and live h
 """
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from gspo_megatron.errors import ModelConfigError
@@ -268,7 +266,5 @@ def build_model_chunks(arch: MoeArch, ctx, *, dtype: torch.dtype = torch.float32
     config = transformer_config(arch, ctx.parallel, dtype=dtype, use_te=use_te, recompute=recompute,
                                 routing_replay=routing_replay)
     model = build_gpt_model(arch, config, pre_process=ctx.is_first_stage, post_process=ctx.is_last_stage, use_te=use_te)
-    if any(t.device != ctx.device for t in itertools.chain(model.parameters(), model.buffers())):
-        # (a no-op move would still swap every parameter: --simulate's fake tensors refuse that)
-        model.to(ctx.device)
+    model.to(ctx.device)
     return [model], config

@@ -237,11 +237,15 @@ def _bounded(fn, deadline: float, calls: _Calls | None, what: str) -> None:
         raise EngineError(f"vLLM NCCL weight transfer: {out['error']}") from out["error"]
 
 
+# Bytes per pushed bucket (rollout.vllm has no bucket_mb: one size, SGLang's default)
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
 class NcclWeightSync:
     """Trainer rank 0's side of vLLM's NCCL weight transfer (see the module docstring)."""
 
     def __init__(self, servers: Sequence[ServerClient], *, device: torch.device, timeout_s: float,
-                 bucket_bytes: int = 512 << 20, backend: NcclBackend | None = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: NcclBackend | None = None):
         self.servers = list(servers)
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)

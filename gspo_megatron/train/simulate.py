@@ -275,8 +275,11 @@ def _refit(chunks, ctx, arch, cfg, dtype, p2p: list, nproc_per_node: int) -> dic
     from gspo_megatron.model.export import iter_hf_tensors
     from gspo_megatron.rollout.weight_sync import drain, iter_buckets
 
-    engine = getattr(cfg.rollout, cfg.rollout.backend, None)
-    bucket_bytes = int(getattr(engine, "bucket_mb", 512)) << 20
+    from gspo_megatron.rollout.vllm_nccl import DEFAULT_BUCKET_BYTES
+
+    # the bucket size the run's engine pushes with: SGLang's configured one; vLLM's NCCL push (and
+    # the in-process engine, which takes no push) the fixed default
+    bucket_bytes = cfg.rollout.sglang.bucket_mb << 20 if cfg.rollout.backend == "sglang" else DEFAULT_BUCKET_BYTES
     start = len(p2p)
     out = {"bucket_bytes": bucket_bytes}
     with LiveBytes() as live:
