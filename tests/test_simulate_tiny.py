@@ -1,7 +1,8 @@
 """--simulate against the real run (issue 56): on the tiny CPU config, for every parallel layout the
 config sweep covers (tests/test_config_sweep.py FACTORS["layout"]), in bf16 with fp32 master weights
 and the distributed optimizer (the clusters' setup), each rank's simulated weight, gradient and
-optimizer bytes equal what a real 2-rank run holds after its first GSPO step.
+optimizer bytes equal what a real 2-rank run holds after its first GSPO step, and the background
+save's host snapshot (its chunks' bytes and its one allocation) what the run's first save allocated.
 
 The real side is measured differently from the simulation: the distinct storages (by data pointer)
 behind every parameter, every `main_grad`, and every master weight and Adam moment the inner
@@ -22,7 +23,7 @@ from test_config_sweep import FACTORS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "launch", "configs", "tiny_cpu.yaml")
-BASE = ["model.dtype=bfloat16", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
+BASE = ["model.dtype=bfloat16", "checkpoint.async_save=true", "train.sft_warmup_steps=0", "rollout.prompts_per_step=2",
         "rollout.samples_per_prompt=2", "train.minibatches_per_step=1", "eval.interval=0",
         "logging.progress_bar=false", "logging.plot=false"]
 LAYOUTS = dict(FACTORS["layout"])
@@ -46,6 +47,13 @@ def _held(parts) -> dict:
     return {"weights": sum(weights.values()), "gradients": sum(grads.values()), "optimizer": sum(optimizer.values())}
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def _real_step(rank, world, out_dir, overrides):
     import torch
 
@@ -62,7 +70,13 @@ def _real_step(rank, world, out_dir, overrides):
                                torch.randint(3, 60, (5,), generator=g).tolist(), float(a))
                    for a in (1.0, -1.0, 0.5, -0.5)]
         loop.gspo_step(parts, samples)
-        return _held(parts)
+        held = _held(parts)
+        parts.save_checkpoint(1, {})  # a background save: its host snapshot stays allocated for the run
+        parts.wait_for_saves()
+        host = parts.saves.host
+        held["checkpoint_snapshot"] = sum(_numel(shape) * dtype.itemsize for shape, dtype in host.layout)
+        held["checkpoint_allocation"] = host.flat.numel() * host.flat.element_size()
+        return held
     finally:
         parts.close()
 
@@ -75,7 +89,7 @@ from gspo_megatron.train import simulate
 skip_compiled_fusions()
 for overrides in json.loads(sys.argv[1]):
     cfg = load_config(sys.argv[2], [*overrides, "parallel.device=cpu"])
-    print(json.dumps([r.gpu for r in simulate.simulate(cfg, 2, [0, 1])]), flush=True)
+    print(json.dumps([dict(r.gpu, **r.host) for r in simulate.simulate(cfg, 2, [0, 1])]), flush=True)
 """
 
 
@@ -97,5 +111,8 @@ def test_simulated_bytes_equal_what_the_real_run_holds(simulated, layout, tmp_pa
     real = run_distributed(_real_step, 2, str(tmp_path / "run"), LAYOUTS[layout])
     for rank, (held, sim) in enumerate(zip(real, simulated[layout])):
         assert held["weights"] > 0 and held["gradients"] > 0 and held["optimizer"] > 0, held
-        for what in ("weights", "gradients", "optimizer"):
+        for what in ("weights", "gradients", "optimizer", "checkpoint_snapshot"):
             assert sim[what] == held[what], (layout, rank, what, sim[what], held[what])
+        # the one host allocation the background save made (its chunks at 64-byte offsets) is what
+        # the simulation says it page-locks on a GPU machine
+        assert sim["checkpoint_pinned"] == held["checkpoint_allocation"], (layout, rank, sim, held)
