@@ -160,6 +160,7 @@ def test_smokes_all_ran():
     """Every script in bench/ has a smoke run somewhere (here, or the test named in the docstring)."""
     elsewhere = {"bench_checkpoint.py", "bench_data.py", "bench_dataplane.py", "bench_convert.py", "gpu_check.py",
                  "bench_vllm.py", "bench_judge.py", "bench_trainer.py", "common.py", "test_map.py", "slowest_tests.py"}
+    elsewhere.add("bench_simulate.py")  # tests/test_simulate.py's fixture runs it in full (~2 min) and checks its tables
     elsewhere.add("mutation_check.py")  # its real runs start trainers and vLLM servers (minutes); --smoke is its fast check
     scripts = {f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
     assert scripts - elsewhere == set(SMOKES), scripts - elsewhere ^ set(SMOKES)

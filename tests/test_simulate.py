@@ -10,9 +10,10 @@ expert-DP for routed experts). Megatron pads its buffers (per bucket, to a multi
 within 1%.
 
 Also: the background save's host snapshot, page-locked once with its own bytes, against c651b52's
-per-chunk `torch.empty(pin_memory=True)` buffers (a stand-in written here, measured by the same
-simulation: its page-locked bytes are rounded up per chunk and fail the 1.05x bound), and the
-verified push's digest staying under 1 GiB at any tensor size."""
+per-chunk `torch.empty(pin_memory=True)` buffers (a stand-in in bench/bench_simulate.py, measured by
+the same simulation: its page-locked bytes are rounded up per chunk and fail the 1.05x bound), and
+the verified push's digest staying under 1 GiB at any tensor size. The simulations are
+bench/bench_simulate.py's (one process, its --json read back)."""
 from __future__ import annotations
 
 import json
@@ -77,37 +78,21 @@ def _preset(name: str) -> dict:
         return yaml.safe_load(f)
 
 
-_RUN = """
-import json, os, sys, time
-sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-from gspo_megatron.resolve import load_config
-from gspo_megatron.train import simulate
-from test_simulate import _old_snapshot
-for arg in sys.argv[1:]:
-    t = time.perf_counter()
-    simulate.main(["--config", arg, "--json", "checkpoint.async_save=true"])
-    print("SECONDS", arg, round(time.perf_counter() - t, 1), flush=True)
-# c651b52's snapshot buffers on the 235B preset's rank 0, measured the same way
-cfg = load_config(sys.argv[2], ["parallel.device=cpu", "checkpoint.async_save=true"])
-print("OLD", json.dumps(simulate.simulate(cfg, cfg.parallel.world_size, [0], snapshot=_old_snapshot)[0].host))
-"""
-
-
 @pytest.fixture(scope="module")
-def simulated() -> dict:
-    """Every preset simulated in one process (one import of torch and Megatron), at its own world
-    size, with the background save on (its host snapshot is measured too)."""
-    paths = [os.path.join(ROOT, "launch", "configs", f"{p}.yaml") for p in PRESETS]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", _RUN, *paths], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
+def simulated(tmp_path_factory) -> dict:
+    """Every preset simulated in one process at its own world size, with the background save on:
+    bench/bench_simulate.py (this is its smoke run), its reports read back from --json."""
+    out = str(tmp_path_factory.mktemp("simulate") / "reports.json")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_simulate.py"), "--json", out], cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    reports = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    seconds = [line.split()[-1] for line in p.stdout.splitlines() if line.startswith("SECONDS")]
-    assert len(reports) == len(PRESETS) == len(seconds), p.stdout[-3000:]
-    print("simulate seconds per preset: " + ", ".join(f"{n} {s}" for n, s in zip(PRESETS, seconds)))
-    old = [json.loads(line[len("OLD "):]) for line in p.stdout.splitlines() if line.startswith("OLD ")]
-    return dict(zip(PRESETS, reports), old_snapshot=old[0])
+    with open(out) as f:
+        reports = json.load(f)
+    assert set(reports) == {*PRESETS, "c651b52_snapshot"}, sorted(reports)
+    print(p.stdout)  # the bench's tables (-s)
+    for name in PRESETS:  # the printed tables are the reports'
+        assert re.search(rf"^{name}\s+{reports[name]['world_size']}\s", p.stdout, re.M), (name, p.stdout)
+    return dict(reports, old_snapshot=reports["c651b52_snapshot"])
 
 
 @pytest.mark.timeout(960)
@@ -164,20 +149,6 @@ def test_every_rank_holds_the_independent_count(simulated, name):
     for r in rep["ranks"]:
         if r["coords"]["dp"] > 0 and r["coords"]["edp"] > 0:
             assert r["refit"]["p2p_ops"] == 0, r
-
-
-def _old_snapshot(model, optimizer, arch, hf_config):
-    """c651b52's background-save buffers (train/checkpoint.py `_snapshot` then): one
-    torch.empty(..., pin_memory=True) per chunk, each rounded up by torch's pinned allocator."""
-    import torch
-
-    from gspo_megatron.checkpoint.mcore import model_sharded_state_dict
-    from gspo_megatron.train.checkpoint_shards import distributed_optimizer_plan
-
-    chunks, _ = distributed_optimizer_plan(optimizer, model_sharded_state_dict(model, arch))
-    for c in chunks:
-        torch.empty(tuple(c.sizes), dtype=c.dtype, pin_memory=True)
-    return sum(c.nbytes for c in chunks), 0, len(chunks)
 
 
 @pytest.mark.parametrize("name", PRESETS)
