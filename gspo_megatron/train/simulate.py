@@ -64,9 +64,9 @@ class MetaDevice(TorchFunctionMode):
     """Every tensor a factory creates with or without a device, and every move (`to`, `cuda`,
     `cpu`, `pin_memory`), lands on the meta device: the code under it runs its own shapes and
     dtypes without memory. Tensors made from data (`torch.tensor`, `as_tensor`: step counters,
-    flags a collective carries, read back with `.item()`) stay real CPU tensors. `pinned`: the bytes torch's pinned allocator would hold for each
-    `pin_memory=True` allocation or `pin_memory()` call under the block (rounded up to a power of
-    two, as its CachingHostAllocator does)."""
+    flags a collective carries, read back with `.item()`) stay real CPU tensors. `pinned`: the bytes
+    torch's pinned allocator would hold for each `pin_memory=True` allocation or `pin_memory()`
+    call under the block (rounded up to a power of two, as its CachingHostAllocator does)."""
 
     _MOVES = (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.pin_memory)
 
@@ -116,6 +116,8 @@ def _meta_cat(tensors, dim: int) -> torch.Tensor:
     for t in parts[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     return torch.empty(shape, dtype=dtype, device=META)
+
+
 _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint,
               torch.arange, torch.linspace, torch.eye, torch.randperm, torch.empty_strided}
 
