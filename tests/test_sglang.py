@@ -1087,6 +1087,33 @@ def test_colocated_engines_per_node_command_lines(monkeypatch):
             node_launch_spec(s2, model_path="/m", layout=layout)
 
 
+def test_the_colocated_multi_node_refusal_advises_a_mode_the_config_accepts():
+    """Found by the refit plan (train/simulate.py): colocated SGLang on two nodes with
+    weight_sync=tensor was refused with the advice "use weight_sync=distributed", which the
+    config refuses for colocated servers (trainer rank 0 and server 0 share a GPU). Every mode the
+    refusal advises must pass the config's own validation with launch=true."""
+    import re
+
+    from gspo_megatron.config import SGLangConfig
+    from gspo_megatron.errors import ConfigError
+    from gspo_megatron.resolve import load_config
+    from gspo_megatron.rollout.colocate import check_colocated
+    from gspo_megatron.rollout.sglang_server import SGLangError
+
+    with pytest.raises(SGLangError) as e:
+        check_colocated(SGLangConfig(launch=True, tp=4, host="0.0.0.0", weight_sync="tensor"), nnodes=2)
+    advised = set(re.findall(r"weight_sync=(\w+)", str(e.value).split("; use ", 1)[1]))
+    assert advised, str(e.value)
+    for mode in sorted(advised):
+        try:
+            load_config(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "configs", "tiny_cpu.yaml"),
+                        ["rollout.backend=sglang", "rollout.sglang.launch=true", f"rollout.sglang.weight_sync={mode}",
+                         "model.hf_dir=/m", "rollout.sglang.shared_dir=/tmp/w"])
+        except ConfigError as err:
+            if "weight_sync" in str(err):
+                pytest.fail(f"the refusal advises weight_sync={mode}, which the config refuses: {err}")
+
+
 # ------------------------------------------------------------------------------ routed experts (R3)
 # SGLang 0.5.23's return_routed_experts: meta_info.routed_experts = base64 of the int32 C-order
 # bytes of [seqlen - 1 - start_len, num_hidden_layers, num_experts_per_tok], positions

@@ -22,8 +22,9 @@ optimizer state stays (Megatron's fp32 main parameters are views of the paramete
 offload_to_cpu would detach from it). The model's weights stay on the GPU: the push reads them.
 On CPU nothing moves (the test double serves from host memory).
 
-Weight sync: ``tensor`` (CUDA IPC) reaches only servers on rank 0's node, so more than one node
-needs ``distributed`` (or ``disk`` on a shared filesystem); the check is in `check_colocated`.
+Weight sync: ``tensor`` (CUDA IPC) reaches only servers on rank 0's node, and ``distributed``
+cannot share rank 0's GPU with server 0 (config.py refuses it with launch=true), so more than one
+node needs ``disk`` on a shared filesystem; the check is in `check_colocated`.
 """
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def check_colocated(sg, nnodes: int) -> None:
     """What a colocated run needs beyond the per-node split (one line each)."""
     if nnodes > 1 and sg.weight_sync == "tensor":
         raise SGLangError("colocated SGLang on more than one node: weight_sync=tensor (CUDA IPC) reaches only "
-                          "rank 0's node; use weight_sync=distributed (or disk on a shared filesystem)")
+                          "rank 0's node, and distributed cannot share rank 0's GPU; use weight_sync=disk (a shared "
+                          "filesystem)")
     if nnodes > 1 and sg.host in LOOPBACK:
         raise SGLangError("colocated SGLang on more than one node: rollout.sglang.host=127.0.0.1 is not reachable "
                           "from the other nodes; set rollout.sglang.host=0.0.0.0 (or this network's interface)")
