@@ -86,11 +86,12 @@ def report(res: dict) -> None:
         rows.append([name, d["world_size"], g(r0["gpu"]["weights"]), g(r0["gpu"]["gradients"]),
                      g(r0["gpu"]["optimizer"]), f"{fullest / GIB:.1f}", f"{largest / GIB:.1f}", f"{host / GIB:.1f}",
                      f"{d['seconds']:.1f}"])
-        f, p = r0["refit"], d["push_s"]
+        f, plan = r0["refit"], {p["mode"]: p for p in d["refit_plan"]}
         push.append([name, f"{f['push_bytes'] / GIB:.1f}", f"{f['recv_intra'] / GIB:.1f} + {f['recv_inter'] / GIB:.1f}",
                      f"{f['buckets']} x {f['bucket_bytes'] >> 20} MiB", f"{f['peak_extra_bytes'] / GIB:.1f}",
-                     f"{p['distributed']['total_s']:.1f}", f"{p['tensor']['total_s']:.1f}", f"{p['disk']['total_s']:.0f}",
-                     PUBLISHED.get(name, "")])
+                     d["refit_plan"][0]["layout"], f"{plan['distributed']['total_s']:.1f}",
+                     "refused" if plan["tensor"]["refused"] else f"{plan['tensor']['total_s']:.1f}",
+                     f"{plan['disk']['total_s']:.0f}", PUBLISHED.get(name, "")])
     print("GiB (rank 0 per GPU; fullest node of 8 with planned activations; its largest GPU; host per node) and "
           "seconds of each simulation")
     print(format_table(["preset", "GPUs", "weights", "gradients", "optimizer", "fullest node", "largest GPU",
@@ -99,7 +100,12 @@ def report(res: dict) -> None:
     print(f"\nthe weight push on rank 0; predicted seconds (NVLink {links['nvlink_gbs']:g} GB/s, InfiniBand "
           f"{links['ib_gbs']:g} GB/s, file system {links['disk_gbs']:g} GB/s) beside the published refit times")
     print(format_table(["preset", "pushed GiB", "received GiB (node + across)", "buckets", "peak extra GiB",
-                        "distributed s", "tensor s", "disk s", "published s"], push))
+                        "engines", "distributed s", "tensor s", "disk s", "published s"], push))
+    plans = layout_plans(res)
+    if plans:
+        print("\nthe refit plan per weight-sync mode and engine layout (servers x GPUs each; GiB; per push)")
+        print(format_table(["preset", "mode", "engines", "engine nodes", "collectives", "requests",
+                            "each engine rank receives", "its peak extra", "across the network", "predicted s"], plans))
     old = res.get("c651b52_snapshot")
     if old:
         now = next(r for r in res["qwen3_235b_a22b"]["ranks"] if r["rank"] == 0)["host"]
@@ -109,6 +115,41 @@ def report(res: dict) -> None:
              f"{old['checkpoint_pinned'] / old['checkpoint_snapshot']:.3f}"],
             ["today: HostSnapshot", g(now["checkpoint_snapshot"]), g(now["checkpoint_pinned"]),
              f"{now['checkpoint_pinned'] / now['checkpoint_snapshot']:.3f}"]]))
+
+
+# engine layouts beside each preset's own (SERVERSxGPUS): more servers of the same size, and one
+# server of twice the GPUs (the refit plan's per-layout rows)
+LAYOUTS = {"qwen3_30b_a3b": ["1x4", "4x4", "1x8"], "qwen3_235b_a22b": ["1x8", "4x8", "1x16"]}
+
+
+def layout_plans(res: dict) -> list[list]:
+    """Rows of the refit plan (train/simulate.py refit_plan) for LAYOUTS, from each preset's rank-0
+    push as measured: SGLang's modes, and vLLM's where the push's bucket is vLLM's too (the NCCL
+    push's fixed 512 MiB: the same buckets, so the same measurement)."""
+    from types import SimpleNamespace
+
+    from gspo_megatron.rollout.vllm_nccl import DEFAULT_BUCKET_BYTES
+    from gspo_megatron.train.simulate import EngineLayout, refit_plan
+
+    rows = []
+    for name, layouts in LAYOUTS.items():
+        if name not in res:
+            continue
+        d = res[name]
+        r0 = next(r for r in d["ranks"] if r["rank"] == 0)["refit"]
+        lays = [EngineLayout.parse(x) for x in layouts]
+        engines = ["sglang"] + (["vllm"] if r0["bucket_bytes"] == DEFAULT_BUCKET_BYTES else [])
+        for backend in engines:
+            for p in refit_plan(r0, backend, lays, SimpleNamespace(**d["scale"]), d["world_size"]):
+                mode = f"{backend} {p['mode']}"
+                if p["refused"]:  # one row: the reason is the trainer's, whatever the engines
+                    if not any(r[:2] == [name, mode] for r in rows):
+                        rows.append([name, mode, "any", "", "refused: " + p["refused"], "", "", "", "", ""])
+                    continue
+                rows.append([name, mode, p["layout"], p["engine_nodes"], p["collectives"], p["requests"],
+                             f"{p['engine_rank_receives'] / GIB:.1f}", f"{p['engine_peak_gpu'] / GIB:.2f}",
+                             f"{p['network_bytes'] / GIB:.0f}", f"{p['total_s']:.1f}"])
+    return rows
 
 
 def main(argv=None) -> int:

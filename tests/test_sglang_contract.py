@@ -854,3 +854,31 @@ def test_the_model_override_flag_is_a_server_args_string_field(sgl):
     _require(src[ARG_UTILS], ARG_UTILS, "_field_to_cli_name", ['"--" + name.replace("_", "-")'],
              why="the CLI flag is no longer --<field name with dashes>")
     assert "self.model_override_args = json.loads(model_override_args)" in src["sglang/srt/configs/model_config.py"]
+
+
+# ---- the refit plan's engine side (train/simulate.py refit_plan) ------------------------------
+MODEL_WEIGHT_UPDATER = "sglang/srt/model_executor/model_runner_components/weight_updater.py"
+
+
+def test_refit_plan_engine_memory_is_sglangs(sgl):
+    """What train/simulate.py refit_plan counts on every engine rank: a distributed update
+    allocates every tensor of the request at full size and waits for all its broadcasts before
+    any is loaded (a whole bucket extra), and a tensor update copies each IPC-mapped tensor of
+    rank 0's GPU to the rank's own device before loading (the bucket again, read out of GPU 0)."""
+    src = _wheel_sources(sgl, (MODEL_WEIGHT_UPDATER,), "model runner's weight updates")[MODEL_WEIGHT_UPDATER]
+    why = "train/simulate.py refit_plan's engine_peak_gpu for weight_sync=distributed assumes a bucket"
+    _require(src, MODEL_WEIGHT_UPDATER, "receive_weights_from_distributed", [
+        "weight = torch.empty(shape, dtype=target_dtype, device=self.device)",
+        "weights.append((name, weight))",
+        "for handle in handles:\n    handle.wait()",
+        "return weights",
+    ], why=why)
+    fn = _function(src, "receive_weights_from_distributed")
+    loads = [n for n in ast.walk(fn) if isinstance(n, ast.Attribute) and n.attr == "load_weights"]
+    assert not loads, f"{MODEL_WEIGHT_UPDATER}:{fn.lineno} now loads while receiving: {why}"
+    _require(src, MODEL_WEIGHT_UPDATER, "_unwrap_tensor", ["return tensor.to(device)"],
+             why="refit_plan's tensor mode counts each engine rank reading the whole bucket out of GPU 0")
+    _require(src, MODEL_WEIGHT_UPDATER, "update_weights_from_tensor", [
+        "named_tensors = [(name, _unwrap_tensor(tensor, tp_rank=tp_rank, device=infered_device)) "
+        "for name, tensor in named_tensors]",
+    ], why="every tensor of the request is copied before the load")

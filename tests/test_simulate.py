@@ -256,3 +256,79 @@ def test_a_node_over_its_budget_is_one_line_naming_it(simulated):
         with pytest.raises(ConfigError) as e:
             check_budgets(nodes, SimpleNamespace(**dict(scale, **over)))
         assert re.match(pattern, str(e.value)) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_235b_a22b"])
+def test_the_refit_plan_per_mode_and_engine_layout(simulated, name):
+    """The refit plan (train/simulate.py refit_plan) from the preset's measured rank-0 push, per
+    weight-sync mode and engine layout, against the arithmetic written here: a broadcast push sends
+    the bytes once from rank 0 and every engine rank receives them all (SGLang holding a bucket,
+    vLLM one tensor: tests/test_sglang_contract.py and test_vllm_contract.py read their source),
+    each engine node once across the network, one request per bucket per server; a disk push reads
+    them once per engine node; CUDA IPC is refused past one trainer node, and on one node each
+    engine rank but GPU 0's copies every byte out of GPU 0."""
+    from types import SimpleNamespace
+
+    from gspo_megatron.train.simulate import ENGINE_MODES, EngineLayout, config_layout, refit_plan
+    from gspo_megatron.resolve import load_config
+
+    rep = simulated[name]
+    f = next(r for r in rep["ranks"] if r["rank"] == 0)["refit"]
+    scale, world = SimpleNamespace(**rep["scale"]), rep["world_size"]
+    cfg = load_config(os.path.join(ROOT, "launch", "configs", f"{name}.yaml"), [])
+    sg = _preset(name)["rollout"]["sglang"]
+    assert config_layout(cfg, world, 8) == EngineLayout(1, sg["tp"])  # one url, tp GPUs
+    assert [(p["mode"], p["layout"]) for p in rep["refit_plan"]] == [(m, f"1x{sg['tp']}") for m in ENGINE_MODES["sglang"]]
+    hf = _preset(name)["model"]["hf_config"]
+    # the largest tensor pushed: the embedding / output layer, vocab x hidden in bf16
+    assert f["largest_tensor"] == 2 * hf["vocab_size"] * hf["hidden_size"] <= f["largest_bucket"]
+    push, gb = f["push_bytes"], 1e9
+    gather = f["recv_intra"] / (400 * gb) + f["recv_inter"] / (50 * gb)
+    assert (scale.nvlink_gbs, scale.ib_gbs, scale.disk_gbs, scale.gpus_per_node) == (400, 50, 5, 8)
+    layouts = {"1x8": 1, "3x8": 3, "1x16": 2, "4x2": 1, "5x2": 2, "1x1": 1}  # -> engine nodes
+    for backend in ("sglang", "vllm"):
+        rows = refit_plan(f, backend, [EngineLayout.parse(x) for x in layouts], scale, world)
+        assert len(rows) == len(ENGINE_MODES[backend]) * len(layouts)
+        for p in rows:
+            lay = EngineLayout.parse(p["layout"])
+            nodes, ranks = layouts[p["layout"]], lay.servers * lay.ranks
+            assert (p["engine_nodes"], p["engine_ranks"]) == (nodes, ranks), p
+            if p["mode"] == "tensor":
+                assert p["refused"] and f"trainer on {world // 8} nodes" in p["refused"], p
+                continue
+            assert p["refused"] is None and p["engine_rank_receives"] == push and p["trainer_sends"] == push
+            if p["mode"] == "disk":
+                assert p["requests"] == lay.servers and p["network_bytes"] == push * (1 + nodes)
+                assert p["engine_peak_gpu"] == 0 and p["trainer_host_peak"] == f["hf_export_host_peak"] > 0
+                want = 2 * push / (5 * gb)
+            else:
+                assert p["mode"] == {"sglang": "distributed", "vllm": "nccl"}[backend]
+                assert p["requests"] == f["buckets"] * lay.servers and p["network_bytes"] == push * nodes
+                assert p["collectives"] == f"{f['tensors']} broadcasts, group of {1 + ranks}"
+                assert p["engine_peak_gpu"] == (f["largest_bucket"] if backend == "sglang" else f["largest_tensor"])
+                want = push / (50 * gb)
+            assert p["total_s"] == pytest.approx(gather + want, rel=1e-12), p
+    # colocated on one trainer node (the same measured push, as if world were 8): every engine rank
+    # but the one on GPU 0 reads the bytes over GPU 0's NVLink; more ranks than the node refused
+    one = refit_plan(f, "sglang", [EngineLayout(1, 8), EngineLayout(2, 4), EngineLayout(1, 2), EngineLayout(2, 8)],
+                     scale, 8)
+    tensor = {p["layout"]: p for p in one if p["mode"] == "tensor"}
+    for lay, readers in (("1x8", 7), ("2x4", 7), ("1x2", 1)):
+        t = tensor[lay]
+        assert t["refused"] is None and t["trainer_sends"] == readers * push and t["network_bytes"] == 0
+        assert t["push_s"] == pytest.approx(readers * push / (400 * gb), rel=1e-12)
+        assert t["engine_peak_gpu"] == f["largest_bucket"]
+    assert "do not fit" in tensor["2x8"]["refused"]
+
+
+@pytest.mark.parametrize("bad", ["2by8", "0x8", "2x", "x8", "2x-1"])
+def test_a_bad_engine_layout_is_one_line(bad, capsys):
+    """--engines takes SERVERSxGPUS; anything else exits 2 in one line naming the option, before a
+    rank is built."""
+    from gspo_megatron.train.simulate import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--config", os.path.join(ROOT, "launch", "configs", "qwen3_30b_a3b.yaml"), "--simulate", "--engines", bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--engines" in err and repr(bad) in err, err

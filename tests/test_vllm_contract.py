@@ -1317,6 +1317,12 @@ def test_nccl_rendezvous_facts_we_rely_on(src):
     # packed=False: one broadcast per listed name, received as torch.empty(shape, getattr(torch, dtype_name))
     recv = ast.unparse(src.method(NCCL_ENGINE, "NCCLWeightTransferEngine", "receive_weights")[1])
     assert "dtype = getattr(torch, dtype_name)" in recv and "broadcast(weight, src=0" in recv
+    # ... and each is loaded and dropped before the next is received: train/simulate.py refit_plan
+    # counts one tensor (not a bucket) extra on every vLLM rank
+    loop = next(n for n in ast.walk(src.method(NCCL_ENGINE, "NCCLWeightTransferEngine", "receive_weights")[1])
+                if isinstance(n, ast.For) and "broadcast(weight, src=0" in ast.unparse(n))
+    assert [ast.unparse(st) for st in loop.body[-2:]] == ["self.model.load_weights([(name, weight)])", "del weight"], (
+        ast.unparse(loop))
     # finish_weight_update(weight_version) also labels the weights
     llm = src.text("vllm.v1.engine.async_llm")
     fin = llm[llm.index("async def finish_weight_update"):][:600]

@@ -1,7 +1,8 @@
 """--simulate: a GPU preset's ranks built by the real code, on the meta device, under a fake process
 group of the real world size (issue 56). What a rank holds is then measured, not estimated.
 
-    python -m gspo_megatron.train --config FILE.yaml --simulate [--world-size N] [--ranks 0,17] [--json]
+    python -m gspo_megatron.train --config FILE.yaml --simulate [--world-size N] [--ranks 0,17]
+        [--engines 1x8,4x8] [--json]
 
 For each chosen rank (default: the first rank of every pipeline stage and the last rank), in this
 one process, one after another:
@@ -27,7 +28,8 @@ and the weight push as the trainer runs it: the real export (model/export.py, it
 transfers recorded with their peers, inside or across nodes) drained on every rank, and on rank 0
 the engine's buckets (rollout/weight_sync.py iter_buckets) with the peak extra memory
 (`LiveBytes`). From rank 0's transfers and pushed bytes, a push time per weight-sync mode under the
-config's bandwidth model (`scale`: predict_push_s says how).
+config's bandwidth model (`scale`), per weight-sync mode and engine layout (`--engines`, default
+the config's): `refit_plan` says what each side does and how the time is counted.
 
 Per node: each rank is represented by the simulated rank of its pipeline stage (ranks of one stage
 hold the same shapes; the distributed optimizer's shards differ by padding only), plus the dry-run
@@ -287,15 +289,16 @@ def _refit(chunks, ctx, arch, cfg, dtype, p2p: list, nproc_per_node: int) -> dic
     with LiveBytes() as live:
         stream = iter_hf_tensors(chunks, ctx, arch, dtype=dtype)
         if ctx.rank == 0:
-            tensors = nbytes = buckets = largest = 0
+            tensors = nbytes = buckets = largest = largest_tensor = 0
             writer = _ShardPeak()
             for bucket in iter_buckets(writer.tee(stream), bucket_bytes, dtype=dtype, device=META):
-                size = sum(t.numel() * t.element_size() for _, t in bucket)
-                tensors, nbytes, buckets, largest = tensors + len(bucket), nbytes + size, buckets + 1, max(largest, size)
+                sizes = [t.numel() * t.element_size() for _, t in bucket]
+                tensors, nbytes, buckets = tensors + len(bucket), nbytes + sum(sizes), buckets + 1
+                largest, largest_tensor = max(largest, sum(sizes)), max(largest_tensor, *sizes)
                 del bucket
             writer.finish()
             out.update(tensors=tensors, push_bytes=nbytes, buckets=buckets, largest_bucket=largest,
-                       hf_export_host_peak=writer.peak, hf_export_shards=writer.shards)
+                       largest_tensor=largest_tensor, hf_export_host_peak=writer.peak, hf_export_shards=writer.shards)
         else:
             drain(stream)
     out["peak_extra_bytes"] = live.peak
@@ -426,22 +429,116 @@ def check_budgets(nodes: list[dict], scale) -> None:
                                   f"{big['bytes'] / GIB:.1f} GiB, over its GPU's share of {share:.1f} GiB")
 
 
-def predict_push_s(refit0: dict, links) -> dict:
-    """Seconds of one push per weight-sync mode, from rank 0's measured plan and the bandwidths of
-    `links` (the config's `scale` section: GB/s inside a node, across nodes, of the shared file
-    system; its defaults: H100 SXM NVLink 4 at ~400 GB/s a direction for NCCL point-to-point, one
-    400 Gb/s NDR InfiniBand NIC per GPU, 5 GB/s of file system per node), transfers one after
-    another (the export is item by item, and rank 0 receives and then sends every byte):
-    gather = rank 0's receives inside its node over NVLink + across nodes over InfiniBand;
-    distributed: the pushed bytes once over rank 0's NIC (NCCL's pipelined broadcast costs about
-    the bytes over the slowest link); disk: written once and read by the servers in parallel
-    (twice over the file system); tensor (colocated, CUDA IPC): one device copy into the bucket."""
+@dataclass(frozen=True)
+class EngineLayout:
+    """The rollout engine's servers and the GPUs (ranks) of each: `servers` x `ranks` (SGLang's
+    tp_size; vLLM's tensor x pipeline x data parallel world of one server), packed on nodes of
+    `gpus_per_node`: servers smaller than a node share one, a larger one spans ranks / gpus_per_node."""
+    servers: int
+    ranks: int
+
+    @classmethod
+    def parse(cls, text: str) -> "EngineLayout":
+        s, x, r = text.strip().lower().partition("x")
+        if not (x and s.isdigit() and r.isdigit() and int(s) > 0 and int(r) > 0):
+            raise ValueError(f"--engines: {text!r} is not SERVERSxRANKS (e.g. 2x8: two servers of 8 GPUs)")
+        return cls(int(s), int(r))
+
+    def __str__(self) -> str:
+        return f"{self.servers}x{self.ranks}"
+
+    @property
+    def engine_ranks(self) -> int:
+        return self.servers * self.ranks
+
+    def nodes(self, gpus_per_node: int) -> int:
+        if self.ranks >= gpus_per_node:
+            return self.servers * -(-self.ranks // gpus_per_node)
+        return -(-self.servers // (gpus_per_node // self.ranks))
+
+
+# the weight-sync modes of each engine (rollout.<backend>.weight_sync)
+ENGINE_MODES = {"sglang": ("distributed", "tensor", "disk"), "vllm": ("nccl", "disk")}
+
+
+def config_layout(cfg, world: int, gpus_per_node: int) -> EngineLayout | None:
+    """The engine layout the config describes: SGLang's tp per server, and its servers (colocated:
+    every trainer node's GPUs split into engines of tp x dp, rollout/colocate.py engines_per_node;
+    else its urls, one where a file lists them); vLLM's parallel world per server
+    (rollout/vllm_server.py parallel_size) and its replicas (launched) or urls. None for the
+    in-process engine (no push)."""
+    r = cfg.rollout
+    if r.backend == "sglang":
+        sg = r.sglang
+        if sg.launch:
+            per_node = max(1, gpus_per_node // (sg.tp * sg.dp))
+            return EngineLayout(-(-world // gpus_per_node) * per_node, sg.tp)
+        return EngineLayout(max(1, len(sg.urls)), sg.tp)
+    if r.backend == "vllm":
+        from gspo_megatron.rollout.vllm_server import parallel_size
+
+        v = r.vllm
+        return EngineLayout(v.replicas if v.launch else max(1, len(v.urls)), parallel_size(v.extra_args))
+    return None
+
+
+def refit_plan(refit0: dict, backend: str, layouts: list[EngineLayout], links, world: int) -> list[dict]:
+    """The weight push per weight-sync mode of `backend` and engine layout: from rank 0's measured
+    export (`refit0`: what it gathers, pushes, in how many buckets, its peak), the bytes and
+    requests on each side, the collectives, the engines' peak extra memory, and a predicted time.
+
+    What each side does, from the engines' source (SGLang 0.5.23, vLLM 0.32.0):
+    * `distributed` (SGLang) and `nccl` (vLLM): one group of rank 0 and every engine rank, one
+      broadcast per tensor from rank 0 (rollout/weight_sync.py DistributedSync, rollout/vllm_nccl.py).
+      SGLang allocates every tensor of a request before loading any
+      (model_runner_components/weight_updater.py:286 `torch.empty` per name, waited at :297): a
+      bucket extra on every engine rank. vLLM receives and loads one tensor at a time
+      (distributed/weight_transfer/nccl_engine.py:223-228): the largest tensor extra. Time: the
+      pushed bytes once over rank 0's NIC (a ring broadcast is pipelined: the slowest link, not the
+      receivers, sets it); every engine node receives them once across the network.
+    * `tensor` (SGLang, colocated): CUDA IPC handles of rank 0's bucket, one payload per engine rank;
+      each rank maps it and copies it whole to its own GPU before loading
+      (weight_updater.py:447 `tensor.to(device)`): a bucket extra per engine rank, and every byte
+      read out of GPU 0 by each engine rank but the one on GPU 0 (its NVLink, one after another).
+      Refused when the trainer spans more than one node (rollout/colocate.py check_colocated).
+    * `disk`: rank 0 writes the HF checkpoint (its host peak: the export's shard), every server
+      rank reads every file (the loaders iterate the whole checkpoint); a node's ranks share its
+      page cache, so the file system serves the bytes once per engine node, nodes in parallel.
+      Time: written once and read once at the file system's per-node bandwidth.
+    The gather into rank 0 (its receives inside / across its node) comes first in every mode."""
     gb = 1e9
+    push, n_t, n_b = refit0["push_bytes"], refit0["tensors"], refit0["buckets"]
     gather = refit0["recv_intra"] / (links.nvlink_gbs * gb) + refit0["recv_inter"] / (links.ib_gbs * gb)
-    push = {"distributed": refit0["push_bytes"] / (links.ib_gbs * gb),
-            "disk": 2 * refit0["push_bytes"] / (links.disk_gbs * gb),
-            "tensor": refit0["push_bytes"] / (links.nvlink_gbs * gb)}
-    return {mode: {"gather_s": gather, "push_s": t, "total_s": gather + t} for mode, t in push.items()}
+    trainer_nodes = -(-world // links.gpus_per_node)
+    rows = []
+    for mode in ENGINE_MODES.get(backend, ()):
+        for lay in layouts:
+            n, nodes = lay.engine_ranks, lay.nodes(links.gpus_per_node)
+            row = {"mode": mode, "layout": str(lay), "engine_ranks": n, "engine_nodes": nodes, "gather_s": gather,
+                   "trainer_peak_gpu": refit0["peak_extra_bytes"], "trainer_host_peak": 0, "refused": None}
+            if mode in ("distributed", "nccl"):
+                row.update(collectives=f"{n_t} broadcasts, group of {1 + n}", requests=n_b * lay.servers,
+                           trainer_sends=push, engine_rank_receives=push, network_bytes=push * nodes,
+                           engine_peak_gpu=refit0["largest_bucket"] if mode == "distributed" else refit0["largest_tensor"],
+                           push_s=push / (links.ib_gbs * gb))
+            elif mode == "tensor":
+                readers = n - 1  # the engine rank on GPU 0 reads its own memory
+                row.update(collectives=f"{n_t * n} IPC handles", requests=n_b * lay.servers,
+                           trainer_sends=push * readers, engine_rank_receives=push, network_bytes=0,
+                           engine_peak_gpu=refit0["largest_bucket"], push_s=push * readers / (links.nvlink_gbs * gb))
+                if trainer_nodes > 1:
+                    row["refused"] = (f"trainer on {trainer_nodes} nodes, CUDA IPC reaches rank 0's node only "
+                                      "(rollout/colocate.py check_colocated)")
+                elif n > links.gpus_per_node:
+                    row["refused"] = f"{n} engine ranks do not fit on rank 0's node"
+            else:
+                row.update(collectives="none", requests=lay.servers, trainer_sends=push, engine_rank_receives=push,
+                           network_bytes=push * (1 + nodes), engine_peak_gpu=0,
+                           trainer_host_peak=refit0.get("hf_export_host_peak", 0),
+                           push_s=2 * push / (links.disk_gbs * gb))
+            row["total_s"] = gather + row["push_s"]
+            rows.append(row)
+    return rows
 
 
 def _fmt(n: int) -> str:
@@ -458,6 +555,8 @@ def main(argv=None) -> int:
     ap.add_argument("--simulate", action="store_true")
     ap.add_argument("--world-size", type=int, default=None)
     ap.add_argument("--ranks", default=None, help="comma-separated global ranks (default: each stage's first, the last)")
+    ap.add_argument("--engines", default=None,
+                    help="engine layouts for the refit plan, SERVERSxRANKS comma-separated (default: the config's)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)
@@ -467,10 +566,15 @@ def main(argv=None) -> int:
         if world is None:
             raise ConfigError("--simulate needs --world-size (the config sets no parallel.world_size)")
         ranks = None if args.ranks is None else [int(x) for x in args.ranks.split(",") if x.strip()]
+        scale = cfg.scale
+        try:
+            layouts = ([EngineLayout.parse(x) for x in args.engines.split(",") if x.strip()] if args.engines else
+                       [x for x in [config_layout(cfg, world, scale.gpus_per_node)] if x is not None])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         from gspo_megatron.parallel.cpu_runtime import skip_compiled_fusions
 
         skip_compiled_fusions()
-        scale = cfg.scale
         reports = simulate(cfg, world, ranks, nproc_per_node=scale.gpus_per_node)
         nodes = None
         if ranks is None:  # every stage simulated: every node's totals, checked against the budgets
@@ -479,9 +583,9 @@ def main(argv=None) -> int:
             acts = {st["pp_rank"]: int(st["memory_gib"]["activations"] * GIB) for st in plan(cfg, world)["stages"]}
             nodes = node_totals(reports, world, cfg.parallel.pp, scale.gpus_per_node, acts)
         rank0 = next((r for r in reports if r.rank == 0), None)
-        push = predict_push_s(rank0.refit, scale) if rank0 is not None else None
-        out = {"world_size": world, "ranks": [asdict(r) for r in reports], "nodes": nodes, "push_s": push,
-               "scale": asdict(scale)}
+        plan = refit_plan(rank0.refit, cfg.rollout.backend, layouts, scale, world) if rank0 is not None else None
+        out = {"world_size": world, "ranks": [asdict(r) for r in reports], "nodes": nodes, "refit_plan": plan,
+               "backend": cfg.rollout.backend, "scale": asdict(scale)}
         _print(args, out, reports)
         if nodes is not None:
             check_budgets(nodes, scale)
@@ -492,7 +596,7 @@ def _print(args, out: dict, reports: list[RankReport]) -> None:
     if args.json:
         print(json.dumps(out))
         return
-    world, push, nodes, scale = out["world_size"], out["push_s"], out["nodes"], out["scale"]
+    world, plan, nodes, scale = out["world_size"], out["refit_plan"], out["nodes"], out["scale"]
     print(f"gspo-megatron simulate: {args.config}, world size {world} (meta device, fake process group)")
     for r in reports:
         c = r.coords
@@ -509,10 +613,15 @@ def _print(args, out: dict, reports: list[RankReport]) -> None:
                                                   if "push_bytes" in f else ""))
         for n in r.notes:
             print("  " + n)
-    if push is not None:
-        print(f"predicted push (NVLink {scale['nvlink_gbs']:g} GB/s, InfiniBand {scale['ib_gbs']:g} GB/s, disk "
-              f"{scale['disk_gbs']:g} GB/s): " + "; ".join(
-                  f"{m} {p['total_s']:.1f} s (gather {p['gather_s']:.1f} + push {p['push_s']:.1f})" for m, p in push.items()))
+    if plan:
+        print(f"refit plan ({out['backend']}; NVLink {scale['nvlink_gbs']:g} GB/s, InfiniBand {scale['ib_gbs']:g} GB/s, "
+              f"file system {scale['disk_gbs']:g} GB/s per node; engines SERVERSxRANKS):")
+        for p in plan:
+            print(f"  {p['mode']} {p['layout']}: " + (f"refused: {p['refused']}" if p["refused"] else (
+                f"{p['total_s']:.1f} s (gather {p['gather_s']:.1f} + push {p['push_s']:.1f}); rank 0 sends "
+                f"{_fmt(p['trainer_sends'])}, each of {p['engine_ranks']} engine ranks receives "
+                f"{_fmt(p['engine_rank_receives'])} (peak extra {_fmt(p['engine_peak_gpu'])}); {p['collectives']}, "
+                f"{p['requests']} requests; {_fmt(p['network_bytes'])} across the network")))
     if nodes:
         worst = max(nodes, key=lambda n: sum(n["gpu"].values()))
         for n in dict.fromkeys([0, worst["node"]]):
