@@ -27,9 +27,9 @@ memory of the verified push's digest (rollout/vllm_worker.py tensor_digest) of i
 and the weight push as the trainer runs it: the real export (model/export.py, its point-to-point
 transfers recorded with their peers, inside or across nodes) drained on every rank, and on rank 0
 the engine's buckets (rollout/weight_sync.py iter_buckets) with the peak extra memory
-(`LiveBytes`). From rank 0's transfers and pushed bytes, a push time per weight-sync mode under the
-config's bandwidth model (`scale`), per weight-sync mode and engine layout (`--engines`, default
-the config's): `refit_plan` says what each side does and how the time is counted.
+(`LiveBytes`). From rank 0's transfers and pushed bytes, the refit plan per weight-sync mode and
+engine layout (`--engines`, default the config's) with a push time under the config's bandwidth
+model (`scale`): `refit_plan` says what each side does and how the time is counted.
 
 Per node: each rank is represented by the simulated rank of its pipeline stage (ranks of one stage
 hold the same shapes; the distributed optimizer's shards differ by padding only), plus the dry-run
