@@ -509,9 +509,9 @@ def run_simulate(c: Cmd, fake_bin: str, tmp: str) -> str:
                  re.finditer(r"^rank (\d+) \(pp (\d+) .*?\): ([0-9,]+) parameters", r.stdout, re.M)]
     assert built and all(stages[pp] == n for _, pp, n in built), (built, stages, r.stdout[-2000:])
     if "--engines" in args and "--json" not in args:  # the refit plan: each mode of the engine x each layout
-        from gspo_megatron.train.simulate import ENGINE_MODES
+        from gspo_megatron.train.simulate import engine_modes
 
-        for mode in ENGINE_MODES[cfg.rollout.backend]:
+        for mode in engine_modes(cfg.rollout.backend):
             for lay in args[args.index("--engines") + 1].split(","):
                 assert re.search(rf"^  {mode} {lay}: (refused: |[0-9.]+ s )", r.stdout, re.M), (mode, lay, r.stdout[-3000:])
     return f"{len(built)} ranks of {world} built, each with its stage's planned parameters"

@@ -259,7 +259,7 @@ def test_a_node_over_its_budget_is_one_line_naming_it(simulated):
 
 
 @pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_235b_a22b"])
-def test_the_refit_plan_per_mode_and_engine_layout(simulated, name):
+def test_the_refit_plan_per_mode_and_engine_layout(simulated, name, monkeypatch):
     """The refit plan (train/simulate.py refit_plan) from the preset's measured rank-0 push, per
     weight-sync mode and engine layout, against the arithmetic written here: a broadcast push sends
     the bytes once from rank 0 and every engine rank receives them all (SGLang holding a bucket,
@@ -269,7 +269,7 @@ def test_the_refit_plan_per_mode_and_engine_layout(simulated, name):
     engine rank but GPU 0's copies every byte out of GPU 0."""
     from types import SimpleNamespace
 
-    from gspo_megatron.train.simulate import ENGINE_MODES, EngineLayout, config_layout, refit_plan
+    from gspo_megatron.train.simulate import EngineLayout, config_layout, engine_modes, refit_plan
     from gspo_megatron.resolve import load_config
 
     rep = simulated[name]
@@ -278,7 +278,7 @@ def test_the_refit_plan_per_mode_and_engine_layout(simulated, name):
     cfg = load_config(os.path.join(ROOT, "launch", "configs", f"{name}.yaml"), [])
     sg = _preset(name)["rollout"]["sglang"]
     assert config_layout(cfg, world, 8) == EngineLayout(1, sg["tp"])  # one url, tp GPUs
-    assert [(p["mode"], p["layout"]) for p in rep["refit_plan"]] == [(m, f"1x{sg['tp']}") for m in ENGINE_MODES["sglang"]]
+    assert [(p["mode"], p["layout"]) for p in rep["refit_plan"]] == [(m, f"1x{sg['tp']}") for m in engine_modes("sglang")]
     hf = _preset(name)["model"]["hf_config"]
     # the largest tensor pushed: the embedding / output layer, vocab x hidden in bf16
     assert f["largest_tensor"] == 2 * hf["vocab_size"] * hf["hidden_size"] <= f["largest_bucket"]
@@ -288,7 +288,7 @@ def test_the_refit_plan_per_mode_and_engine_layout(simulated, name):
     layouts = {"1x8": 1, "3x8": 3, "1x16": 2, "4x2": 1, "5x2": 2, "1x1": 1}  # -> engine nodes
     for backend in ("sglang", "vllm"):
         rows = refit_plan(f, backend, [EngineLayout.parse(x) for x in layouts], scale, world)
-        assert len(rows) == len(ENGINE_MODES[backend]) * len(layouts)
+        assert len(rows) == len(engine_modes(backend)) * len(layouts)
         for p in rows:
             lay = EngineLayout.parse(p["layout"])
             nodes, ranks = layouts[p["layout"]], lay.servers * lay.ranks
@@ -319,6 +319,12 @@ def test_the_refit_plan_per_mode_and_engine_layout(simulated, name):
         assert t["push_s"] == pytest.approx(readers * push / (400 * gb), rel=1e-12)
         assert t["engine_peak_gpu"] == f["largest_bucket"]
     assert "do not fit" in tensor["2x8"]["refused"]
+    # a weight-sync mode the config gains is modelled or refused, never costed as another
+    from gspo_megatron.train import simulate
+
+    monkeypatch.setattr(simulate, "engine_modes", lambda backend: ("disk", "rdma"))
+    with pytest.raises(ValueError, match=r"sglang weight_sync=rdma is not modelled"):
+        refit_plan(f, "sglang", [EngineLayout(1, 8)], scale, world)
 
 
 @pytest.mark.parametrize("bad", ["2by8", "0x8", "2x", "x8", "2x-1"])

@@ -457,8 +457,16 @@ class EngineLayout:
         return -(-self.servers // (gpus_per_node // self.ranks))
 
 
-# the weight-sync modes of each engine (rollout.<backend>.weight_sync)
-ENGINE_MODES = {"sglang": ("distributed", "tensor", "disk"), "vllm": ("nccl", "disk")}
+def engine_modes(backend: str) -> tuple[str, ...]:
+    """The weight-sync modes a config can choose for `backend` (the Literal of
+    rollout.<backend>.weight_sync, so a new mode joins the refit plan or fails it); none for the
+    in-process engine."""
+    import typing
+
+    from gspo_megatron.config import SGLangConfig, VLLMConfig
+
+    cls = {"sglang": SGLangConfig, "vllm": VLLMConfig}.get(backend)
+    return typing.get_args(typing.get_type_hints(cls)["weight_sync"]) if cls else ()
 
 
 def config_layout(cfg, world: int, gpus_per_node: int) -> EngineLayout | None:
@@ -511,7 +519,7 @@ def refit_plan(refit0: dict, backend: str, layouts: list[EngineLayout], links, w
     gather = refit0["recv_intra"] / (links.nvlink_gbs * gb) + refit0["recv_inter"] / (links.ib_gbs * gb)
     trainer_nodes = -(-world // links.gpus_per_node)
     rows = []
-    for mode in ENGINE_MODES.get(backend, ()):
+    for mode in engine_modes(backend):
         for lay in layouts:
             n, nodes = lay.engine_ranks, lay.nodes(links.gpus_per_node)
             row = {"mode": mode, "layout": str(lay), "engine_ranks": n, "engine_nodes": nodes, "gather_s": gather,
@@ -531,11 +539,13 @@ def refit_plan(refit0: dict, backend: str, layouts: list[EngineLayout], links, w
                                       "(rollout/colocate.py check_colocated)")
                 elif n > links.gpus_per_node:
                     row["refused"] = f"{n} engine ranks do not fit on rank 0's node"
-            else:
+            elif mode == "disk":
                 row.update(collectives="none", requests=lay.servers, trainer_sends=push, engine_rank_receives=push,
                            network_bytes=push * (1 + nodes), engine_peak_gpu=0,
                            trainer_host_peak=refit0.get("hf_export_host_peak", 0),
                            push_s=2 * push / (links.disk_gbs * gb))
+            else:
+                raise ValueError(f"refit_plan: {backend} weight_sync={mode} is not modelled")
             row["total_s"] = gather + row["push_s"]
             rows.append(row)
     return rows
