@@ -858,6 +858,7 @@ def test_the_model_override_flag_is_a_server_args_string_field(sgl):
 
 # ---- the refit plan's engine side (train/simulate.py refit_plan) ------------------------------
 MODEL_WEIGHT_UPDATER = "sglang/srt/model_executor/model_runner_components/weight_updater.py"
+SGL_WEIGHT_UTILS = "sglang/srt/model_loader/weight_utils.py"
 
 
 def test_refit_plan_engine_memory_is_sglangs(sgl):
@@ -878,6 +879,11 @@ def test_refit_plan_engine_memory_is_sglangs(sgl):
     assert not loads, f"{MODEL_WEIGHT_UPDATER}:{fn.lineno} now loads while receiving: {why}"
     _require(src, MODEL_WEIGHT_UPDATER, "_unwrap_tensor", ["return tensor.to(device)"],
              why="refit_plan's tensor mode counts each engine rank reading the whole bucket out of GPU 0")
+    loader = _wheel_sources(sgl, (SGL_WEIGHT_UTILS,), "safetensors iterator")[SGL_WEIGHT_UTILS]
+    _require(loader, SGL_WEIGHT_UTILS, "safetensors_weights_iterator", [
+        "with safetensors.safe_open(st_file, framework='pt', device='cpu') as f:\n"
+        "    for name in f.keys():\n        yield (name, f.get_tensor(name))",
+    ], why="refit_plan's disk mode counts one tensor on the host per engine rank (memory-mapped reads)")
     _require(src, MODEL_WEIGHT_UPDATER, "update_weights_from_tensor", [
         "named_tensors = [(name, _unwrap_tensor(tensor, tp_rank=tp_rank, device=infered_device)) "
         "for name, tensor in named_tensors]",

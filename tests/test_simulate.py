@@ -300,12 +300,14 @@ def test_the_refit_plan_per_mode_and_engine_layout(simulated, name, monkeypatch)
             if p["mode"] == "disk":
                 assert p["requests"] == lay.servers and p["network_bytes"] == push * (1 + nodes)
                 assert p["engine_peak_gpu"] == 0 and p["trainer_host_peak"] == f["hf_export_host_peak"] > 0
+                assert p["engine_host_peak"] == f["largest_tensor"]  # one tensor at a time off the memory map
                 want = 2 * push / (5 * gb)
             else:
                 assert p["mode"] == {"sglang": "distributed", "vllm": "nccl"}[backend]
                 assert p["requests"] == f["buckets"] * lay.servers and p["network_bytes"] == push * nodes
                 assert p["collectives"] == f"{f['tensors']} broadcasts, group of {1 + ranks}"
                 assert p["engine_peak_gpu"] == (f["largest_bucket"] if backend == "sglang" else f["largest_tensor"])
+                assert p["engine_host_peak"] == 0
                 want = push / (50 * gb)
             assert p["total_s"] == pytest.approx(gather + want, rel=1e-12), p
     # colocated on one trainer node (the same measured push, as if world were 8): every engine rank

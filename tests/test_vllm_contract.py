@@ -1329,6 +1329,24 @@ def test_nccl_rendezvous_facts_we_rely_on(src):
     assert "await self.update_weight_version(weight_version)" in fin, fin
 
 
+def test_a_disk_reload_reads_one_tensor_at_a_time(src):
+    """train/simulate.py refit_plan counts one tensor on the host per engine rank for a disk push:
+    rollout/vllm_worker.py reloads through vLLM's safetensors_weights_iterator with the default
+    strategy, whose loop takes each tensor off the memory-mapped file and yields it before the next."""
+    worker = WORKER_FILE.read_text()
+    assert "safetensors_weights_iterator(files, use_tqdm_on_load=False)" in worker
+    fn = src.lookup(WEIGHT_UTILS, "safetensors_weights_iterator")[1]
+    default = [n for n in ast.walk(fn) if isinstance(n, ast.If) and "safetensors_load_strategy == 'eager'" in
+               ast.unparse(n.test) and n.orelse]  # the per-file loop's chain (eager / torchao / default)
+    assert default, "safetensors_weights_iterator lost its load strategies"
+    tail = default[0]
+    while tail.orelse and isinstance(tail.orelse[0], ast.If):  # the else after eager / torchao
+        tail = tail.orelse[0]
+    body = ast.unparse(ast.Module(body=tail.orelse, type_ignores=[]))
+    assert "with safe_open(st_file, framework='pt') as f:" in body and "param = f.get_tensor(name)" in body, body
+    assert "yield (name, param)" in body and "state_dict" not in body, body
+
+
 def test_the_judge_request_is_vllms_chat_completion(src, routes):
     """rollout/judge.py's POST /v1/chat/completions (an LLM judge served by vLLM): the route is
     mounted, its body is ChatCompletionRequest, and every field the judge sends is one of its

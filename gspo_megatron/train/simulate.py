@@ -510,8 +510,12 @@ def refit_plan(refit0: dict, backend: str, layouts: list[EngineLayout], links, w
       read out of GPU 0 by each engine rank but the one on GPU 0 (its NVLink, one after another).
       Refused when the trainer spans more than one node (rollout/colocate.py check_colocated).
     * `disk`: rank 0 writes the HF checkpoint (its host peak: the export's shard), every server
-      rank reads every file (the loaders iterate the whole checkpoint); a node's ranks share its
-      page cache, so the file system serves the bytes once per engine node, nodes in parallel.
+      rank reads every file (the loaders iterate the whole checkpoint one tensor at a time off a
+      memory map: SGLang's model_loader/weight_utils.py:1177-1179 and, by default, vLLM's
+      model_executor/model_loader/weight_utils.py safetensors_weights_iterator, which
+      rollout/vllm_worker.py reloads through: the largest tensor on the host per rank, copied into
+      the parameters); a node's ranks share its page cache, so the file system serves the bytes
+      once per engine node, nodes in parallel.
       Time: written once and read once at the file system's per-node bandwidth.
     The gather into rank 0 (its receives inside / across its node) comes first in every mode."""
     gb = 1e9
@@ -523,7 +527,8 @@ def refit_plan(refit0: dict, backend: str, layouts: list[EngineLayout], links, w
         for lay in layouts:
             n, nodes = lay.engine_ranks, lay.nodes(links.gpus_per_node)
             row = {"mode": mode, "layout": str(lay), "engine_ranks": n, "engine_nodes": nodes, "gather_s": gather,
-                   "trainer_peak_gpu": refit0["peak_extra_bytes"], "trainer_host_peak": 0, "refused": None}
+                   "trainer_peak_gpu": refit0["peak_extra_bytes"], "trainer_host_peak": 0, "engine_host_peak": 0,
+                   "refused": None}
             if mode in ("distributed", "nccl"):
                 row.update(collectives=f"{n_t} broadcasts, group of {1 + n}", requests=n_b * lay.servers,
                            trainer_sends=push, engine_rank_receives=push, network_bytes=push * nodes,
@@ -541,7 +546,7 @@ def refit_plan(refit0: dict, backend: str, layouts: list[EngineLayout], links, w
                     row["refused"] = f"{n} engine ranks do not fit on rank 0's node"
             elif mode == "disk":
                 row.update(collectives="none", requests=lay.servers, trainer_sends=push, engine_rank_receives=push,
-                           network_bytes=push * (1 + nodes), engine_peak_gpu=0,
+                           network_bytes=push * (1 + nodes), engine_peak_gpu=0, engine_host_peak=refit0["largest_tensor"],
                            trainer_host_peak=refit0.get("hf_export_host_peak", 0),
                            push_s=2 * push / (links.disk_gbs * gb))
             else:
@@ -630,7 +635,8 @@ def _print(args, out: dict, reports: list[RankReport]) -> None:
             print(f"  {p['mode']} {p['layout']}: " + (f"refused: {p['refused']}" if p["refused"] else (
                 f"{p['total_s']:.1f} s (gather {p['gather_s']:.1f} + push {p['push_s']:.1f}); rank 0 sends "
                 f"{_fmt(p['trainer_sends'])}, each of {p['engine_ranks']} engine ranks receives "
-                f"{_fmt(p['engine_rank_receives'])} (peak extra {_fmt(p['engine_peak_gpu'])}); {p['collectives']}, "
+                f"{_fmt(p['engine_rank_receives'])} (peak extra GPU {_fmt(p['engine_peak_gpu'])}, host "
+                f"{_fmt(p['engine_host_peak'])}); {p['collectives']}, "
                 f"{p['requests']} requests; {_fmt(p['network_bytes'])} across the network")))
     if nodes:
         worst = max(nodes, key=lambda n: sum(n["gpu"].values()))
