@@ -340,3 +340,22 @@ def test_a_bad_engine_layout_is_one_line(bad, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--engines" in err and repr(bad) in err, err
+
+
+def test_a_colocated_layout_is_the_launchers_split():
+    """Colocated SGLang (launch=true): the refit plan's engines are the servers rollout/colocate.py
+    starts (every trainer node's GPUs split into engines of tp x dp), and a split the launcher
+    refuses is refused here too."""
+    from types import SimpleNamespace as N
+
+    from gspo_megatron.rollout.http_servers import EngineError
+    from gspo_megatron.train.simulate import EngineLayout, config_layout
+
+    def cfg(tp, dp):
+        return N(rollout=N(backend="sglang", sglang=N(launch=True, tp=tp, dp=dp, urls=[])))
+
+    assert config_layout(cfg(4, 1), 16, 8) == EngineLayout(4, 4)  # 2 nodes x 2 engines of 4
+    assert config_layout(cfg(8, 1), 16, 8) == EngineLayout(2, 8)
+    assert config_layout(cfg(2, 2), 8, 8) == EngineLayout(2, 2)  # dp replicas take GPUs of their own
+    with pytest.raises(EngineError, match="do not split"):
+        config_layout(cfg(3, 1), 16, 8)

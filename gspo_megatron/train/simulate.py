@@ -479,8 +479,9 @@ def config_layout(cfg, world: int, gpus_per_node: int) -> EngineLayout | None:
     if r.backend == "sglang":
         sg = r.sglang
         if sg.launch:
-            per_node = max(1, gpus_per_node // (sg.tp * sg.dp))
-            return EngineLayout(-(-world // gpus_per_node) * per_node, sg.tp)
+            from gspo_megatron.rollout.colocate import engines_per_node
+
+            return EngineLayout(-(-world // gpus_per_node) * engines_per_node(gpus_per_node, sg.tp, sg.dp), sg.tp)
         return EngineLayout(max(1, len(sg.urls)), sg.tp)
     if r.backend == "vllm":
         from gspo_megatron.rollout.vllm_server import parallel_size
@@ -564,6 +565,7 @@ def main(argv=None) -> int:
     from gspo_megatron.cli_util import user_errors
     from gspo_megatron.errors import ConfigError
     from gspo_megatron.resolve import load_config
+    from gspo_megatron.rollout.http_servers import EngineError
 
     ap = argparse.ArgumentParser(prog="gspo_megatron.train --simulate", description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -585,7 +587,7 @@ def main(argv=None) -> int:
         try:
             layouts = ([EngineLayout.parse(x) for x in args.engines.split(",") if x.strip()] if args.engines else
                        [x for x in [config_layout(cfg, world, scale.gpus_per_node)] if x is not None])
-        except ValueError as e:
+        except (ValueError, EngineError) as e:  # a bad --engines; colocated engines that do not split a node
             raise ConfigError(str(e)) from None
         from gspo_megatron.parallel.cpu_runtime import skip_compiled_fusions
 
